@@ -1,0 +1,493 @@
+"""Reasoning tasks with checkable answers: problem sets, prompts, answer extraction and scoring.
+
+Two sources of problems:
+
+- seeded arithmetic word problems (one or two steps), easy enough that the embedded
+  SmolLM2-135M gets about half of the one-step ones right, so its traces contain both
+  successes and failures to analyse;
+- the GSM8K test set (Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems",
+  MIT licence, shipped in ``analyses/data``), real but hard for small models.
+
+Scoring is exact match on a normalised number (``extract_answer`` / ``is_correct``), and
+sampling-based accuracy uses the unbiased pass@k estimator of Chen et al. 2021
+("Evaluating Large Language Models Trained on Code").
+
+>>> problems = load_task("arith", n=3, seed=0)
+>>> [p.id for p in problems]
+['arith1-s0-0000', 'arith1-s0-0001', 'arith1-s0-0002']
+>>> is_correct(f"... so the total is {problems[0].answer}. The answer is {problems[0].answer}.", problems[0])
+True
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from decimal import Decimal, InvalidOperation
+from importlib.resources import files
+from typing import Any
+
+from probes.errors import BadInputError
+
+TASK_NAMES = ("arith", "arith2", "arith-mixed", "gsm8k")
+
+GSM8K_FILE = "gsm8k_test.jsonl"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One question with a single canonical numeric answer.
+
+    `answer` is already normalised (``"18"``, not ``"18.0"`` or ``"$18"``), so two problems
+    compare by string. `meta` holds what made the problem (operands and operators for the
+    generated ones) so tests and analyses can recompute the answer; it is left out of the hash
+    because a dict cannot be hashed.
+    """
+
+    id: str
+    question: str
+    answer: str
+    source: str
+    steps: int
+    meta: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Problem:
+        return cls(**data)
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+_NAMES = (
+    ("Tom", "he"), ("Sara", "she"), ("Ben", "he"), ("Lily", "she"), ("Omar", "he"),
+    ("Mia", "she"), ("Jack", "he"), ("Emma", "she"), ("Ravi", "he"), ("Zoe", "she"),
+    ("Leo", "he"), ("Anna", "she"), ("Sam", "he"), ("Nina", "she"), ("Carlos", "he"),
+    ("Grace", "she"),
+)
+_OBJECTS = (
+    "apples", "marbles", "stickers", "books", "pencils", "cookies", "coins", "shells",
+    "cards", "balloons", "stamps", "toy cars", "flowers", "eggs", "beads", "crayons",
+)
+# Verb phrases without a subject, so the same phrase opens a sentence ("She buys ...") or
+# follows "Then she ...". Every loss phrase names the object so the sentence reads alone.
+_GAIN_PHRASES = (
+    "buys {n} more",
+    "finds {n} more",
+    "picks up {n} more",
+    "gets {n} more from a friend",
+    "wins {n} more",
+    "is given {n} more",
+)
+_LOSS_PHRASES = (
+    "gives {n} {obj} to a friend",
+    "loses {n} {obj}",
+    "sells {n} {obj}",
+    "gives away {n} {obj}",
+    "trades away {n} {obj}",
+    "uses {n} {obj}",
+)
+_ARITH_OPS = ("+", "-")
+_MIN_OPERAND, _MAX_OPERAND = 2, 50
+
+
+def arithmetic_problems(
+    n: int, steps: int = 1, seed: int = 0, ops: Sequence[str] = _ARITH_OPS
+) -> list[Problem]:
+    """`n` distinct templated word problems of `steps` (1 or 2) additions/subtractions.
+
+    Operands are 2-50 and every running total stays at least 1, so no subtraction goes
+    negative. The same `(n, steps, seed, ops)` always gives the same problems, and the first
+    `m` problems of a longer list equal the list of length `m`.
+
+    >>> p = arithmetic_problems(1, steps=1, seed=0)[0]
+    >>> p.id, p.source, p.steps
+    ('arith1-s0-0000', 'arith1', 1)
+    >>> arithmetic_problems(2, seed=3) == arithmetic_problems(2, seed=3)
+    True
+    """
+    _check_count(n)
+    if steps not in (1, 2):
+        raise BadInputError(f"steps must be 1 or 2, got {steps!r}.")
+    ops = _check_ops(ops)
+    rng = random.Random(f"arith{steps}-{seed}")
+    return _distinct_problems(n, rng, lambda i: f"arith{steps}-s{seed}-{i:04d}", lambda: steps, ops)
+
+
+def mixed_arithmetic(n: int, seed: int = 0, ops: Sequence[str] = _ARITH_OPS) -> list[Problem]:
+    """`n` arithmetic problems, each one- or two-step with equal chance (seeded).
+
+    >>> sorted({p.steps for p in mixed_arithmetic(40, seed=0)})
+    [1, 2]
+    """
+    _check_count(n)
+    ops = _check_ops(ops)
+    rng = random.Random(f"arith-mixed-{seed}")
+    return _distinct_problems(
+        n, rng, lambda i: f"arithmix-s{seed}-{i:04d}", lambda: rng.choice((1, 2)), ops
+    )
+
+
+def _distinct_problems(n, rng, make_id, pick_steps, ops) -> list[Problem]:
+    # Duplicates would leak between calibration and evaluation splits, so redraw them.
+    problems: list[Problem] = []
+    seen: set[str] = set()
+    for _ in range(100 * n + 1000):
+        if len(problems) == n:
+            return problems
+        problem = _arithmetic_problem(rng, make_id(len(problems)), pick_steps(), ops)
+        if problem.question not in seen:
+            seen.add(problem.question)
+            problems.append(problem)
+    if len(problems) == n:
+        return problems
+    raise BadInputError(f"Could not make {n} distinct arithmetic problems; ask for fewer.")
+
+
+def _arithmetic_problem(rng: random.Random, problem_id: str, steps: int, ops) -> Problem:
+    chosen_ops, operands = _draw_chain(rng, steps, ops)
+    name, pronoun = rng.choice(_NAMES)
+    obj = rng.choice(_OBJECTS)
+    sentences = [f"{name} has {operands[0]} {obj}."]
+    for step, (op, number) in enumerate(zip(chosen_ops, operands[1:])):
+        phrase = rng.choice(_GAIN_PHRASES if op == "+" else _LOSS_PHRASES).format(n=number, obj=obj)
+        subject = pronoun.capitalize() if step == 0 else f"Then {pronoun}"
+        sentences.append(f"{subject} {phrase}.")
+    sentences.append(f"How many {obj} does {name} have now?")
+    return Problem(
+        id=problem_id,
+        question=" ".join(sentences),
+        answer=str(_apply_chain(operands, chosen_ops)),
+        source=f"arith{steps}",
+        steps=steps,
+        meta={"operands": list(operands), "ops": list(chosen_ops)},
+    )
+
+
+def _draw_chain(rng: random.Random, steps: int, ops) -> tuple[list[str], list[int]]:
+    # Rejection sampling keeps every operand uniform on 2-50 among the chains whose running
+    # total never drops below 1; even with ops=("-",) about one draw in six is kept.
+    while True:
+        chosen_ops = [rng.choice(ops) for _ in range(steps)]
+        operands = [rng.randint(_MIN_OPERAND, _MAX_OPERAND) for _ in range(steps + 1)]
+        totals = [_apply_chain(operands[: i + 2], chosen_ops[: i + 1]) for i in range(steps)]
+        if min(totals) >= 1:
+            return chosen_ops, operands
+
+
+def _apply_chain(operands: Sequence[int], ops: Sequence[str]) -> int:
+    total = operands[0]
+    for op, number in zip(ops, operands[1:]):
+        total = total + number if op == "+" else total - number
+    return total
+
+
+def _check_ops(ops: Sequence[str]) -> tuple[str, ...]:
+    ops = tuple(ops)
+    if not ops or any(op not in _ARITH_OPS for op in ops):
+        raise BadInputError(f"ops must be a non-empty choice from {_ARITH_OPS}, got {ops!r}.")
+    return ops
+
+
+def _check_count(n: Any) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise BadInputError(f"The number of problems must be a positive integer, got {n!r}.")
+
+
+# --------------------------------------------------------------------------- GSM8K
+
+
+def load_gsm8k(n: int | None = None, seed: int | None = None) -> list[Problem]:
+    """The GSM8K test set (1,319 problems) from the copy shipped in ``analyses.data``.
+
+    Ids follow the file order (``gsm8k-0000`` is the first line) whatever the shuffle, so a
+    problem keeps its id. With a `seed` the problems are shuffled first; `n` keeps the first
+    `n`. `steps` is the number of lines in the reference solution.
+
+    >>> load_gsm8k(1)[0].answer
+    '18'
+    """
+    problems = [_gsm8k_problem(i, line) for i, line in enumerate(_gsm8k_lines())]
+    if seed is not None:
+        random.Random(seed).shuffle(problems)
+    if n is None:
+        return problems
+    _check_count(n)
+    if n > len(problems):
+        raise BadInputError(
+            f"GSM8K has {len(problems)} test problems; ask for at most that many (or n=None)."
+        )
+    return problems[:n]
+
+
+def _gsm8k_lines() -> list[str]:
+    text = files("analyses.data").joinpath(GSM8K_FILE).read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _gsm8k_problem(index: int, line: str) -> Problem:
+    row = json.loads(line)
+    solution, _, final = row["answer"].rpartition("####")
+    return Problem(
+        id=f"gsm8k-{index:04d}",
+        question=row["question"],
+        answer=normalize_answer(final) or final.strip(),
+        source="gsm8k",
+        steps=len(solution.strip().splitlines()),
+        meta={"solution": solution.strip()},
+    )
+
+
+# --------------------------------------------------------------------------- task registry
+
+
+def load_task(name: str, n: int, seed: int = 0) -> list[Problem]:
+    """`n` problems of the task `name` (one of ``TASK_NAMES``), chosen by `seed`.
+
+    >>> len(load_task("arith-mixed", 5))
+    5
+    >>> load_task("gsm8k", 1, seed=None)[0].id
+    'gsm8k-0000'
+    """
+    _check_count(n)
+    if name == "arith":
+        return arithmetic_problems(n, steps=1, seed=seed)
+    if name == "arith2":
+        return arithmetic_problems(n, steps=2, seed=seed)
+    if name == "arith-mixed":
+        return mixed_arithmetic(n, seed=seed)
+    if name == "gsm8k":
+        return load_gsm8k(n, seed=seed)
+    raise BadInputError(f"Unknown task {name!r}; choose one of: {', '.join(TASK_NAMES)}.")
+
+
+def split_problems(
+    problems: Sequence[Problem], n_calibration: int | float = 0.5, seed: int = 0
+) -> tuple[list[Problem], list[Problem]]:
+    """Split into disjoint (calibration, evaluation) lists, each keeping the input order.
+
+    `n_calibration` is a count, or a fraction in (0, 1) of the problems. Methods that fit a
+    threshold or a probe fit it on the calibration part and report on the evaluation part,
+    so the two must never share a problem; duplicate ids are refused for that reason.
+
+    >>> calibration, evaluation = split_problems(load_task("arith", 10), 0.3, seed=1)
+    >>> len(calibration), len(evaluation)
+    (3, 7)
+    """
+    problems = list(problems)
+    if len({p.id for p in problems}) != len(problems):
+        raise BadInputError("Problems to split have duplicate ids; remove the duplicates first.")
+    size = _calibration_size(n_calibration, len(problems))
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    chosen = set(order[:size])
+    calibration = [p for i, p in enumerate(problems) if i in chosen]
+    evaluation = [p for i, p in enumerate(problems) if i not in chosen]
+    return calibration, evaluation
+
+
+def _calibration_size(n_calibration: int | float, total: int) -> int:
+    if isinstance(n_calibration, float) and not isinstance(n_calibration, bool):
+        if not 0 < n_calibration < 1:
+            raise BadInputError(f"A calibration fraction must lie in (0, 1), got {n_calibration}.")
+        size = round(n_calibration * total)
+    elif isinstance(n_calibration, int) and not isinstance(n_calibration, bool):
+        size = n_calibration
+    else:
+        raise BadInputError(f"n_calibration must be an int or a float, got {n_calibration!r}.")
+    if not 0 < size < total:
+        raise BadInputError(
+            f"Both parts need at least one problem: {size} of {total} problems for calibration; "
+            "give more problems or change n_calibration."
+        )
+    return size
+
+
+# --------------------------------------------------------------------------- prompts
+
+SYSTEM_PROMPT = "Solve the problem step by step. End with 'The answer is N.'"
+
+# One worked example per difficulty: the embedded model copies the example's shape, so a
+# two-step example shows it how to chain two operations. Both end in 17 so the final line
+# looks the same.
+_ONE_STEP_EXAMPLE = (
+    "Sara has 9 pencils. She buys 8 more. How many pencils does Sara have now?",
+    "Sara starts with 9 pencils. She buys 8 more, so 9 + 8 = 17. The answer is 17.",
+)
+_TWO_STEP_EXAMPLE = (
+    "Ben has 20 marbles. He gives 6 marbles to a friend. Then he finds 3 more. "
+    "How many marbles does Ben have now?",
+    "Ben starts with 20 marbles. He gives away 6, so 20 - 6 = 14. "
+    "Then he finds 3 more, so 14 + 3 = 17. The answer is 17.",
+)
+
+
+def one_shot_messages(problem: Problem | str, system: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
+    """Chat messages: instructions, one worked example, then the problem.
+
+    This prompt shape gave the embedded SmolLM2-135M about 50% greedy accuracy on one-step
+    problems (a bare "think step by step" prompt about 26%).
+
+    >>> [m["role"] for m in one_shot_messages(load_task("arith", 1)[0])]
+    ['system', 'user', 'assistant', 'user']
+    """
+    question, steps = _question_and_steps(problem)
+    example_question, example_answer = _ONE_STEP_EXAMPLE if steps <= 1 else _TWO_STEP_EXAMPLE
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": example_question},
+        {"role": "assistant", "content": example_answer},
+        {"role": "user", "content": question},
+    ]
+
+
+def cot_prompt(problem: Problem | str) -> str:
+    """A bare zero-shot chain-of-thought prompt (Kojima et al. 2022), as plain text.
+
+    >>> cot_prompt("What is 2 + 3?")
+    "Question: What is 2 + 3?\\nAnswer: Let's think step by step."
+    """
+    question, _ = _question_and_steps(problem)
+    return f"Question: {question}\nAnswer: Let's think step by step."
+
+
+def _question_and_steps(problem: Problem | str) -> tuple[str, int]:
+    if isinstance(problem, Problem):
+        return problem.question, problem.steps
+    if isinstance(problem, str) and problem.strip():
+        return problem.strip(), 1
+    raise BadInputError("A prompt needs a Problem or a non-empty question string.")
+
+
+# --------------------------------------------------------------------------- answers
+
+# A number: optional sign and dollar sign, digits with thousands commas, optional decimals.
+# The look-behind keeps "5-3" from reading as "-3" and "v2" from reading as "2".
+_NUMBER = r"(?<![\w.])-?(?:\$\s?)?-?\d[\d,]*(?:\.\d+)?"
+_NUMBER_RE = re.compile(_NUMBER)
+# Explicit answer markers, most trusted first. Each takes its first occurrence: small models
+# often go on to invent a new question after answering, and the first answer is theirs.
+_ANSWER_MARKERS = tuple(
+    re.compile(pattern, re.IGNORECASE)
+    for pattern in (
+        r"answer is\s*:?\s*\**\s*(" + _NUMBER + ")",
+        r"\\boxed\{\s*(?:\\\$)?(" + _NUMBER + r")\s*\}",
+        r"####\s*(" + _NUMBER + ")",
+        r"answer\s*:\s*\**\s*(" + _NUMBER + ")",
+    )
+)
+
+
+def extract_answer(text: str) -> str | None:
+    """The normalised numeric answer in free text, or None when it holds no number.
+
+    An explicit marker ("The answer is X", "\\boxed{X}", "#### X", "Answer: X") wins;
+    otherwise the last number in the text is taken. Pass only the model's continuation, not
+    the prompt: a one-shot example's "The answer is 17." would otherwise be read first.
+
+    >>> extract_answer("9 + 8 = 17. The answer is 17.")
+    '17'
+    >>> extract_answer("So she has $1,234.00 left")
+    '1234'
+    >>> extract_answer("no idea") is None
+    True
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    for marker in _ANSWER_MARKERS:
+        match = marker.search(text)
+        if match:
+            return normalize_answer(match.group(1))
+    numbers = _NUMBER_RE.findall(text)
+    return normalize_answer(numbers[-1]) if numbers else None
+
+
+def normalize_answer(value: str | int | float) -> str | None:
+    """A canonical string for a number: no commas, dollar signs or trailing zeros.
+
+    >>> [normalize_answer(v) for v in ("1,234", "$5", "18.0", "3.50", "-3", "7.", 4)]
+    ['1234', '5', '18', '3.5', '-3', '7', '4']
+    """
+    number = _parse_number(value)
+    if number is None:
+        return None
+    if number == number.to_integral_value():
+        return str(int(number))
+    return format(number.normalize(), "f")
+
+
+def _parse_number(value: str | int | float) -> Decimal | None:
+    text = str(value).strip().replace(",", "").replace(" ", "").rstrip(".")
+    negative = text.count("-") % 2 == 1
+    text = text.replace("$", "").replace("-", "")
+    try:
+        number = Decimal(text)
+    except InvalidOperation:
+        return None
+    if not number.is_finite():
+        return None
+    return -number if negative else number
+
+
+def is_correct(prediction: str | int | float | None, target: Problem | str | int | float) -> bool:
+    """Whether a model's text (or a bare answer) matches the problem's answer.
+
+    Numbers compare by value ("18.0" equals "18"); a non-numeric target compares as
+    stripped, case-folded text.
+
+    >>> is_correct("He has 18 left. The answer is 18.", "18.0")
+    True
+    >>> is_correct(None, "18")
+    False
+    """
+    if prediction is None:
+        return False
+    expected = target.answer if isinstance(target, Problem) else str(target)
+    expected_number = _parse_number(expected)
+    if expected_number is None:
+        return str(prediction).strip().casefold() == expected.strip().casefold()
+    predicted = extract_answer(str(prediction))
+    return predicted is not None and _parse_number(predicted) == expected_number
+
+
+# --------------------------------------------------------------------------- pass@k
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from `n` samples of which `c` are correct (Chen et al. 2021).
+
+    Equals 1 - C(n-c, k) / C(n, k), computed as a product so large `n` does not overflow.
+
+    >>> round(pass_at_k(5, 2, 1), 12), round(pass_at_k(5, 2, 2), 12), pass_at_k(5, 4, 2)
+    (0.4, 0.7, 1.0)
+    """
+    for label, value in (("n", n), ("c", c), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadInputError(f"pass@k needs integer {label}, got {value!r}.")
+    if not 0 <= c <= n:
+        raise BadInputError(f"pass@k needs 0 <= c <= n, got c={c}, n={n}.")
+    if not 1 <= k <= n:
+        raise BadInputError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}; draw more samples.")
+    if n - c < k:
+        # Every k-subset of the samples holds at least one correct one.
+        return 1.0
+    # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i)
+    return float(1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1)))
+
+
+def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float:
+    """Mean pass@k over problems, each given as (samples drawn, samples correct).
+
+    >>> round(mean_pass_at_k([(5, 2), (5, 0)], k=1), 12)
+    0.2
+    """
+    values = [pass_at_k(n, c, k) for n, c in counts]
+    if not values:
+        raise BadInputError("mean_pass_at_k needs at least one (n, c) pair.")
+    return sum(values) / len(values)

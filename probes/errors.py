@@ -1,0 +1,37 @@
+"""Project errors: every mistake a user can make raises one of these, with a message that says what to do.
+
+The app and the CLI catch `ThoughtscopeError` and show its message instead of a traceback;
+the server turns it into a JSON error with a 4xx status.
+"""
+
+from __future__ import annotations
+
+
+class ThoughtscopeError(Exception):
+    """Base class of every error a user can cause. `str(err)` is meant for the user."""
+
+    http_status = 400
+
+
+class UnknownModelError(ThoughtscopeError):
+    """The model id is not in the zoo, or its files are missing."""
+
+    http_status = 404
+
+
+class ModelLoadError(ThoughtscopeError):
+    """The model files exist but could not be loaded."""
+
+    http_status = 500
+
+
+class UnknownSiteError(ThoughtscopeError):
+    """A hook-site name that does not exist for this model."""
+
+
+class BadInputError(ThoughtscopeError):
+    """Empty or over-long prompt, bad slider value, NaN or wrong-width vector, malformed file."""
+
+
+class CacheError(ThoughtscopeError):
+    """The activation cache could not store or read an entry."""

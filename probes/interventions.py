@@ -1,0 +1,234 @@
+"""Interventions: small dataclasses the engine applies at every forward (the basis of every slider).
+
+Each one names its site, checks itself against the model before any work starts (`validate`),
+edits the activation in its `edit` method (a few lines), and says what it did (`describe`), so a
+record and a figure can report it. They compose: the engine applies them in the order given.
+
+- `AddVector`: h + scale * v (activation addition; Turner et al. 2023).
+- `ProjectionRescale`: h - alpha * w (w.h) with unit w; alpha = 1 removes the component along w,
+  alpha = -1 doubles it (RISE, Zhang et al. 2025).
+- `HeadAblation`: zero- or mean-ablate chosen heads at the per-head attention output `z.L`.
+- `MaskAttention`: generated tokens may not attend to the given prompt positions (all layers).
+
+Example:
+    >>> import torch
+    >>> iv = AddVector("resid_post.0", torch.ones(64), scale=2.0)
+    >>> iv.describe()
+    'add 2 * v (|v|=8) at resid_post.0'
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from probes.errors import BadInputError
+from probes.sites import Site, validate_site
+
+RESIDUAL_KINDS = ("resid_pre", "resid_post", "attn_out", "mlp_out")
+WHERE = ("all", "generated")
+
+
+def _finite(value: float, what: str) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError) as err:
+        raise BadInputError(f"{what} must be a number, got {value!r}") from err
+    if not math.isfinite(value):
+        raise BadInputError(f"{what} must be finite, got {value}")
+    return value
+
+
+def _as_vector(v: Any, width: int, what: str) -> torch.Tensor:
+    vec = torch.as_tensor(v, dtype=torch.float32).flatten() if not isinstance(v, torch.Tensor) else v.flatten()
+    if vec.numel() != width:
+        raise BadInputError(f"{what} has width {vec.numel()} but the site has width {width} (d_model)")
+    if not torch.isfinite(vec).all():
+        raise BadInputError(f"{what} contains NaN or infinite values")
+    return vec
+
+
+@dataclass
+class Intervention:
+    """Base: a site, where it applies (`all` positions or only the `generated` ones), and `edit`."""
+
+    site: str
+    where: str = "all"
+    kinds: ClassVar[tuple[str, ...]] = RESIDUAL_KINDS
+
+    def validate(self, arch: Any) -> Site:
+        site = validate_site(self.site, arch)
+        if site.kind not in self.kinds:
+            raise BadInputError(
+                f"{type(self).__name__} applies to {', '.join(k + '.L' for k in self.kinds)}, not {self.site!r}"
+            )
+        if self.where not in WHERE:
+            raise BadInputError(f"where={self.where!r}; use one of {WHERE}")
+        self._check(arch)
+        return site
+
+    def _check(self, arch: Any) -> None:
+        """Subclasses check their own parameters here."""
+
+    def edit(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass
+class AddVector(Intervention):
+    """Add `scale * vector` to the activation at `site` (activation addition, Turner et al. 2023)."""
+
+    vector: torch.Tensor = None
+    scale: float = 1.0
+
+    def __init__(self, site: str, vector: Any, scale: float = 1.0, where: str = "all"):
+        self.site, self.where, self.vector, self.scale = site, where, vector, scale
+
+    def _check(self, arch: Any) -> None:
+        self.scale = _finite(self.scale, "steering scale")
+        self.vector = _as_vector(self.vector, arch.d_model, "steering vector")
+
+    def edit(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * self.vector.to(x.dtype).to(x.device)
+
+    def describe(self) -> str:
+        return f"add {self.scale:g} * v (|v|={float(self.vector.norm()):.3g}) at {self.site}"
+
+
+@dataclass
+class ProjectionRescale(Intervention):
+    """h' = h - alpha * w (w.h) with w normalised (RISE): alpha 1 removes the w component, -1 doubles it."""
+
+    direction: torch.Tensor = None
+    alpha: float = 1.0
+
+    def __init__(self, site: str, direction: Any, alpha: float = 1.0, where: str = "all"):
+        self.site, self.where, self.direction, self.alpha = site, where, direction, alpha
+
+    def _check(self, arch: Any) -> None:
+        self.alpha = _finite(self.alpha, "alpha")
+        w = _as_vector(self.direction, arch.d_model, "direction")
+        norm = float(w.norm())
+        if norm == 0.0:
+            raise BadInputError("direction is the zero vector; it has no direction to rescale along")
+        self.direction = w / norm
+
+    def edit(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.direction.to(x.dtype).to(x.device)
+        return x - self.alpha * (x @ w).unsqueeze(-1) * w
+
+    def describe(self) -> str:
+        return f"rescale along w by alpha={self.alpha:g} at {self.site}"
+
+
+@dataclass
+class HeadAblation(Intervention):
+    """Zero- or mean-ablate attention heads at `z.L` (per-head output before o_proj).
+
+    Mean ablation needs `means` of shape [n_heads, head_dim] (e.g. `Engine.head_means`),
+    because the mean over one decode step is the step itself.
+    """
+
+    heads: list[int] = field(default_factory=list)
+    mode: str = "zero"
+    means: torch.Tensor | None = None
+    kinds: ClassVar[tuple[str, ...]] = ("z",)
+
+    def __init__(self, layer: int, heads: list[int], mode: str = "zero", means: Any = None, where: str = "all"):
+        self.site, self.where = f"z.{layer}", where
+        self.heads, self.mode, self.means = list(heads), mode, means
+
+    def _check(self, arch: Any) -> None:
+        if not self.heads:
+            raise BadInputError("HeadAblation needs at least one head")
+        bad = [h for h in self.heads if not (isinstance(h, int) and 0 <= h < arch.n_heads)]
+        if bad:
+            raise BadInputError(f"heads {bad} out of range; this model has heads 0..{arch.n_heads - 1}")
+        if self.mode not in ("zero", "mean"):
+            raise BadInputError(f"ablation mode {self.mode!r}; use 'zero' or 'mean'")
+        if self.mode == "mean":
+            if self.means is None:
+                raise BadInputError("mean ablation needs means [n_heads, head_dim]; compute them with Engine.head_means")
+            self.means = torch.as_tensor(self.means, dtype=torch.float32)
+            if tuple(self.means.shape) != (arch.n_heads, arch.head_dim):
+                raise BadInputError(f"means has shape {tuple(self.means.shape)}, expected ({arch.n_heads}, {arch.head_dim})")
+
+    def edit(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        idx = torch.tensor(self.heads, device=x.device)
+        if self.mode == "zero":
+            x[..., idx, :] = 0
+        else:
+            x[..., idx, :] = self.means[idx].to(x.dtype).to(x.device)
+        return x
+
+    def describe(self) -> str:
+        return f"{self.mode}-ablate heads {self.heads} at {self.site}"
+
+
+@dataclass
+class MaskAttention:
+    """Generated tokens (and the last prompt token, which predicts the first of them) may not
+    attend to `positions` (indices into the prompt), in every layer. Applied through the
+    attention mask, so it works with any attention implementation."""
+
+    positions: list[int]
+    site: str = "attention_mask"
+    where: str = "generated"
+
+    def validate(self, arch: Any) -> None:
+        if not self.positions:
+            raise BadInputError("MaskAttention needs at least one position")
+        if any((not isinstance(p, int)) or p < 0 for p in self.positions):
+            raise BadInputError("MaskAttention positions must be non-negative token indices")
+
+    def describe(self) -> str:
+        shown = self.positions if len(self.positions) <= 8 else f"{self.positions[:8]}..."
+        return f"mask attention to {len(self.positions)} positions {shown}"
+
+
+def load_vector(path: str | Path, key: str | None = None) -> torch.Tensor:
+    """Read a steering vector from a .safetensors file (the only format accepted: never pickle).
+
+    With one tensor in the file `key` may be omitted.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError(f"vector file {path} does not exist")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise BadInputError(f"{path.name} is not a readable .safetensors file ({err}); save vectors with "
+                            "safetensors.torch.save_file({'vector': v}, path)") from err
+    if key is None:
+        if len(tensors) != 1:
+            raise BadInputError(f"{path.name} holds {sorted(tensors)}; say which one with key=")
+        key = next(iter(tensors))
+    if key not in tensors:
+        raise BadInputError(f"{path.name} has no tensor {key!r}; it holds {sorted(tensors)}")
+    return tensors[key].float()
+
+
+def load_vector_bytes(data: bytes, key: str | None = None) -> torch.Tensor:
+    """Same as `load_vector`, for bytes (an upload in the app, a request body in the server)."""
+    from safetensors.torch import load
+
+    try:
+        tensors = load(data)
+    except Exception as err:  # safetensors raises several types for garbage input
+        raise BadInputError(f"the upload is not a valid .safetensors file ({err})") from err
+    if key is None and len(tensors) == 1:
+        key = next(iter(tensors))
+    if key not in tensors:
+        raise BadInputError(f"the .safetensors upload holds {sorted(tensors)}; say which tensor to use")
+    return tensors[key].float()

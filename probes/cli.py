@@ -1,0 +1,124 @@
+"""The `thoughtscope` command line: models, sites, generate, bench, plus sub-commands other modules add.
+
+Each optional module in `SUBCOMMAND_MODULES` defines `register(cli: typer.Typer) -> None`; a module
+not written yet is skipped, so the CLI grows one line per capability.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from probes.errors import ThoughtscopeError
+
+cli = typer.Typer(add_completion=False, no_args_is_help=True, help="thoughtscope: look inside models while they reason.")
+console = Console(stderr=True)
+
+SUBCOMMAND_MODULES = [
+    "probes.bench",
+    "probes.server_cli",
+    "app.cli",
+    "analyses.cot_entropy_cli",
+    "analyses.rise_cli",
+]
+
+
+@cli.command()
+def models(as_json: bool = typer.Option(False, "--json", help="one JSON object per model")) -> None:
+    """List the model zoo (and hf: models found in the local Hugging Face cache)."""
+    from probes.zoo import list_models
+
+    rows = list_models()
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    table = Table("id", "what")
+    for row in rows:
+        table.add_row(row["id"], row["what"])
+    Console().print(table)
+
+
+@cli.command()
+def sites(
+    model: str = typer.Option("smollm2-135m", help="model id"),
+    as_json: bool = typer.Option(False, "--json"),
+    layer: Optional[int] = typer.Option(None, help="only this layer"),
+) -> None:
+    """List the hook sites of a model (one naming scheme across architectures)."""
+    from probes.sites import list_sites
+    from probes.zoo import load_model
+
+    handle = load_model(model)
+    rows = [r for r in list_sites(handle.arch) if layer is None or r["site"].endswith(f".{layer}")]
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    table = Table("site", "shape", "TransformerLens hook", "what")
+    for row in rows:
+        table.add_row(row["site"], row["shape"], row["tl_hook"] or "", row["doc"])
+    Console().print(table)
+
+
+@cli.command()
+def generate(
+    prompt: str = typer.Option(..., help="prompt text"),
+    model: str = typer.Option("smollm2-135m", help="model id"),
+    max_new_tokens: int = typer.Option(64, help="tokens to generate"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    seed: int = typer.Option(0),
+    chat: bool = typer.Option(True, help="wrap the prompt in the model's chat template"),
+    capture: list[str] = typer.Option([], help="site to capture, e.g. resid_post.12 (repeatable)"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON record per token"),
+) -> None:
+    """Stream tokens with their entropy to the terminal (or JSON records with --json)."""
+    from probes.engine import Engine, Sampling
+
+    engine = Engine.from_id(model)
+    stream = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=Sampling(temperature=temperature),
+                             seed=seed, capture=capture, chat=chat)
+    out = Console(highlight=False)
+    for rec in stream:
+        if as_json:
+            row = rec.to_dict()
+            row["activations"] = {k: {"shape": list(v.shape), "norm": float(v.float().norm())}
+                                  for k, v in rec.activations.items()}
+            print(json.dumps(row), flush=True)
+        else:
+            shade = "green" if rec.entropy < 0.5 else "yellow" if rec.entropy < 1.5 else "red"
+            out.print(f"[{shade}]{rec.text}[/{shade}]", end="")
+    if not as_json:
+        out.print("\n[dim](colour = entropy: green < 0.5 nats < yellow < 1.5 nats < red)[/dim]")
+
+
+def _register_subcommands() -> None:
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name == name:
+                continue
+            raise
+        module.register(cli)
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _register_subcommands()
+    try:
+        cli()
+    except ThoughtscopeError as err:
+        console.print(f"[red]error:[/red] {err}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

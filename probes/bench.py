@@ -1,0 +1,177 @@
+"""Performance harness: ratios measured side by side in one process (these machines are noisy).
+
+`thoughtscope bench hooks --json` prints one JSON object per line, each with the `ratio` it exists for:
+- `capture_forward`: a forward capturing 3 sites / a plain forward (target <= 1.05)
+- `stream_generate`: HF `generate` tokens/s / engine streaming tokens/s with entropy, top-5 and one
+  captured site (target <= 1.10)
+- `steer_generate`: the same with one additive intervention (target <= 1.10)
+- `fork_probe`: a 16-token probe forked from a 512-token prefix / a 16-token forward from scratch (target <= 2)
+
+Each pair is timed in alternation (A, B, A, B, ...) and compared by medians, so a slow moment of
+the machine hits both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import typer
+
+bench_cli = typer.Typer(add_completion=False, no_args_is_help=True, help="Performance ratios, measured side by side.")
+
+STORY = "Write a long, detailed story about a dragon who learns to count. Begin with the dragon's childhood."
+
+
+def _alternate(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
+    """Time a and b in alternation after one warm-up each; return both lists of seconds."""
+    a(), b()
+    ta, tb = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a()
+        ta.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        b()
+        tb.append(time.perf_counter() - t0)
+    return ta, tb
+
+
+def bench_capture_forward(engine: Any, repeats: int = 15, tokens: int = 128) -> dict[str, Any]:
+    ids = (engine.encode(STORY) * 20)[:tokens]
+    x = torch.tensor([ids], device=engine.handle.device)
+    n = engine.handle.arch.n_layers
+    sites = [f"resid_post.{n // 2}", f"mlp_out.{n // 2}", f"attn_out.{n - 1}"]
+
+    @torch.no_grad()
+    def plain() -> None:
+        engine.model(input_ids=x, use_cache=False)
+
+    def captured() -> None:
+        engine.trace(ids, capture=sites)
+
+    tp, tc = _alternate(plain, captured, repeats)
+    ratio = statistics.median(tc) / statistics.median(tp)
+    return {"bench": "capture_forward", "ratio": round(ratio, 3), "target": 1.05, "sites": sites,
+            "tokens": tokens, "plain_s": round(statistics.median(tp), 4), "capture_s": round(statistics.median(tc), 4)}
+
+
+def _hf_generate(engine: Any, ids: list[int], new: int) -> int:
+    x = torch.tensor([ids], device=engine.handle.device)
+    out = engine.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                                do_sample=False, pad_token_id=engine.tok.pad_token_id)
+    return out.shape[1] - len(ids)
+
+
+def _engine_generate(engine: Any, ids: list[int], new: int, interventions: list[Any]) -> int:
+    site = f"resid_post.{engine.handle.arch.n_layers // 2}"
+    stream = engine.generate(ids, max_new_tokens=new, capture=[site], top_k=5, interventions=interventions)
+    return sum(1 for _ in stream)
+
+
+def bench_generate(engine: Any, steer: bool = False, tokens: int = 128, repeats: int = 3) -> dict[str, Any]:
+    """HF generate vs the engine's stream, tokens/s each (the engine may stop at EOS: per-token rates)."""
+    from probes.interventions import AddVector
+
+    ids = engine.encode(STORY, chat=engine.handle.has_chat_template)
+    interventions = []
+    if steer:
+        vec = torch.randn(engine.handle.arch.d_model, generator=torch.Generator().manual_seed(0))
+        interventions = [AddVector(f"resid_post.{engine.handle.arch.n_layers // 2}", vec, scale=0.5)]
+    counts = {"hf": [], "engine": []}
+
+    def hf() -> None:
+        counts["hf"].append(_hf_generate(engine, ids, tokens))
+
+    def ours() -> None:
+        counts["engine"].append(_engine_generate(engine, ids, tokens, interventions))
+
+    th, te = _alternate(hf, ours, repeats)
+    hf_tps = statistics.median([c / t for c, t in zip(counts["hf"][1:], th)])
+    en_tps = statistics.median([c / t for c, t in zip(counts["engine"][1:], te)])
+    return {"bench": "steer_generate" if steer else "stream_generate", "ratio": round(hf_tps / en_tps, 3),
+            "target": 1.10, "hf_tokens_per_s": round(hf_tps, 2), "engine_tokens_per_s": round(en_tps, 2),
+            "engine_tokens": counts["engine"][-1], "extras": "entropy, top-5, 1 captured site"
+            + (", 1 AddVector" if steer else "")}
+
+
+def bench_fork_probe(engine: Any, prefix_tokens: int = 512, probe_tokens: int = 16, repeats: int = 15) -> dict[str, Any]:
+    base = engine.encode(STORY)
+    prefix = (base * (prefix_tokens // len(base) + 1))[:prefix_tokens]
+    probe = (base * 2)[:probe_tokens]
+    state = engine.prefill(prefix)
+    x = torch.tensor([probe], device=engine.handle.device)
+
+    def forked() -> None:
+        engine.fork(state, probe, max_new_tokens=1)
+
+    @torch.no_grad()
+    def scratch() -> None:
+        engine.model(input_ids=x, use_cache=False)
+
+    tf, ts = _alternate(forked, scratch, repeats)
+    ratio = statistics.median(tf) / statistics.median(ts)
+    return {"bench": "fork_probe", "ratio": round(ratio, 3), "target": 2.0, "prefix_tokens": prefix_tokens,
+            "probe_tokens": probe_tokens, "fork_s": round(statistics.median(tf), 4),
+            "scratch_s": round(statistics.median(ts), 4),
+            "full_recompute_would_cost_tokens": prefix_tokens + probe_tokens}
+
+
+def run_hooks(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
+    from probes.engine import Engine
+
+    engine = Engine.from_id(model_id)
+    torch.manual_seed(0)
+    return [bench_capture_forward(engine), bench_generate(engine, steer=False), bench_generate(engine, steer=True),
+            bench_fork_probe(engine)]
+
+
+def _emit(rows: list[dict[str, Any]], as_json: bool) -> None:
+    device = "cuda" if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads"
+    for row in rows:
+        row.setdefault("device", device)
+        if as_json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"{row['bench']:>18}: ratio {row['ratio']:.3f} (target <= {row.get('target', '-')})  {row}")
+
+
+@bench_cli.command("hooks")
+def hooks_cmd(model: str = typer.Option("smollm2-135m"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Hook, streaming, steering and fork overheads on one model."""
+    _emit(run_hooks(model), as_json)
+
+
+@bench_cli.command("server")
+def server_cmd(model: str = typer.Option("smollm2-135m"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Tokens/s streamed in-process / through the HTTP server (loopback)."""
+    from probes.server_bench import bench_server
+
+    _emit([bench_server(model)], as_json)
+
+
+@bench_cli.command("cot")
+def cot_cmd(model: str = typer.Option("smollm2-135m"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """CUSUM + entropy bookkeeping / plain streaming generation."""
+    from analyses.cot_entropy import bench_cusum_overhead
+    from probes.engine import Engine
+
+    _emit([bench_cusum_overhead(Engine.from_id(model))], as_json)
+
+
+@bench_cli.command("rise")
+def rise_cmd(model: str = typer.Option("smollm2-135m"), n: int = typer.Option(16),
+             as_json: bool = typer.Option(False, "--json")) -> None:
+    """RISE harvest cost / generation cost, and SAE training throughput."""
+    from analyses.rise_cli import bench_harvest, bench_sae_throughput
+    from probes.engine import Engine
+
+    _emit([bench_harvest(Engine.from_id(model), n), bench_sae_throughput()], as_json)
+
+
+def register(cli: typer.Typer) -> None:
+    cli.add_typer(bench_cli, name="bench")

@@ -1,0 +1,204 @@
+"""The engine on tiny random models: captures equal a plain HF forward, generation streams and forks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from probes import Engine, Sampling, UnknownModelError, load_model
+from probes.errors import BadInputError, UnknownSiteError
+from probes.zoo import TINY_ARCHS
+
+
+def hf_hidden_states(engine: Engine, ids: list[int]):
+    out = engine.model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    return out.hidden_states, out.logits[0]
+
+
+@pytest.mark.parametrize("fixture", ["llama", "moe"])
+def test_captures_equal_plain_hf_forward(fixture, request):
+    engine = request.getfixturevalue(fixture)
+    ids = engine.encode("The cat sat on the mat because it was warm")
+    n = engine.handle.arch.n_layers
+    sites = [f"resid_pre.{i}" for i in range(n)] + ["resid_post.0", "logits"]
+    trace = engine.trace(ids, capture=sites)
+    hidden, logits = hf_hidden_states(engine, ids)
+    for layer in range(n):
+        # hidden_states[i] is the input of layer i (the last entry is after the final norm)
+        torch.testing.assert_close(trace.activations[f"resid_pre.{layer}"], hidden[layer][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(trace.activations["resid_post.0"], hidden[1][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(trace.activations["logits"], logits, atol=1e-5, rtol=0)
+    expected_lp = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:]).view(-1, 1)).squeeze(-1)
+    torch.testing.assert_close(trace.logprobs[1:], expected_lp, atol=1e-5, rtol=0)
+
+
+def test_generation_captures_equal_recomputation(llama):
+    """The activation recorded with token t equals a teacher-forced pass at that position."""
+    recs = list(llama.generate("Once upon a time", max_new_tokens=6, capture=["resid_post.1", "k.0"]))
+    prompt = llama.encode("Once upon a time")
+    full = prompt + [r.token_id for r in recs]
+    trace = llama.trace(full, capture=["resid_post.1", "k.0"])
+    for r in recs:
+        pos = len(prompt) + r.step - 1  # the position whose output chose this token
+        torch.testing.assert_close(r.activations["resid_post.1"], trace.activations["resid_post.1"][pos], atol=1e-5, rtol=0)
+        torch.testing.assert_close(r.activations["k.0"], trace.activations["k.0"][pos], atol=1e-5, rtol=0)
+        assert r.logprob == pytest.approx(float(trace.logprobs[pos + 1]), abs=1e-4)
+
+
+def test_greedy_generation_equals_hf_generate(llama):
+    ids = llama.encode("2 + 2 =")
+    recs = list(llama.generate(ids, max_new_tokens=8))
+    hf = llama.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert [r.token_id for r in recs] == hf
+    assert all(r.entropy >= 0 and r.top_ids[0] == r.token_id for r in recs)
+    assert recs[-1].finished and not any(r.finished for r in recs[:-1])
+
+
+def test_record_fields_are_consistent(llama):
+    rec = next(iter(llama.generate("hello", max_new_tokens=1, top_k=4)))
+    assert len(rec.top_ids) == len(rec.top_probs) == len(rec.top_tokens) == 4
+    assert rec.top_probs == sorted(rec.top_probs, reverse=True)
+    assert rec.logprob == pytest.approx(torch.tensor(rec.top_probs[0]).log().item(), abs=1e-5)
+    assert rec.to_dict()["token_id"] == rec.token_id
+
+
+def test_batch_rows_equal_single_runs(llama):
+    prompts = ["hi there", "a much longer prompt with several more tokens"]
+    batch = list(llama.generate(prompts=prompts, max_new_tokens=5, capture=["resid_post.1"]))
+    for b, prompt in enumerate(prompts):
+        single = list(llama.generate(prompt, max_new_tokens=5, capture=["resid_post.1"]))
+        rows = [r for r in batch if r.batch_index == b]
+        assert [r.token_id for r in rows] == [r.token_id for r in single]
+        torch.testing.assert_close(rows[-1].activations["resid_post.1"], single[-1].activations["resid_post.1"],
+                                   atol=1e-4, rtol=0)
+
+
+def test_sampling_is_seeded_and_samples_differ(llama):
+    def run(seed: int) -> list[list[int]]:
+        recs = list(llama.generate("hello", n_samples=4, max_new_tokens=6, sampling=Sampling(temperature=1.5), seed=seed))
+        return [[r.token_id for r in recs if r.batch_index == b] for b in range(4)]
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+    assert len({tuple(s) for s in run(1)}) > 1
+
+
+def test_fork_equals_full_recomputation(llama):
+    prefix, suffix = "The quick brown fox", " jumps over the"
+    state = llama.prefill(prefix)
+    forked = llama.fork(state, suffix, max_new_tokens=5, capture=["resid_post.1"])
+    full_ids = llama.encode(prefix) + llama.tok(suffix, add_special_tokens=False)["input_ids"]
+    full = list(llama.generate(full_ids, max_new_tokens=5, capture=["resid_post.1"]))
+    assert [r.token_id for r in forked] == [r.token_id for r in full]
+    for a, b in zip(forked, full):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        torch.testing.assert_close(a.activations["resid_post.1"], b.activations["resid_post.1"], atol=1e-5, rtol=0)
+    # the state is left as it was: a second fork gives the same answer
+    again = llama.fork(state, suffix, max_new_tokens=5)
+    assert [r.token_id for r in again] == [r.token_id for r in full]
+    assert state.cache_len == len(llama.encode(prefix))
+
+
+def test_fork_from_a_live_generation(llama):
+    """A probe mid-generation: fork the live state, then the generation goes on unchanged."""
+    plain = [r.token_id for r in llama.generate("Let me think", max_new_tokens=8)]
+    stream = llama.generate("Let me think", max_new_tokens=8)
+    seen, probes = [], []
+    for rec in stream:
+        seen.append(rec.token_id)
+        if rec.step == 3:
+            state = stream.state()
+            probes = llama.fork(state, " Answer:", max_new_tokens=3)
+            scratch_ids = llama.encode("Let me think") + seen + llama.tok(" Answer:", add_special_tokens=False)["input_ids"]
+            scratch = list(llama.generate(scratch_ids, max_new_tokens=3))
+            assert [p.token_id for p in probes] == [s.token_id for s in scratch]
+    assert seen == plain and probes
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+def test_every_tiny_architecture_generates_and_forks(arch):
+    engine = Engine.from_id(f"tiny-random:{arch}")
+    sites = ["resid_post.1", "attn_pattern.1", "q.0", "z.1"] + (["router.0"] if engine.handle.arch.is_moe else [])
+    recs = list(engine.generate("hello world", max_new_tokens=3, capture=sites))
+    arch_info = engine.handle.arch
+    last = recs[-1].activations
+    assert last["resid_post.1"].shape == (arch_info.d_model,)
+    assert last["q.0"].shape == (arch_info.n_heads, arch_info.head_dim)
+    assert last["attn_pattern.1"].shape[0] == arch_info.n_heads
+    torch.testing.assert_close(last["attn_pattern.1"].sum(-1), torch.ones(arch_info.n_heads), atol=1e-5, rtol=0)
+    if arch_info.is_moe:
+        assert last["router.0"].shape == (arch_info.n_experts,)
+    state = engine.prefill("hello world foo")
+    forked = engine.fork(state, " bar", max_new_tokens=3)
+    ids = engine.encode("hello world foo") + engine.tok(" bar", add_special_tokens=False)["input_ids"]
+    assert [r.token_id for r in forked] == [r.token_id for r in engine.generate(ids, max_new_tokens=3)]
+
+
+def test_router_capture_equals_the_gate_output(moe):
+    ids = moe.encode("mixture of experts routing")
+    trace = moe.trace(ids, capture=["router.1", "resid_pre.1"])
+    layer = moe.model.model.layers[1]
+    normed = layer.post_attention_layernorm(trace.activations["resid_pre.1"]
+                                            + moe.trace(ids, capture=["attn_out.1"]).activations["attn_out.1"])
+    expected = layer.mlp.gate(normed)[0]
+    torch.testing.assert_close(trace.activations["router.1"], expected, atol=1e-5, rtol=0)
+
+
+def test_arch_facts(moe):
+    arch = moe.handle.arch
+    assert (arch.n_layers, arch.n_heads, arch.n_kv_heads, arch.head_dim, arch.d_model) == (2, 4, 2, 16, 64)
+    assert (arch.n_experts, arch.experts_top_k) == (8, 2)
+    assert len(moe.handle.fingerprint) == 16
+    assert load_model("tiny-random:qwen3_moe").fingerprint == moe.handle.fingerprint
+
+
+def test_nnsight_wrapper_reads_the_same_activations(llama):
+    ids = llama.encode("nnsight and the engine agree")
+    trace = llama.trace(ids, capture=["resid_post.1"])
+    lm = llama.handle.nnsight
+    with lm.trace(torch.tensor([ids])):
+        saved = lm.model.layers[1].output.save()
+    out = saved[0] if isinstance(saved, tuple) else saved
+    torch.testing.assert_close(out[0], trace.activations["resid_post.1"], atol=1e-6, rtol=0)
+
+
+# ----- bad input: a clear project error before any model work -----
+
+@pytest.mark.parametrize("prompt", ["", "   ", []])
+def test_empty_prompt_is_refused(llama, prompt):
+    with pytest.raises(BadInputError):
+        llama.generate(prompt, max_new_tokens=2)
+
+
+def test_over_long_prompt_is_refused(llama):
+    with pytest.raises(BadInputError, match="context"):
+        llama.generate("word " * 2000, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("site,match", [("resid_post.9", "out of range"), ("bogus.1", "unknown site"),
+                                         ("router.0", "no MoE router"), ("resid_post", "unknown site")])
+def test_bad_sites_are_refused(llama, site, match):
+    with pytest.raises(UnknownSiteError, match=match):
+        llama.generate("hello", max_new_tokens=2, capture=[site])
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(UnknownModelError, match="thoughtscope models"):
+        load_model("gpt-17")
+    with pytest.raises(UnknownModelError, match="tiny-random"):
+        load_model("tiny-random:transformer9000")
+    with pytest.raises(UnknownModelError, match="local Hugging Face cache"):
+        load_model("hf:nobody/no-such-model-here")
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_new_tokens=0), dict(max_new_tokens=10**6), dict(sampling="hot")])
+def test_bad_generation_settings_are_refused(llama, kwargs):
+    with pytest.raises((BadInputError, AttributeError, TypeError)):
+        list(llama.generate("hello", **kwargs))
+
+
+def test_bad_sampling_values_are_refused():
+    with pytest.raises(BadInputError):
+        Sampling(temperature=-1)
+    with pytest.raises(BadInputError):
+        Sampling(top_p=0)

@@ -1,0 +1,53 @@
+"""The `thoughtscope` command line, run as a user would (through typer's runner)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from probes import cli as cli_module
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def app():
+    cli_module._register_subcommands()
+    return cli_module.cli
+
+
+def test_models_lists_the_zoo(app):
+    result = runner.invoke(app, ["models", "--json"])
+    assert result.exit_code == 0, result.output
+    ids = [json.loads(line)["id"] for line in result.output.splitlines()]
+    assert ids[0] == "smollm2-135m" and "tiny-random:qwen3_moe" in ids
+
+
+def test_sites_lists_every_site_of_a_layer(app):
+    result = runner.invoke(app, ["sites", "--model", "tiny-random:qwen3_moe", "--layer", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.output.splitlines()]
+    assert {r["site"] for r in rows} >= {"resid_post.1", "router.1", "attn_pattern.1", "z.1"}
+    assert next(r for r in rows if r["site"] == "resid_pre.1")["tl_hook"] == "blocks.1.hook_resid_pre"
+
+
+def test_generate_streams_json_records(app):
+    result = runner.invoke(app, ["generate", "--model", "tiny-random:llama", "--prompt", "2 + 2 =",
+                                 "--max-new-tokens", "4", "--capture", "resid_post.1", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.output.splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["activations"]["resid_post.1"]["shape"] == [64]
+    assert all(r["entropy"] >= 0 and len(r["top_ids"]) == 5 for r in rows)
+
+
+def test_user_errors_are_messages_not_tracebacks(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["thoughtscope", "generate", "--model", "tiny-random:llama",
+                                     "--prompt", "hi", "--capture", "resid_post.99"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "layer 99 is out of range" in err and "Traceback" not in err

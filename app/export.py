@@ -1,0 +1,268 @@
+"""Figure export: PNG, SVG and PDF through plotly's kaleido and the system Chromium, data as CSV and JSON.
+
+kaleido 1.x renders in a headless Chrome that it finds through `BROWSER_PATH` or the `PATH`
+(choreographer's lookup); we point it at the system Chromium (`/usr/bin/chromium` on Debian) and
+never let it download one. One kaleido browser is started on the first export and reused for the
+rest of the process (a cold start costs seconds, a warm render a fraction of one). MathJax is
+switched off: it would be fetched from a CDN, and no figure here uses LaTeX.
+
+`export_buttons(fig, data, name)` is the row of download buttons under every figure in the app;
+`save_figure` is what `thoughtscope export` calls.
+"""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import io
+import json
+import math
+import os
+import shutil
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from app.figures.template import EXPORT_SIZE
+from probes.errors import ThoughtscopeError
+
+IMAGE_FORMATS = ("png", "svg", "pdf")
+DATA_FORMATS = ("csv", "json")
+FORMATS = IMAGE_FORMATS + DATA_FORMATS
+MIME = {"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf", "csv": "text/csv",
+        "json": "application/json"}
+SYSTEM_CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
+
+_lock = threading.Lock()
+_server_started = False
+
+
+class ExportError(ThoughtscopeError):
+    """A figure could not be exported (no Chromium, unknown format, unreadable result file)."""
+
+
+def chromium_path() -> str | None:
+    """The browser kaleido will use: `BROWSER_PATH` if set, else the system Chromium or Chrome."""
+    env = os.environ.get("BROWSER_PATH")
+    if env:
+        return env if Path(env).is_file() else None
+    for path in SYSTEM_CHROMIUM:
+        if Path(path).is_file():
+            return path
+    return shutil.which("chromium") or shutil.which("google-chrome")
+
+
+def static_export_available() -> bool:
+    return chromium_path() is not None
+
+
+def parse_formats(formats: str | Iterable[str]) -> list[str]:
+    """`"svg,pdf"` or `["svg", "pdf"]` -> checked, lower-case, in the order given."""
+    items = formats.split(",") if isinstance(formats, str) else list(formats)
+    wanted = [f.strip().lower().lstrip(".") for f in items if f and f.strip()]
+    bad = [f for f in wanted if f not in FORMATS]
+    if bad or not wanted:
+        raise ExportError(f"unknown export format(s) {bad or formats!r}; choose from {', '.join(FORMATS)}")
+    return wanted
+
+
+def _start_kaleido() -> Any:
+    """Point kaleido at the system Chromium and start its reusable browser (once per process)."""
+    global _server_started
+    path = chromium_path()
+    if path is None:
+        raise ExportError("PNG/SVG/PDF export renders in Chromium, which was not found: install it "
+                          "(`apt-get install chromium` on Debian) or set BROWSER_PATH to a Chrome binary")
+    os.environ.setdefault("BROWSER_PATH", path)
+    import kaleido
+
+    if not _server_started:
+        kaleido.start_sync_server(mathjax=False, silence_warnings=True)
+        atexit.register(_stop_kaleido)
+        _server_started = True
+    return kaleido
+
+
+def _stop_kaleido() -> None:
+    global _server_started
+    if _server_started:
+        import kaleido
+
+        kaleido.stop_sync_server(silence_warnings=True)
+        _server_started = False
+
+
+def figure_bytes(fig: Any, fmt: str, width: int | None = None, height: int | None = None,
+                 scale: float | None = None) -> bytes:
+    """Render a plotly figure to PNG, SVG or PDF bytes at the paper size of the figure template."""
+    if fmt not in IMAGE_FORMATS:
+        raise ExportError(f"{fmt!r} is not an image format; use one of {IMAGE_FORMATS}")
+    fig_dict = fig.to_dict() if hasattr(fig, "to_dict") else fig
+    layout = fig_dict.get("layout", {})
+    opts = dict(
+        format=fmt,
+        width=width or layout.get("width") or EXPORT_SIZE["width"],
+        height=height or layout.get("height") or EXPORT_SIZE["height"],
+        scale=scale or (EXPORT_SIZE["scale"] if fmt == "png" else 1),
+    )
+    with _lock:
+        kaleido = _start_kaleido()
+        try:
+            return kaleido.calc_fig_sync(fig_dict, opts=opts)
+        except Exception as err:  # kaleido wraps browser failures in several exception types
+            raise ExportError(f"rendering the figure as {fmt.upper()} failed in Chromium ({path_note()}): {err}") from err
+
+
+def path_note() -> str:
+    return f"browser {chromium_path() or 'not found'}"
+
+
+def figure_registry() -> dict[str, Any]:
+    """Every figure builder the app has: the `FIGURES` dicts of all modules in app/figures/, merged.
+
+    A name two modules both use is also reachable as `<module>.<name>`.
+    """
+    import importlib
+    import pkgutil
+
+    import app.figures as figures
+
+    merged: dict[str, Any] = {}
+    for info in sorted(pkgutil.iter_modules(figures.__path__), key=lambda i: (i.name != "trace", i.name)):
+        module = importlib.import_module(f"app.figures.{info.name}")
+        for name, builder in getattr(module, "FIGURES", {}).items():
+            merged.setdefault(name, builder)
+            merged[f"{info.name}.{name}"] = builder
+    return merged
+
+
+# ----------------------------------------------------------------- data
+
+def _clean(value: Any) -> Any:
+    """JSON without NaN/inf (standard JSON has neither): they become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _clean(value.tolist())
+    return value
+
+
+def data_json(data: Any) -> str:
+    return json.dumps(_clean(data.to_dict() if hasattr(data, "to_dict") else data), indent=1, ensure_ascii=False)
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """() for a scalar, (n,) for a flat list, (r, c) for a rectangular list of lists, None otherwise."""
+    if not isinstance(value, list):
+        return ()
+    if all(not isinstance(v, list) for v in value):
+        return (len(value),)
+    if all(isinstance(v, list) and all(not isinstance(x, list) for x in v) for v in value):
+        widths = {len(v) for v in value}
+        return (len(value), widths.pop()) if len(widths) == 1 else None
+    return None
+
+
+def data_rows(data: Any) -> list[dict[str, Any]]:
+    """A result as table rows: long format (one row per cell) over its largest matrix, else one row
+    per index of its lists. Lists that match a matrix axis become columns of that axis."""
+    flat = _flatten(_clean(data.to_dict() if hasattr(data, "to_dict") else data))
+    shapes = {k: _shape(v) for k, v in flat.items()}
+    scalars = {k: flat[k] for k, s in shapes.items() if s == ()}
+    vectors = {k: flat[k] for k, s in shapes.items() if s is not None and len(s) == 1}
+    matrices = {k: s for k, s in shapes.items() if s is not None and len(s) == 2}
+    if matrices:
+        rows_n, cols_n = max(matrices.values(), key=lambda s: s[0] * s[1])
+        cells = [k for k, s in matrices.items() if s == (rows_n, cols_n)]
+        rows = []
+        for r in range(rows_n):
+            for c in range(cols_n):
+                row: dict[str, Any] = {"row": r, "col": c}
+                for k, v in vectors.items():
+                    if len(v) == rows_n:
+                        row[f"{k}@row" if len(v) == cols_n else k] = v[r]
+                    if len(v) == cols_n:
+                        row[f"{k}@col" if len(v) == rows_n else k] = v[c]
+                row.update({k: flat[k][r][c] for k in cells})
+                row.update(scalars)
+                rows.append(row)
+        return rows
+    n = max((len(v) for v in vectors.values()), default=1)
+    return [{"index": i, **{k: (v[i] if i < len(v) else None) for k, v in vectors.items()}, **scalars}
+            for i in range(n)]
+
+
+def data_csv(data: Any) -> str:
+    rows = data_rows(data)
+    buf = io.StringIO()
+    fields: list[str] = []
+    for row in rows:
+        fields += [k for k in row if k not in fields]
+    writer = csv.DictWriter(buf, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def export_bytes(fig: Any, data: Any, fmt: str) -> bytes:
+    """One export in any of FORMATS, as bytes."""
+    if fmt == "csv":
+        return data_csv(data).encode()
+    if fmt == "json":
+        return data_json(data).encode()
+    return figure_bytes(fig, fmt)
+
+
+def save_figure(fig: Any, data: Any, name: str, out_dir: str | Path, formats: Sequence[str]) -> list[Path]:
+    """Write `name.<fmt>` for every format into `out_dir`; returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fmt in parse_formats(formats):
+        path = out / f"{name}.{fmt}"
+        path.write_bytes(export_bytes(fig, data, fmt))
+        written.append(path)
+    return written
+
+
+# ----------------------------------------------------------------- the Streamlit component
+
+def export_buttons(fig: Any, data: Any, name: str) -> None:
+    """PNG / SVG / PDF / CSV / JSON download buttons under a figure. Files are made on click
+    (deferred), so drawing a page never waits for Chromium."""
+    import streamlit as st
+
+    images = static_export_available()
+    row = st.container(horizontal=True, key=f"export-{name}")
+    for fmt in FORMATS:
+        needs_browser = fmt in IMAGE_FORMATS and not images
+        row.download_button(
+            fmt.upper(), data=lambda fmt=fmt: export_bytes(fig, data, fmt), file_name=f"{name}.{fmt}",
+            mime=MIME[fmt], key=f"export-{name}-{fmt}", on_click="ignore", icon=":material/download:",
+            type="tertiary", disabled=needs_browser,
+            help="needs Chromium (apt-get install chromium) or BROWSER_PATH" if needs_browser else None,
+        )
+
+
+def show_figure(fig: Any, data: Any, name: str) -> None:
+    """A figure in the page (drawn with our template, not Streamlit's theme) and its export buttons."""
+    import streamlit as st
+
+    st.plotly_chart(fig, theme=None, key=f"figure-{name}", config={"displaylogo": False})
+    export_buttons(fig, data, name)

@@ -1,0 +1,71 @@
+"""The Streamlit entry point: the shared sidebar, then navigation over Home and every page in app/pages/.
+
+Launch with `thoughtscope app [--model ID] [--server URL] [--port 8501]`, or directly with
+`streamlit run app/main.py -- --model tiny-random:llama`. The launch options become the sidebar's
+defaults through the environment variables THOUGHTSCOPE_MODEL and THOUGHTSCOPE_SERVER.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the repository root
+    sys.path.insert(0, str(ROOT))
+
+import streamlit as st  # noqa: E402
+
+from app.context import PageContext  # noqa: E402
+from app.registry import discover_pages  # noqa: E402
+from app.sidebar import MODEL_ENV, SERVER_ENV, sidebar_context  # noqa: E402
+from probes.errors import ThoughtscopeError  # noqa: E402
+
+
+def apply_launch_args(argv: list[str]) -> None:
+    """`-- --model ID --server URL` after `streamlit run app/main.py` -> the sidebar's defaults."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--model")
+    parser.add_argument("--server")
+    args, _ = parser.parse_known_args(argv)
+    if args.model:
+        os.environ[MODEL_ENV] = args.model
+    if args.server:
+        os.environ[SERVER_ENV] = args.server
+
+
+def run_page(module, ctx: PageContext | None) -> None:
+    """Render one page; a user's mistake becomes an st.error with its message, not a traceback."""
+    if ctx is None:
+        st.warning("No model is loaded: pick another model or backend in the sidebar (the error is shown there).")
+        return
+    try:
+        module.render(ctx)
+    except ThoughtscopeError as err:
+        st.error(str(err))
+
+
+def main(only: str | None = None) -> None:
+    """Draw the app; `only` restricts the navigation to one page module (used by the tests)."""
+    st.set_page_config(page_title="thoughtscope", page_icon=":material/psychology:", layout="wide")
+    if sys.argv and Path(sys.argv[0]).resolve() == Path(__file__).resolve():
+        apply_launch_args(sys.argv[1:])
+    ctx = sidebar_context()
+    pages = []
+    for spec, module in discover_pages():
+        name = module.__name__.rsplit(".", 1)[-1]
+        if only is not None and name != only:
+            continue
+        pages.append(st.Page(partial(run_page, module, ctx), title=spec.title, icon=spec.icon, url_path=name,
+                             default=not pages))
+    if not pages:
+        st.error(f"no page named {only!r} in app/pages/")
+        return
+    st.navigation(pages).run()
+
+
+if __name__ == "__main__":
+    main()

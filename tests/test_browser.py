@@ -1,0 +1,223 @@
+"""The workbench in a real browser: `streamlit run` on a loopback port, driven by Playwright in the
+system Chromium (never a downloaded browser). Screenshots go to test-artifacts/; one is copied to
+docs/screenshot.png for the README.
+
+Run with `pytest -m browser tests/test_browser.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+MODEL = "tiny-random:llama"
+SLOW = 120_000  # ms: the first page load also loads the model, on a busy 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(model: str):
+    """`thoughtscope app --model MODEL --headless` on a free loopback port; yields its URL."""
+    from app.cli import streamlit_command
+
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "BROWSER_PATH": CHROMIUM}
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / f"streamlit-{model.replace(':', '-')}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(streamlit_command(port, "127.0.0.1", model=model, headless=True), cwd=ROOT,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 90
+            while True:
+                try:
+                    if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                        break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"streamlit did not start; see {log_path}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    with serve(MODEL) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).is_file():
+        pytest.skip("Debian chromium is not installed (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+    p = context.new_page()
+    p.set_default_timeout(SLOW)
+    yield p
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def generated(browser, app_url):
+    """A finished generation for the default prompt, kept by the app for every later session."""
+    context = browser.new_context()
+    p = context.new_page()
+    p.set_default_timeout(SLOW)
+    p.goto(f"{app_url}/trace_explorer")
+    p.locator(".st-key-generate button").first.click()
+    figure(p, 3).wait_for()
+    context.close()
+
+
+def download(page, key: str) -> bytes:
+    with page.expect_download(timeout=SLOW) as info:
+        page.locator(f".st-key-{key} button").first.click()
+    return Path(info.value.path()).read_bytes()
+
+
+def figure(page, index: int = 0):
+    """The drawn plot of the index-th figure on the page (plotly draws it into .main-svg layers)."""
+    return page.locator('[data-testid="stPlotlyChart"]').nth(index).locator(".main-svg").first
+
+
+def first_figure(page):
+    return figure(page, 0)
+
+
+def test_generate_streams_tokens_then_figures_export_as_svg_and_pdf(page, app_url):
+    page.goto(f"{app_url}/trace_explorer")
+    page.locator(".st-key-generate button").first.click()
+    page.locator(".ts-tok").first.wait_for()
+    assert page.locator(".ts-tok").count() >= 1
+    first_figure(page).wait_for()
+    assert page.locator(".ts-tok").count() == 48  # the default max new tokens; tiny models never stop early
+    assert "top alternatives" in page.locator(".ts-tok").first.get_attribute("title")
+    figure(page, 3).wait_for()
+    page.screenshot(path=str(ARTIFACTS / "trace_explorer.png"), full_page=True)
+
+    svg = download(page, "export-entropy-svg")
+    assert ET.fromstring(svg).tag.endswith("svg")
+    (ARTIFACTS / "entropy.svg").write_bytes(svg)
+    pdf = download(page, "export-logit_lens-pdf")
+    assert pdf.startswith(b"%PDF")
+    rows = download(page, "export-logit_lens-csv").decode().splitlines()
+    assert rows[0].startswith("row,col")
+
+
+def test_a_page_with_a_cached_trace_shows_its_first_figure_quickly(browser, app_url, generated):
+    """Reported, not asserted (the issue's target is 1 s; this machine is shared and noisy).
+
+    Two openings: switching to the page inside a running app session (the usual case), and a new
+    browser tab, which also pays for booting Streamlit's front end and parsing plotly.js.
+    """
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    p = context.new_page()
+    p.set_default_timeout(SLOW)
+    fresh, switch = [], []
+    for _ in range(3):
+        start = time.perf_counter()
+        p.goto(f"{app_url}/trace_explorer")  # a new session: generation and trace come from the caches
+        first_figure(p).wait_for(state="visible")
+        fresh.append(time.perf_counter() - start)
+        for _ in range(2):
+            p.locator('[data-testid="stSidebarNav"] a').filter(has_text="Home").click()
+            p.locator('[data-testid="stMetric"]').first.wait_for()
+            start = time.perf_counter()
+            p.locator('[data-testid="stSidebarNav"] a').filter(has_text="Trace explorer").click()
+            first_figure(p).wait_for(state="visible")
+            switch.append(time.perf_counter() - start)
+    context.close()
+
+    def median(xs):
+        return round(sorted(xs)[len(xs) // 2], 3)
+
+    print(json.dumps({"bench": "page_first_figure_s", "page": "trace_explorer", "model": MODEL,
+                      "switch_median_s": median(switch), "new_tab_median_s": median(fresh),
+                      "switch_runs": [round(t, 3) for t in switch], "new_tab_runs": [round(t, 3) for t in fresh],
+                      "target_s": 1.0, "load_avg_1m": round(os.getloadavg()[0], 2)}))
+    assert len(switch) == 6
+
+
+def test_moving_the_steering_slider_changes_the_steered_text(page, app_url):
+    page.goto(f"{app_url}/steering")
+    steered = page.locator(".st-key-steered-text [data-testid='stText']")
+    steered.wait_for()
+    before = steered.inner_text()
+    unsteered = page.locator(".st-key-unsteered-text [data-testid='stText']").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "steering_before.png"), full_page=True)
+
+    page.locator(".st-key-steer_scale input[type='range']").focus()
+    page.keyboard.press("Home")  # the slider's minimum, -12
+    page.wait_for_function(
+        "([sel, old]) => { const e = document.querySelector(sel); return e && e.innerText !== old; }",
+        arg=[".st-key-steered-text [data-testid='stText']", before], timeout=SLOW)
+    page.locator(".st-key-steered-text").filter(has_text="scale -12").wait_for()
+    assert steered.inner_text() != before
+    assert page.locator(".st-key-unsteered-text [data-testid='stText']").inner_text() == unsteered
+    page.screenshot(path=str(ARTIFACTS / "steering_after.png"), full_page=True)
+
+
+@pytest.mark.model
+def test_screenshot_of_the_embedded_model_for_the_readme(browser):
+    """docs/screenshot.png: the trace explorer on the embedded SmolLM2 (tiny-random models are for tests only)."""
+    from probes.errors import ThoughtscopeError
+    from probes.zoo import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except ThoughtscopeError as err:
+        pytest.skip(str(err))
+    with serve("smollm2-135m") as url:
+        context = browser.new_context(viewport={"width": 1400, "height": 1400})
+        p = context.new_page()
+        p.set_default_timeout(4 * SLOW)
+        p.goto(f"{url}/trace_explorer")
+        p.locator(".st-key-generate button").first.click()
+        figure(p, 3).wait_for()
+        p.wait_for_timeout(1000)  # let plotly finish its layout
+        shot = ARTIFACTS / "readme_trace_explorer.png"
+        p.screenshot(path=str(shot))
+        p.screenshot(path=str(ARTIFACTS / "trace_explorer_smollm2_full.png"), full_page=True)
+        context.close()
+    (ROOT / "docs").mkdir(exist_ok=True)
+    shutil.copyfile(shot, ROOT / "docs" / "screenshot.png")

@@ -810,6 +810,21 @@ def analyze_trace(engine: Any, prompt: Problem | Any, detector: CusumDetector, *
     return TraceAnalysis(trace, detector.threshold, z.tolist(), cusum_path(z).tolist(), smoothing_window)
 
 
+def analysis_from_run(records: Sequence[Any], probes: Iterable[Probe], detector: CusumDetector,
+                      family: CotFamily, *, target: str | None = None, problem_id: str = "",
+                      prompt_ids: Sequence[int] = (), smoothing_window: int = 5) -> TraceAnalysis:
+    """The `TraceAnalysis` of a trace generated live by `run_with_rule` (a rule that probes every step
+    end and never exits): its token records and probes, as `on_event` delivered them. No model call;
+    equals what `analyze_trace` computes for the same greedy trace."""
+    texts = [r.text for r in records]
+    trace = ProbedTrace(problem_id, target, [int(r.token_id) for r in records], texts,
+                        [float(r.entropy) for r in records], segment_steps(texts, family.step_delimiter),
+                        {p.token_index: p for p in probes}, list(prompt_ids))
+    entropies = trace.calibration().entropies
+    z = np.atleast_1d(detector.log_likelihood_ratio(entropies)) if entropies else np.zeros(0)
+    return TraceAnalysis(trace, detector.threshold, z.tolist(), cusum_path(z).tolist(), smoothing_window)
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 

@@ -1,0 +1,137 @@
+"""The CoT entropy page under AppTest on tiny-random:llama: it draws, calibration draws the densities,
+the h slider moves the exit on the finished trace without regenerating, and the evaluations draw."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+import app.pages.cot_entropy as page  # noqa: E402
+from analyses.cot_entropy import CalibrationTrace, CusumDetector  # noqa: E402
+
+MODEL = "tiny-random:llama"
+
+
+@pytest.fixture(autouse=True)
+def _tiny_model(monkeypatch):
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", MODEL)
+    page.results.clear()  # fitted detectors and traces of earlier tests must not leak in
+    yield
+    page.results.clear()
+
+
+def open_page(max_new_tokens: int = 8) -> AppTest:
+    at = AppTest.from_string("from app.main import main\nmain(only='cot_entropy')\n", default_timeout=180)
+    at.session_state["max_new_tokens"] = max_new_tokens
+    return at.run()
+
+
+def assert_clean(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+
+
+def chart_titles(at: AppTest) -> list[str]:
+    return [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+
+
+def metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+def test_the_page_draws_and_waits_for_calibration():
+    at = open_page()
+    assert_clean(at)
+    assert any("Calibrate" in i.value for i in at.info)
+    assert not at.get("plotly_chart")
+    at.text_input(key="cot_delimiter").set_value("(").run()
+    assert not at.exception
+    assert any("not a valid regular expression" in e.value for e in at.error)
+
+
+def test_calibration_with_a_tiny_n_draws_the_densities():
+    at = open_page()
+    at.slider(key="cot_n_cal").set_value(2).run()
+    at.button(key="cot_calibrate").click().run()
+    assert_clean(at)
+    assert "Calibration densities" in chart_titles(at)
+    spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Calibration densities" in c.proto.spec))
+    assert [t["name"].split(" (")[0] for t in spec["data"]] == ["f0 uncertainty", "f1 confidence", "log f1/f0"]
+    assert int(metric(at, "Uncertain steps (f0)")) + int(metric(at, "Confident steps (f1)")) > 0
+    # random weights never settle on an answer: every step is "uncertain", and the page says f1 is flat
+    assert any("flat" in w.value for w in at.warning)
+
+    at.text_input(key="cot_target").set_value("20").run()  # the sidebar's example question
+    at.button(key="cot_generate").click().run()
+    assert_clean(at)
+    assert "Intermediate answers (target 20)" in chart_titles(at)
+    assert metric(at, "Exit after token")  # the exit metrics are drawn for the sidebar prompt too
+
+
+def _synthetic_calibration(engine, problems, family, *, max_new_tokens, bins, seed, on_progress=None):
+    """A detector whose confidence density covers [0, 3) nats, where the tiny model's probe entropies
+    (~2 nats) fall, so each probed step adds Z = log 3 (random weights never reach an alarm otherwise)."""
+    if on_progress:
+        on_progress(len(problems), len(problems))
+    detector = CusumDetector(bins=2, value_range=(0.0, 6.0)).fit(
+        [CalibrationTrace([4.5, 4.5, 1.5, 1.5], ["1", "1", "2", "2"], "2")])
+    return detector, {"accuracy": 0.0, "steps": 4, "warnings": []}
+
+
+def test_generate_then_the_h_slider_moves_the_exit_without_regenerating(monkeypatch):
+    monkeypatch.setattr(page, "fit_calibration", _synthetic_calibration)
+    runs = []
+    real_run = page.run_with_rule
+    monkeypatch.setattr(page, "run_with_rule", lambda *a, **k: runs.append(1) or real_run(*a, **k))
+
+    at = open_page()
+    at.radio(key="cot_source").set_value(page.FROM_TASK).run()
+    at.button(key="cot_generate").click().run()  # calibrates (synthetic), then streams the trace
+    assert_clean(at)
+    assert len(runs) == 1
+    titles = chart_titles(at)
+    for title in ("Calibration densities", "Token entropy and the CUSUM exit", "CUSUM statistic"):
+        assert title in titles
+    assert any(t.startswith("Intermediate answers (target ") for t in titles)
+
+    steps = int(metric(at, "Alarm at step").split(" of ")[1])
+    assert steps >= 2, "the tiny trace needs two probed steps for this test"
+    assert metric(at, "Alarm at step") == f"2 of {steps}"  # h = 2 < 2 log 3
+    exit_at_2 = metric(at, "Exit after token")
+
+    at.slider(key="cot_h").set_value(0.5).run()
+    assert_clean(at)
+    assert metric(at, "Alarm at step") == f"1 of {steps}"
+    assert metric(at, "Exit after token") != exit_at_2
+    tail = int(metric(at, "Redundant tail").split()[0])
+    assert tail == 8 - int(metric(at, "Exit after token").split(" of ")[0]) and tail > 0
+
+    at.slider(key="cot_h").set_value(10.0).run()
+    assert metric(at, "Alarm at step") == "none"
+    assert metric(at, "Exit after token") == "no exit"
+    assert metric(at, "Redundant tail") == "0 tokens"
+    spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "CUSUM statistic" in c.proto.spec))
+    assert any(a.get("text") == "h = 10" for a in spec["layout"].get("annotations", []))
+    assert len(runs) == 1, "moving h must not regenerate"
+
+
+def test_the_evaluations_draw_the_pareto_plot_and_the_voting_bars():
+    at = open_page(max_new_tokens=6)
+    at.slider(key="cot_n_cal").set_value(2).run()
+    at.slider(key="cot_eval_n").set_value(2).run()
+    at.button(key="cot_eval_run").click().run()
+    assert_clean(at)
+    assert any(t.startswith("Accuracy vs tokens") for t in chart_titles(at))
+    at.slider(key="cot_vote_samples").set_value(2).run()
+    at.slider(key="cot_vote_n").set_value(1).run()
+    at.button(key="cot_vote_run").click().run()
+    assert_clean(at)
+    titles = chart_titles(at)
+    assert any(t.startswith("Accuracy vs tokens") for t in titles)  # kept while voting runs
+    assert any(t.startswith("Voting over 2 samples") for t in titles)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,9 @@ class Engine:
         self.tok = handle.tokenizer
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.eos_ids = self._eos_ids()
+        # One model, many callers (browser tabs run in threads): hooks are registered on the shared
+        # module, so calls must not interleave. Re-entrant, so a fork inside a live generation works.
+        self.lock = threading.RLock()
 
     @classmethod
     def from_id(cls, model_id: str = "smollm2-135m", **kwargs: Any) -> "Engine":
@@ -215,8 +219,12 @@ class Engine:
         stream._run = run
         return stream
 
+    def _generate(self, *args):
+        with self.lock:
+            yield from self._generate_unlocked(*args)
+
     @torch.no_grad()
-    def _generate(self, stream, ids, max_new, sampling, seed, sites, hooks, masks, top_k, stop):
+    def _generate_unlocked(self, stream, ids, max_new, sampling, seed, sites, hooks, masks, top_k, stop):
         device = self.handle.device
         gen = torch.Generator(device="cpu").manual_seed(int(seed))
         described = [iv.describe() for iv in [*hooks, *masks]]
@@ -321,7 +329,7 @@ class Engine:
         if masks:
             raise BadInputError("MaskAttention applies to generated tokens; use it with generate()")
         input_ids = torch.tensor([ids], device=self.handle.device)
-        with HookRunner(self.handle, sites, hooks) as runner:
+        with self.lock, HookRunner(self.handle, sites, hooks) as runner:
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
             out = self.model(input_ids=input_ids, use_cache=False)
         logp = torch.log_softmax(out.logits[0].float(), dim=-1)
@@ -351,7 +359,8 @@ class Engine:
         ids = self.encode(prompt, chat=chat)
         cache = self._new_cache()
         t = torch.tensor([ids], device=self.handle.device)
-        self._forward(t, torch.ones_like(t), torch.arange(len(ids), device=t.device).view(1, -1), cache)
+        with self.lock:
+            self._forward(t, torch.ones_like(t), torch.arange(len(ids), device=t.device).view(1, -1), cache)
         return PrefixState(ids, cache)
 
     @torch.no_grad()
@@ -375,7 +384,7 @@ class Engine:
         step = _Step([seq], torch.ones(1, len(seq), dtype=torch.long, device=dev), None, [False], [""])
         records: list[TokenRecord] = []
         try:
-            with HookRunner(self.handle, sites, []) as runner:
+            with self.lock, HookRunner(self.handle, sites, []) as runner:
                 runner.ctx.last_only, runner.ctx.phase = True, "decode"
                 feed = torch.tensor([todo], device=dev)
                 pos = torch.arange(base_len, len(seq), device=dev).view(1, -1)

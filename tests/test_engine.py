@@ -202,3 +202,27 @@ def test_bad_sampling_values_are_refused():
         Sampling(temperature=-1)
     with pytest.raises(BadInputError):
         Sampling(top_p=0)
+
+
+def test_concurrent_callers_do_not_see_each_others_hooks(llama):
+    """Two threads (two browser tabs) steering differently get what each would get alone."""
+    import threading
+
+    from probes import AddVector
+
+    v = torch.randn(64, generator=torch.Generator().manual_seed(9))
+    jobs = {"plain": [], "steered": [AddVector("resid_post.0", v, scale=30.0)]}
+    alone = {k: [r.token_id for r in llama.generate("shared model", max_new_tokens=6, interventions=iv)]
+             for k, iv in jobs.items()}
+    together: dict[str, list[int]] = {}
+
+    def run(name: str) -> None:
+        together[name] = [r.token_id for r in llama.generate("shared model", max_new_tokens=6,
+                                                             interventions=jobs[name])]
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in jobs for _ in range(1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert together == alone and alone["plain"] != alone["steered"]

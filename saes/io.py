@@ -1,0 +1,141 @@
+"""SAEs on disk in SAELens' own format (`cfg.json` + `sae_weights.safetensors`), so SAEs move both ways.
+
+- `save_sae(sae, folder)`: a training SAE is saved as its inference SAE (what SAELens'
+  `save_inference_model` writes), so `sae_lens.SAE.load_from_disk(folder)` loads it anywhere.
+- `load_sae(ref)`: a folder written by SAELens (here or elsewhere), or a SAELens pretrained
+  release (`load_sae("gpt2-small-res-jb", sae_id="blocks.8.hook_resid_pre")`) read from the local
+  Hugging Face cache with the hub forced offline: nothing is ever downloaded.
+- `check_fits(sae, d_model, site)`: an SAE whose width does not match the site is a user error.
+
+Example:
+    >>> import tempfile, torch
+    >>> from saes.train import SAETrainSettings, train_sae
+    >>> sae, _ = train_sae(torch.randn(256, 8), SAETrainSettings(d_sae=16, batch_size=64, steps=5, progress=False))
+    >>> folder = tempfile.mkdtemp()
+    >>> _ = save_sae(sae, folder)
+    >>> torch.equal(load_sae(folder).W_dec, sae.W_dec)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from probes.errors import BadInputError
+
+CFG_FILENAME = "cfg.json"
+WEIGHTS_FILENAME = "sae_weights.safetensors"
+
+
+def save_sae(sae: Any, folder: str | Path) -> Path:
+    """Write `cfg.json` + `sae_weights.safetensors` into `folder` (created); return the folder."""
+    from sae_lens import TrainingSAE
+
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if isinstance(sae, TrainingSAE):
+            sae.save_inference_model(folder)
+        else:
+            sae.save_model(folder)
+    except OSError as err:
+        raise BadInputError(f"cannot write the SAE to {folder}: {err}") from err
+    return folder
+
+
+def is_sae_folder(path: str | Path) -> bool:
+    path = Path(path)
+    return (path / CFG_FILENAME).is_file() and (path / WEIGHTS_FILENAME).is_file()
+
+
+def load_sae(ref: str | Path, sae_id: str | None = None, device: str = "cpu") -> Any:
+    """An inference SAE from a SAELens folder, or from a pretrained release in the local HF cache."""
+    from sae_lens import SAE
+
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if not is_sae_folder(path):
+            raise BadInputError(
+                f"{path} is not a SAELens SAE folder: it needs {CFG_FILENAME} and {WEIGHTS_FILENAME} "
+                "(save one with saes.io.save_sae or SAELens' save_model)")
+        try:
+            return SAE.load_from_disk(str(path), device=device)
+        except (KeyError, ValueError, json.JSONDecodeError) as err:
+            raise BadInputError(f"{path} holds an SAE this SAELens cannot read ({err})") from err
+    if sae_id is None:
+        raise BadInputError(f"{ref!r} is not a folder; for a SAELens pretrained release pass sae_id= too")
+    return _load_pretrained_offline(str(ref), sae_id, device)
+
+
+@contextlib.contextmanager
+def _hub_offline():
+    """Force huggingface_hub offline for the duration (it reads this flag at call time)."""
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = saved
+
+
+def _load_pretrained_offline(release: str, sae_id: str, device: str) -> Any:
+    from sae_lens import SAE
+    from sae_lens.loading.pretrained_saes_directory import get_pretrained_saes_directory, get_repo_id_and_folder_name
+
+    directory = get_pretrained_saes_directory()
+    if release not in directory and "/" not in release:
+        raise BadInputError(f"{release!r} is neither a folder nor a SAELens pretrained release "
+                            "(see sae_lens' pretrained_saes.yaml)")
+    try:
+        repo_id, folder = get_repo_id_and_folder_name(release, sae_id)
+    except ValueError as err:
+        known = sorted(directory[release].saes_map)[:8] if release in directory else []
+        raise BadInputError(f"{err}; some ids of this release: {known}") from err
+    hint = (f"the SAE {release}/{sae_id} is not in the local Hugging Face cache; on a machine with network run "
+            f"`huggingface-cli download {repo_id} --include '{folder}/*'` and copy the cache here")
+    with _hub_offline():
+        try:
+            return SAE.from_pretrained(release, sae_id, device=device)
+        except Exception as err:  # offline misses surface as several hub/OS error types
+            cached = _cached_folder(repo_id, folder)
+            if cached is None:
+                raise BadInputError(hint) from err
+            # Config and weights are cached but an optional file (the sparsity log) is not:
+            # read the folder directly, as SAELens' own disk loader does.
+            return _load_cached_folder(cached, release, sae_id, device)
+
+
+def _cached_folder(repo_id: str, folder: str) -> Path | None:
+    from huggingface_hub import try_to_load_from_cache
+
+    cfg = try_to_load_from_cache(repo_id, f"{folder}/{CFG_FILENAME}")
+    weights = try_to_load_from_cache(repo_id, f"{folder}/{WEIGHTS_FILENAME}")
+    if isinstance(cfg, str) and isinstance(weights, str):
+        return Path(cfg).parent
+    return None
+
+
+def _load_cached_folder(path: Path, release: str, sae_id: str, device: str) -> Any:
+    from sae_lens import SAE
+    from sae_lens.loading.pretrained_saes_directory import get_norm_scaling_factor
+
+    sae = SAE.load_from_disk(str(path), device=device)
+    if sae.cfg.normalize_activations == "expected_average_only_in":
+        factor = get_norm_scaling_factor(release, sae_id)
+        if factor is not None:
+            sae.fold_activation_norm_scaling_factor(factor)
+    return sae
+
+
+def check_fits(sae: Any, d_model: int, site: str = "") -> None:
+    """Raise a user error when the SAE's input width is not the site's width."""
+    d_in = int(sae.cfg.d_in)
+    if d_in != int(d_model):
+        where = f" at {site}" if site else ""
+        raise BadInputError(f"this SAE reads vectors of width {d_in} but the model's activations{where} have width "
+                            f"{d_model}; pick an SAE trained on this model and site")

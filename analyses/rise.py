@@ -33,7 +33,6 @@ Pipeline (what is [summary] from a write-up of the paper, what is our [recon]):
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import re
@@ -420,22 +419,18 @@ def _pieces(tok: Any, ids: list[int]) -> list[str]:
     return out
 
 
-class _EnoughLayers(Exception):
-    """Raised by a hook to stop a forward once the deepest wanted layer has run."""
-
-
 @torch.no_grad()
 def step_residuals(engine: Any, sequences: Sequence[list[int]], positions: Sequence[list[int]],
                    layers: Sequence[int], batch_size: int = 16) -> list[dict[str, torch.Tensor]]:
     """`resid_post.L` at `positions` of each token sequence: {site: [len(positions), d]} per sequence.
 
-    One batched teacher-forced pass per `batch_size` sequences. The prefix all sequences share
-    (the one-shot example, the system prompt) runs once and its KV cache is reused; the pass
-    stops after the deepest layer asked for and computes no logits. Backends other than the
-    in-process engine fall back to one `trace` per sequence.
+    One batched teacher-forced pass per `batch_size` sequences (`Engine.capture_batch`). The prefix
+    all sequences share (the one-shot example, the system prompt) runs once and its KV cache is
+    reused; the pass stops after the deepest layer asked for and computes no logits. Backends
+    other than the in-process engine fall back to one `trace` per sequence.
     """
     sites = [f"resid_post.{layer}" for layer in layers]
-    if not hasattr(engine, "handle") or getattr(engine.handle, "remote", False):
+    if not hasattr(engine, "capture_batch") or getattr(engine.handle, "remote", False):
         return [{s: engine.trace(list(ids), capture=sites).activations[s][list(pos)].float().cpu() for s in sites}
                 for ids, pos in zip(sequences, positions)]
     shared = _shared_prefix(sequences, positions)
@@ -444,7 +439,7 @@ def step_residuals(engine: Any, sequences: Sequence[list[int]], positions: Seque
     out: list[dict[str, torch.Tensor]] = []
     for lo in range(0, len(sequences), batch_size):
         chunk = range(lo, min(lo + batch_size, len(sequences)))
-        captured = _batched_pass(engine, [sequences[i] for i in chunk], sites, max(layers), prefix, shared)
+        captured = engine.capture_batch([sequences[i] for i in chunk], sites, prefix=prefix)
         for b, i in enumerate(chunk):
             rows = torch.tensor([p - shared for p in positions[i]], dtype=torch.long)
             out.append({s: captured[s][b, rows].float().cpu() for s in sites})
@@ -459,47 +454,6 @@ def _shared_prefix(sequences: Sequence[list[int]], positions: Sequence[list[int]
         n = next((i for i in range(n) if seq[i] != first[i]), n)
     wanted = [p for pos in positions for p in pos]
     return min([n, *wanted]) if wanted else n
-
-
-def _batched_pass(engine: Any, seqs: list[list[int]], sites: list[str], last_layer: int, prefix: Any,
-                  shared: int) -> dict[str, torch.Tensor]:
-    from probes.hooks import HookRunner
-    from probes.sites import Site, get_module, validate_site
-
-    handle, dev = engine.handle, engine.handle.device
-    width = max(len(s) for s in seqs) - shared
-    pad = engine.tok.pad_token_id or 0
-    input_ids = torch.full((len(seqs), width), pad, dtype=torch.long, device=dev)
-    mask = torch.zeros((len(seqs), shared + width), dtype=torch.long, device=dev)
-    mask[:, :shared] = 1
-    for b, seq in enumerate(seqs):
-        tail = seq[shared:]
-        input_ids[b, :len(tail)] = torch.tensor(tail, device=dev)
-        mask[b, shared:shared + len(tail)] = 1
-    positions = torch.arange(shared, shared + width, device=dev).expand(len(seqs), -1)
-    kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                  logits_to_keep=1)
-    if prefix is not None:
-        cache = copy.deepcopy(prefix.cache)
-        cache.batch_repeat_interleave(len(seqs))
-        kwargs.update(use_cache=True, **{engine._cache_kw: cache})
-    else:
-        kwargs["use_cache"] = False
-    last = get_module(handle.model, Site("resid_post", last_layer).module_path(handle.family))
-    with HookRunner(handle, [validate_site(s, handle.arch) for s in sites], []) as runner:
-        runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = len(seqs), width, "trace"
-        stop = last.register_forward_hook(_raise_enough)  # after the runner's hook: capture first
-        try:
-            handle.model(**kwargs)
-        except _EnoughLayers:
-            pass
-        finally:
-            stop.remove()
-        return dict(runner.captured)
-
-
-def _raise_enough(*_: Any) -> None:
-    raise _EnoughLayers
 
 
 # ----- storage: one entry per trace (tokens, text) and one per (trace, layers) (step vectors)

@@ -30,7 +30,7 @@ from probes.errors import BadInputError
 from probes.hooks import HookRunner
 from probes.interventions import Intervention, MaskAttention
 from probes.records import TokenRecord, Trace
-from probes.sites import Site, list_sites, validate_site
+from probes.sites import Site, get_module, list_sites, validate_site
 from probes.zoo import ModelHandle, load_model
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -345,6 +345,61 @@ class Engine:
         )
 
     @torch.no_grad()
+    def capture_batch(self, sequences: Sequence[list[int]], capture: Sequence[str],
+                      prefix: PrefixState | None = None, stop_after_last_site: bool = True) -> dict[str, torch.Tensor]:
+        """Teacher-forced pass over a batch of token sequences: {site: [batch, width, ...]}.
+
+        Every sequence must start with `prefix.ids` when a prefix is given: its KV cache is reused
+        and only the tails run (right-padded to `width`, the longest tail). With
+        `stop_after_last_site` the forward ends after the deepest captured layer and no logits
+        are computed, which is what harvesting step vectors needs.
+        """
+        if not sequences:
+            raise BadInputError("capture_batch needs at least one sequence")
+        sites = self._check_sites(capture)
+        shared = len(prefix.ids) if prefix is not None else 0
+        if prefix is not None and any(list(seq[:shared]) != prefix.ids for seq in sequences):
+            raise BadInputError("every sequence must start with the prefix's tokens")
+        dev = self.handle.device
+        width = max(len(seq) for seq in sequences) - shared
+        if width < 1:
+            raise BadInputError("the sequences hold no tokens beyond the prefix")
+        input_ids = torch.full((len(sequences), width), self.tok.pad_token_id or 0, dtype=torch.long, device=dev)
+        mask = torch.zeros((len(sequences), shared + width), dtype=torch.long, device=dev)
+        mask[:, :shared] = 1
+        for b, seq in enumerate(sequences):
+            tail = list(seq[shared:])
+            input_ids[b, :len(tail)] = torch.tensor(tail, device=dev)
+            mask[b, shared:shared + len(tail)] = 1
+        kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask, logits_to_keep=1,
+                                      position_ids=torch.arange(shared, shared + width, device=dev).expand(len(sequences), -1))
+        if prefix is not None:
+            import copy
+
+            cache = copy.deepcopy(prefix.cache)
+            _rollback(cache, shared)
+            cache.batch_repeat_interleave(len(sequences))
+            kwargs.update(use_cache=True, **{self._cache_kw: cache})
+        else:
+            kwargs["use_cache"] = False
+        deepest = max((s.layer for s in sites if s.layer is not None), default=None)
+        stop_early = stop_after_last_site and deepest is not None and all(s.layer is not None for s in sites)
+        with self.lock, HookRunner(self.handle, sites, []) as runner:
+            runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = len(sequences), width, "trace"
+            stopper = None
+            if stop_early:
+                last = get_module(self.model, Site("resid_post", deepest).module_path(self.handle.family))
+                stopper = last.register_forward_hook(_stop_forward)  # after the runner's hooks: capture first
+            try:
+                self.model(**kwargs)
+            except _EnoughLayers:
+                pass
+            finally:
+                if stopper is not None:
+                    stopper.remove()
+            return dict(runner.captured)
+
+    @torch.no_grad()
     def head_means(self, texts: Sequence[str], layer: int) -> torch.Tensor:
         """Mean per-head attention output `z.layer` over all positions of `texts` (for mean ablation)."""
         site = f"z.{layer}"
@@ -463,3 +518,11 @@ def _rollback(cache: Any, length: int) -> None:
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
+
+
+class _EnoughLayers(Exception):
+    """Raised by a hook to end a forward once the deepest wanted layer has run."""
+
+
+def _stop_forward(*_: Any) -> None:
+    raise _EnoughLayers

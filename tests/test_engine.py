@@ -226,3 +226,19 @@ def test_concurrent_callers_do_not_see_each_others_hooks(llama):
     for t in threads:
         t.join(timeout=60)
     assert together == alone and alone["plain"] != alone["steered"]
+
+
+def test_capture_batch_with_a_shared_prefix_equals_single_traces(llama):
+    prefix_ids = llama.encode("A shared one-shot example that every sequence starts with,")
+    tails = [" then one tail", " and a second, longer tail with more tokens", " third"]
+    seqs = [prefix_ids + llama.tok(t, add_special_tokens=False)["input_ids"] for t in tails]
+    state = llama.prefill(prefix_ids)
+    captured = llama.capture_batch(seqs, ["resid_post.0", "attn_out.1"], prefix=state)
+    for b, seq in enumerate(seqs):
+        single = llama.trace(seq, capture=["resid_post.0", "attn_out.1"])
+        n = len(seq) - len(prefix_ids)
+        for site in ("resid_post.0", "attn_out.1"):
+            torch.testing.assert_close(captured[site][b, :n], single.activations[site][len(prefix_ids):],
+                                       atol=1e-5, rtol=0)
+    with pytest.raises(BadInputError, match="prefix"):
+        llama.capture_batch([llama.encode("something else entirely")], ["resid_post.0"], prefix=state)

@@ -1,0 +1,334 @@
+"""RISE reasoning vectors: harvest step vectors, train step-level SAEs, look at their decoder geometry and
+feature dashboards, and steer reflection/backtracking with an alpha slider (METHODS.md section 1).
+
+The computations live in `analyses.rise` (chained as in `analyses.rise_cli`); this page reads widgets,
+calls them and draws. Results (harvest + SAEs + analysis, steered generations, confidence fits) are
+kept per process in `results()`, keyed by everything they depend on, so moving a slider back or
+reopening the page never recomputes anything.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import streamlit as st
+
+from analyses.rise import (BEHAVIOURS, SENTENCE_MODELS, HarvestSettings, analyse, confidence_vectors,
+                           engine_unembedding, feature_dashboard, harvest, steer)
+from analyses.tasks import TASK_NAMES, Problem, load_task
+from app.context import FinishedGenerations
+from app.export import show_figure
+from app.figures.rise import (confidence_curve, decoder_map, feature_histogram, feature_labels, feature_tokens,
+                              silhouette_curve, steering_bars, step_timeline)
+from app.registry import PageSpec
+from probes.errors import ThoughtscopeError
+
+PAGE = PageSpec("RISE reasoning vectors", ":material/psychology_alt:", 40)
+
+FROM_SIDEBAR = "the sidebar prompt"
+FROM_TASK = "a held-out task problem"
+FROM_BEHAVIOUR = "behaviour vector"
+FROM_LATENT = "a latent's decoder column"
+N_HELDOUT = 8
+
+
+@st.cache_resource
+def results() -> FinishedGenerations:
+    """Pipelines, steered generations and confidence fits of this process, newest 32 kept."""
+    return FinishedGenerations(max_entries=32)
+
+
+def _key(ctx, kind: str, **parts: Any) -> str:
+    return json.dumps({"kind": kind, "server": ctx.server_url, "model": ctx.model_id, **parts}, sort_keys=True,
+                      default=str)
+
+
+def default_layers(n_layers: int) -> list[int]:
+    """Layers at 1/3, 1/2 and 3/4 depth, as the CLI picks them."""
+    from analyses.rise_cli import default_layers as cli_layers
+
+    return list(cli_layers(n_layers))
+
+
+def run_pipeline(engine: Any, problems: list[Problem], settings: HarvestSettings, *, sae_steps: int, projection: str,
+                 seed: int, model_id: str, on_progress=None) -> dict[str, Any]:
+    """Harvest (resumable, in the ActivationStore), one SAE per layer, then the analysis."""
+    from cache.store import ActivationStore
+    from saes.train import SAETrainSettings, train_sae
+
+    done: list = []
+    store = ActivationStore()
+    for lo in range(0, len(problems), settings.batch_size):  # one harvest per batch so the bar moves
+        done.append(harvest(engine, problems[:lo + settings.batch_size], settings, store=store, progress=False))
+        if on_progress:
+            on_progress("harvest", min(lo + settings.batch_size, len(problems)), len(problems))
+    h = done[-1]
+    saes, stats = {}, {}
+    for i, (site, acts) in enumerate(h.acts.items()):
+        if acts.shape[0] < 2:
+            raise _TooFewSteps(site, acts.shape[0])
+        train = SAETrainSettings.scaled(acts.shape[1], acts.shape[0], seed=seed, steps=sae_steps, progress=False)
+        saes[site], stats[site] = train_sae(acts, train, metadata={"model_name": model_id, "hook_name": site})
+        if on_progress:
+            on_progress("train", i + 1, len(h.acts))
+    return {"harvest": h, "saes": saes, "stats": stats, "analysis": analyse(h, saes, method=projection, seed=seed)}
+
+
+class _TooFewSteps(ThoughtscopeError):
+    def __init__(self, site: str, n: int):
+        super().__init__(f"only {n} step vector(s) at {site}: an SAE needs at least 2. Harvest more problems, "
+                         "more tokens, or tick 'splice templated reflection/backtracking steps'.")
+
+
+# ----------------------------------------------------------------------------- 1. harvest + train
+
+
+def harvest_section(ctx, store) -> tuple[dict[str, Any] | None, HarvestSettings | None, str, int]:
+    st.subheader("1. Harvest step vectors and train the SAEs")
+    n_layers = ctx.backend.info()["arch"]["n_layers"]
+    c1, c2, c3 = st.columns(3)
+    task = c1.selectbox("Task", TASK_NAMES, key="rise_task")
+    n = c2.number_input("Problems", 2, 2000, 12, key="rise_n", help="the paper uses hundreds; 12 keeps a CPU quick")
+    sae_steps = c3.number_input("SAE training steps", 10, 5000, 300, 10, key="rise_sae_steps")
+    c1, c2, c3 = st.columns(3)
+    layers = c1.multiselect("Layers", list(range(n_layers)), default=default_layers(n_layers), key="rise_layers")
+    projection = c2.radio("Decoder map", ["umap", "pca"], horizontal=True, key="rise_projection",
+                          help="UMAP (cosine) as in the paper, or PCA (fast)")
+    augment = c3.checkbox("Splice templated reflection/backtracking steps",
+                          value=any(ctx.model_id.startswith(m) for m in SENTENCE_MODELS), key="rise_augment",
+                          help="small models rarely reflect; this gives the labeller something to find [recon]")
+    settings = HarvestSettings(layers=tuple(sorted(layers)), max_new_tokens=ctx.settings.max_new_tokens,
+                               batch_size=max(1, min(16, int(n))), augment="templated" if augment else "none",
+                               seed=ctx.seed)
+    key = _key(ctx, "rise-pipeline", task=task, n=int(n), seed=ctx.seed, settings=settings.to_dict(),
+               sae_steps=int(sae_steps), projection=projection)
+    run_now = st.button("Harvest + train", type="primary", key="rise_run", icon=":material/play_arrow:")
+    found = store.get(key)
+    if run_now and found is None:
+        if not layers:
+            st.error("Choose at least one layer.")
+            return None, settings, task, int(n)
+        problems = load_task(task, int(n), seed=ctx.seed)
+        with st.status(f"Harvesting {int(n)} {task} problems at layers {list(settings.layers)}\u2026",
+                       expanded=True) as status:
+            bar = st.progress(0.0, text="generating traces\u2026")
+
+            def on_progress(stage: str, done: int, total: int) -> None:
+                text = f"{done}/{total} traces harvested" if stage == "harvest" else f"{done}/{total} SAEs trained"
+                bar.progress(done / total, text=text)
+
+            found = run_pipeline(ctx.backend, problems, settings, sae_steps=int(sae_steps), projection=projection,
+                                 seed=ctx.seed, model_id=ctx.model_id, on_progress=on_progress)
+            status.update(label=f"Harvested {len(found['harvest'].traces)} traces and trained "
+                                f"{len(found['saes'])} SAE(s)", state="complete", expanded=False)
+        found["key"] = key
+        store.put(key, found)
+    if found is None:
+        st.info("Press **Harvest + train** to generate traces, cut them into steps, read one residual vector per "
+                "step and train one SAE per layer.")
+        return None, settings, task, int(n)
+    h = found["harvest"]
+    counts = h.label_counts()
+    cols = st.columns(4)
+    cols[0].metric("Traces", len(h.traces))
+    cols[1].metric("Steps", len(h.step_rows))
+    cols[2].metric("Reflection / backtracking steps", f"{counts['reflection']} / {counts['backtracking']}")
+    cols[3].metric("Step delimiter", repr(h.delimiter))
+    rows = [{"site": site, "explained variance": round(s.explained_variance, 4), "L0": round(s.l0, 2),
+             "dead latents": s.dead_latents, "d_sae": s.d_sae, "samples": s.n_samples,
+             "train s": round(s.train_seconds or 0.0, 2)} for site, s in found["stats"].items()]
+    best = found["analysis"].best_site
+    cols = st.columns(3)
+    cols[0].metric("Explained variance", f"{found['stats'][best].explained_variance:.3f}", help=f"SAE at {best}")
+    cols[1].metric("L0", f"{found['stats'][best].l0:.2f}", help=f"mean active latents per step, SAE at {best}")
+    cols[2].metric("Dead latents", found["stats"][best].dead_latents, help=f"SAE at {best}")
+    st.dataframe(rows, hide_index=True, key="rise_sae_stats")
+    return found, settings, task, int(n)
+
+
+# ----------------------------------------------------------------------------- 2. step timeline
+
+
+def timeline_section(found: dict[str, Any]) -> None:
+    st.subheader("2. Step timeline")
+    h, analysis = found["harvest"], found["analysis"]
+    sites = [la.site for la in analysis.layers]
+    left, right = st.columns([3, 1])
+    t = left.selectbox("Trace", range(len(h.traces)), key="rise_trace",
+                       format_func=lambda i: f"{h.traces[i].problem.id}: {h.traces[i].problem.question[:80]}")
+    site = right.selectbox("Top latents from the SAE at", sites, index=sites.index(analysis.best_site),
+                           key="rise_timeline_site")
+    trace = h.traces[t]
+    top = analysis.layer(site).top_latents
+    by_step = {s: top[r].tolist() for r, (tt, s) in enumerate(h.step_rows) if tt == t}
+    per_step = [by_step.get(i, []) for i in range(len(trace.steps))]
+    data = {"trace": trace.to_dict(), "top_latents": per_step, "site": site}
+    show_figure(step_timeline(trace, per_step), data, "rise_timeline")
+    st.dataframe([{"step": s.index, "label": s.label, "top latents": ", ".join(map(str, per_step[i])),
+                   "text": s.text} for i, s in enumerate(trace.steps)], hide_index=True, key="rise_steps")
+
+
+# ----------------------------------------------------------------------------- 3. geometry
+
+
+def geometry_section(found: dict[str, Any]) -> str:
+    st.subheader("3. Decoder-column geometry")
+    analysis = found["analysis"]
+    sites = [la.site for la in analysis.layers]
+    site = st.selectbox("Layer", sites, index=sites.index(analysis.best_site), key="rise_geometry_site")
+    layer = analysis.layer(site)
+    left, right = st.columns(2)
+    with left:
+        show_figure(decoder_map(layer), {"site": site, "coords": layer.coords,
+                                         "column_labels": layer.association.column_labels,
+                                         "silhouette": layer.silhouette}, "rise_decoder_map")
+    with right:
+        show_figure(silhouette_curve(analysis), analysis.to_dict()["silhouette_per_layer"], "rise_silhouette")
+    st.caption("Columns are coloured by the label of the steps whose strongest latent they are; behaviour vectors "
+               f"at {site}: {', '.join(sorted(layer.vectors)) or 'none (too few labelled steps)'}.")
+    return site
+
+
+# ----------------------------------------------------------------------------- 4. feature dashboard
+
+
+def dashboard_section(ctx, found: dict[str, Any], site: str) -> None:
+    st.subheader("4. Feature dashboard")
+    h, sae = found["harvest"], found["saes"][site]
+    layer = found["analysis"].layer(site)
+    default = int(layer.top_latents[0, 0]) if len(layer.top_latents) else 0
+    latent = st.number_input(f"Latent of the SAE at {site}", 0, sae.cfg.d_sae - 1, default, key="rise_latent")
+    unembed, decode = engine_unembedding(ctx.backend)
+    board = feature_dashboard(h, sae, site, int(latent), unembed, decode)
+    cols = st.columns(2)
+    cols[0].metric("Fires on", f"{100 * board.density:.1f}% of steps")
+    cols[1].metric("Max activation", f"{board.max_activation:.3g}")
+    st.dataframe([{k: s[k] for k in ("activation", "label", "problem_id", "text")} for s in board.top_steps],
+                 hide_index=True, key="rise_top_steps")
+    left, right = st.columns(2)
+    with left:
+        show_figure(feature_histogram(board), board, "rise_feature_histogram")
+    with right:
+        show_figure(feature_labels(board), board.label_frequency, "rise_feature_labels")
+    show_figure(feature_tokens(board), {"promoted": board.promoted_tokens, "suppressed": board.suppressed_tokens},
+                "rise_feature_tokens")
+
+
+# ----------------------------------------------------------------------------- 5. steering
+
+
+def steering_section(ctx, store, found: dict[str, Any], site: str, settings: HarvestSettings, task: str,
+                     n: int) -> None:
+    st.subheader("5. Steering")
+    layer, sae = found["analysis"].layer(site), found["saes"][site]
+    c1, c2, c3 = st.columns(3)
+    source = c1.radio("Direction", [FROM_BEHAVIOUR, FROM_LATENT], horizontal=True, key="rise_steer_source")
+    mode = c2.radio("Mode", ["projection", "add"], horizontal=True, key="rise_steer_mode",
+                    help="projection: h - alpha w (w.h) (1 removes the component, -1 doubles it); add: h + alpha w")
+    if source == FROM_BEHAVIOUR:
+        behaviour = c3.selectbox("Behaviour", BEHAVIOURS, key="rise_steer_behaviour")
+        if behaviour not in layer.vectors:
+            st.warning(f"No {behaviour} vector at {site}: too few {behaviour} steps have their own SAE columns. "
+                       "Harvest more problems, splice templated steps, or steer with a latent's column.")
+            return
+        vector, name = layer.vectors[behaviour], behaviour
+    else:
+        latent = c3.number_input("Latent", 0, sae.cfg.d_sae - 1, int(st.session_state.get("rise_latent", 0)),
+                                 key="rise_steer_latent")
+        vector, name = sae.W_dec[int(latent)].detach().float(), f"latent {int(latent)}"
+    alpha = st.slider("alpha", -1.5, 1.5, 0.0, 0.25, key="rise_alpha")
+    where = st.radio("Generate for", [FROM_SIDEBAR, FROM_TASK], horizontal=True, key="rise_steer_input")
+    if where == FROM_TASK:
+        heldout = load_task(task, n + N_HELDOUT, seed=ctx.seed)[n:]
+        problem = st.selectbox("Problem", heldout, key="rise_steer_problem",
+                               format_func=lambda p: f"{p.id}: {p.question[:90]}")
+    else:
+        problem = Problem(id="sidebar", question=ctx.prompt, answer="", source="sidebar", steps=0)
+        if not ctx.prompt.strip():
+            st.info("Type a question in the sidebar.")
+            return
+    key = _key(ctx, "rise-steer", pipeline=found["key"], site=site, direction=name, mode=mode,
+               alpha=float(alpha), problem=problem.to_dict(), seed=ctx.seed)
+    result = store.get(key)
+    if result is None:
+        with st.spinner(f"Generating with alpha 0 and {alpha:g}\u2026"):
+            alphas = (0.0,) if alpha == 0 else (0.0, float(alpha))
+            result = steer(ctx.backend, [problem], vector, site, alphas=alphas, mode=mode, settings=settings,
+                           behaviour=name, progress=False)
+        store.put(key, result)
+    vanilla, steered = result.traces[0.0][0], result.traces[float(alpha)][0]
+    rows = {r.alpha: r for r in result.rows}
+    left, right = st.columns(2)
+    for box, title, trace, row, k in ((left, "**Vanilla** (alpha 0)", vanilla, rows[0.0], "rise-vanilla-text"),
+                                      (right, f"**Steered** ({name}, {mode}, alpha {alpha:g})", steered,
+                                       rows[float(alpha)], "rise-steered-text")):
+        with box.container(border=True, key=k):
+            st.markdown(title)
+            st.text(trace.text)
+            st.caption(f"{trace.n_tokens} tokens, {len(trace.steps)} steps, "
+                       f"{row.mean_reflection_steps:g} reflection, {row.mean_backtracking_steps:g} backtracking")
+    show_figure(steering_bars(result), result.to_dict(), "rise_steering")
+
+
+# ----------------------------------------------------------------------------- 6. confidence
+
+
+def confidence_section(ctx, store, found: dict[str, Any], site: str, pipeline_key: str) -> None:
+    with st.expander("6. Confidence vectors (minimise next-token entropy over decoder-column coefficients)"):
+        left, mid, right = st.columns(3)
+        iterations = left.number_input("Iterations", 1, 1000, 10, key="rise_conf_iters",
+                                       help="the paper runs ~1000 at batch 256 on a GPU")
+        batch = mid.number_input("Batch (traces)", 1, 64, 4, key="rise_conf_batch")
+        right.write("")
+        run_now = right.button("Fit confidence vectors", key="rise_conf_run", icon=":material/bolt:")
+        key = _key(ctx, "rise-confidence", pipeline=pipeline_key, site=site, iterations=int(iterations),
+                   batch=int(batch), seed=ctx.seed)
+        result = store.get(key)
+        if run_now and result is None:
+            with st.spinner(f"Fitting {int(iterations)} iterations at {site}\u2026"):
+                result = confidence_vectors(ctx.backend, found["harvest"], found["saes"][site], site,
+                                            iterations=int(iterations), batch_size=int(batch), seed=ctx.seed,
+                                            progress=False)
+            store.put(key, result)
+        if result is None:
+            st.info(f"Press **Fit confidence vectors** to learn coefficients over the decoder columns at {site}.")
+            return
+        show_figure(confidence_curve(result), result, "rise_confidence")
+        st.dataframe([{"column": c, "coefficient": float(result.coefficients[c])} for c in result.top_columns],
+                     hide_index=True, key="rise_conf_top")
+
+
+# ----------------------------------------------------------------------------- the page
+
+
+def render(ctx) -> None:
+    st.title("RISE reasoning vectors")
+    st.caption("Zhang et al.: cut chain-of-thought traces into steps, train a sparse autoencoder on one residual "
+               "vector per step (no labels), and find decoder columns for reflection and backtracking that steer "
+               "the behaviour.")
+    if not hasattr(ctx.backend, "handle"):
+        st.info("This page reads residuals in teacher-forced passes, trains SAEs and hooks the model for steering "
+                "and confidence fits: pick the in-process backend in the sidebar.")
+        return
+    store = results()
+    found, settings, task, n = harvest_section(ctx, store)
+    if found is None:
+        return
+    try:
+        timeline_section(found)
+    except ThoughtscopeError as err:
+        st.error(str(err))
+    site = geometry_section(found)
+    try:
+        dashboard_section(ctx, found, site)
+    except ThoughtscopeError as err:
+        st.error(str(err))
+    try:
+        steering_section(ctx, store, found, site, settings, task, n)
+    except ThoughtscopeError as err:
+        st.error(str(err))
+    try:
+        confidence_section(ctx, store, found, site, found["key"])
+    except ThoughtscopeError as err:
+        st.error(str(err))

@@ -15,18 +15,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
+from tests import apptest_helpers as helpers  # noqa: E402
+
 from analyses.logit_lens import (attention_pattern, lens_readout, logit_lens, resid_sites,  # noqa: E402
                                  residual_norms)
 from analyses.steering import diff_of_means_direction, steered_comparison  # noqa: E402
-from app.export import (data_csv, data_json, data_rows, figure_bytes, figure_registry,  # noqa: E402
-                        static_export_available)
+from app.export import data_csv, data_json, data_rows, figure_bytes, figure_registry  # noqa: E402
 from app.figures.trace import FIGURES, entropy_figure, records_data, tokens_html  # noqa: E402
 from app.registry import discover_pages  # noqa: E402
 from probes.errors import BadInputError  # noqa: E402
 from probes.records import Trace  # noqa: E402
 
 MODEL = "tiny-random:llama"
-needs_chromium = pytest.mark.skipif(not static_export_available(), reason="static export needs Chromium")
 
 
 @pytest.fixture(autouse=True)
@@ -34,16 +34,11 @@ def _tiny_model(monkeypatch):
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", MODEL)
 
 
-def open_page(name: str, max_new_tokens: int | None = 8) -> AppTest:
-    """One page of the app, as `streamlit run app/main.py` would draw it (navigation limited to it)."""
-    at = AppTest.from_string(f"from app.main import main\nmain(only={name!r})\n", default_timeout=180)
-    if max_new_tokens is not None:
-        at.session_state["max_new_tokens"] = max_new_tokens
-    return at.run()
-
-
 def assert_clean(at: AppTest) -> None:
-    assert not at.exception, [e.value for e in at.exception]
+    helpers.assert_clean(at, no_errors=False)
+
+
+open_page = helpers.open_page
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +231,6 @@ def test_data_csv_is_long_format_over_the_largest_matrix_and_json_has_no_nan():
     assert json.loads(data_json({"logprobs": [math.nan, -1.0]})) == {"logprobs": [None, -1.0]}
 
 
-@needs_chromium
 def test_export_writes_a_valid_svg_and_a_pdf(engine):
     fig = entropy_figure(_records(engine))
     root = ET.fromstring(figure_bytes(fig, "svg"))
@@ -245,7 +239,6 @@ def test_export_writes_a_valid_svg_and_a_pdf(engine):
     assert figure_bytes(fig, "png").startswith(b"\x89PNG")
 
 
-@needs_chromium
 def test_export_command_rebuilds_a_figure_from_result_json(engine, tmp_path):
     import typer
     from typer.testing import CliRunner

@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
+from tests import apptest_helpers as helpers  # noqa: E402
+
 import app.pages.cot_entropy as page  # noqa: E402
 from analyses.cot_entropy import CalibrationTrace, CusumDetector  # noqa: E402
 
@@ -27,22 +29,10 @@ def _tiny_model(monkeypatch):
 
 
 def open_page(max_new_tokens: int = 8) -> AppTest:
-    at = AppTest.from_string("from app.main import main\nmain(only='cot_entropy')\n", default_timeout=180)
-    at.session_state["max_new_tokens"] = max_new_tokens
-    return at.run()
+    return helpers.open_page('cot_entropy', max_new_tokens)
 
 
-def assert_clean(at: AppTest) -> None:
-    assert not at.exception, [e.value for e in at.exception]
-    assert not at.error, [e.value for e in at.error]
-
-
-def chart_titles(at: AppTest) -> list[str]:
-    return [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
-
-
-def metric(at: AppTest, label: str) -> str:
-    return next(m.value for m in at.metric if m.label == label)
+assert_clean, chart_titles, metric = helpers.assert_clean, helpers.chart_titles, helpers.metric
 
 
 def test_the_page_draws_and_waits_for_calibration():

@@ -35,3 +35,40 @@ class BadInputError(ThoughtscopeError):
 
 class CacheError(ThoughtscopeError):
     """The activation cache could not store or read an entry."""
+
+
+# ----- errors only the model server and its client raise -----
+
+
+class AuthError(ThoughtscopeError):
+    """The server wants a bearer token and got none or a wrong one."""
+
+    http_status = 401
+
+
+class RequestTooLargeError(ThoughtscopeError):
+    """The request body is over the server's size limit."""
+
+    http_status = 413
+
+
+class InvalidRequestError(BadInputError):
+    """The request body does not match the schema (wrong type, unknown field, value out of range)."""
+
+    http_status = 422
+
+
+class ServerBusyError(ThoughtscopeError):
+    """The model's waiting room is full, or the model is still loading; retry after `retry_after` s."""
+
+    http_status = 503
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ServerError(ThoughtscopeError):
+    """The server failed in a way the user did not cause, or could not be reached."""
+
+    http_status = 500

@@ -27,7 +27,8 @@ from typing import Annotated, Any, Literal, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from probes.errors import BadInputError, ThoughtscopeError
+from probes.errors import (AuthError, BadInputError, InvalidRequestError, RequestTooLargeError,  # noqa: F401
+                            ServerBusyError, ServerError, ThoughtscopeError)
 from probes.interventions import AddVector, HeadAblation, MaskAttention, ProjectionRescale, load_vector_bytes
 from probes.records import TokenRecord, Trace
 
@@ -37,43 +38,6 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_NEW_TOKENS_CAP = 4096
 MAX_BATCH = 64  # prompts x n_samples per request
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-
-
-# ----- errors only the server/client pair can raise (the rest are in probes.errors) -----
-
-
-class AuthError(ThoughtscopeError):
-    """The server wants a bearer token and got none or a wrong one."""
-
-    http_status = 401
-
-
-class RequestTooLargeError(ThoughtscopeError):
-    """The request body is over the server's size limit."""
-
-    http_status = 413
-
-
-class InvalidRequestError(BadInputError):
-    """The request body does not match the schema (wrong type, unknown field, value out of range)."""
-
-    http_status = 422
-
-
-class ServerBusyError(ThoughtscopeError):
-    """The model's waiting room is full, or the model is still loading; retry after `retry_after` s."""
-
-    http_status = 503
-
-    def __init__(self, message: str, retry_after: float = 1.0):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class ServerError(ThoughtscopeError):
-    """The server failed in a way the user did not cause, or could not be reached."""
-
-    http_status = 500
 
 
 def error_body(err: BaseException) -> dict[str, Any]:
@@ -91,9 +55,7 @@ def error_from_body(status: int, body: Any, fallback: str = "") -> ThoughtscopeE
     message = body.get("error") if isinstance(body, dict) else None
     message = message or fallback or f"the model server answered HTTP {status}"
     kind = body.get("kind") if isinstance(body, dict) else None
-    known = {cls.__name__: cls for cls in (AuthError, RequestTooLargeError, InvalidRequestError, ServerBusyError,
-                                           ServerError)}
-    cls = known.get(kind) or getattr(errors, kind or "", None)
+    cls = getattr(errors, kind or "", None)  # every project error class lives in probes.errors
     if not (isinstance(cls, type) and issubclass(cls, ThoughtscopeError)):
         cls = {401: AuthError, 413: RequestTooLargeError, 422: InvalidRequestError, 503: ServerBusyError}.get(
             status, BadInputError if 400 <= status < 500 else ServerError)

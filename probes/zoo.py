@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -413,10 +414,13 @@ def _boot_bridge(handle: ModelHandle) -> Any:
     if handle.remote:
         raise BadInputError("TransformerLens bridges need local weights; ndif: models have none here")
     name = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}.get(handle.model_id, handle.model_id)
+    # The bridge rewires the modules of the model it is given (its own block and attention
+    # wrappers), which breaks KV-cached generation through them: it gets a copy of the weights.
+    hf_copy = copy.deepcopy(handle.model)
     with contextlib.redirect_stdout(None):
         try:
             return TransformerBridge.boot_transformers(
-                name, hf_model=handle.model, tokenizer=handle.tokenizer, device=str(handle.device)
+                name, hf_model=hf_copy, tokenizer=handle.tokenizer, device=str(handle.device)
             )
         except Exception as err:
             raise ModelLoadError(f"TransformerLens could not bridge {handle.model_id}: {err}") from err

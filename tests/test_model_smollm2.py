@@ -26,13 +26,22 @@ def test_bridge_residuals_equal_engine_captures(smollm2):
     ids = smollm2.encode("Tom has 12 apples. He buys 5 more. How many apples does he have?", chat=True)
     layers = [0, 7, 15, 29]
     sites = [f"resid_pre.{i}" for i in layers] + [f"resid_post.{i}" for i in layers] + ["attn_out.7", "mlp_out.7"]
-    trace = smollm2.trace(ids, capture=sites)
+    # The bridge computes attention eagerly; sdpa differs from it by float32 rounding only (3e-4 on
+    # SmolLM2's residuals, which reach 2.5e4), so both sides use eager attention here.
+    saved = smollm2.model.config._attn_implementation
+    smollm2.model.set_attn_implementation("eager")
+    try:
+        trace = smollm2.trace(ids, capture=sites)
+    finally:
+        smollm2.model.set_attn_implementation(saved)
     _, cache = smollm2.handle.bridge.run_with_cache(torch.tensor([ids]))
     for site in sites:
         tl_name = {"attn_out.7": "blocks.7.hook_attn_out", "mlp_out.7": "blocks.7.hook_mlp_out"}.get(site)
         kind, layer = site.split(".")
         tl_name = tl_name or f"blocks.{layer}.hook_{kind}"
         torch.testing.assert_close(cache[tl_name][0], trace.activations[site], atol=1e-4, rtol=0)
+    # booting the bridge leaves the engine's own model untouched: generation still matches HF
+    assert type(smollm2.model.model.layers[0]).__name__ == "LlamaDecoderLayer"
 
 
 def test_entropy_falls_over_an_arithmetic_answer(smollm2):

@@ -19,11 +19,13 @@ MAIN = Path(__file__).resolve().parent / "main.py"
 
 
 def streamlit_command(port: int = 8501, address: str = "localhost", model: str | None = None,
-                      server: str | None = None, headless: bool = False) -> list[str]:
+                      server: str | None = None) -> list[str]:
     """The `streamlit run` command line (through `python -m app.cli`, see `run_streamlit`); the model
     and server reach the app after `--`."""
+    # Always headless towards Streamlit: otherwise its first run asks for an e-mail on stdin, which
+    # blocks a newcomer's terminal and kills a run without one. `thoughtscope app` opens the browser.
     cmd = [sys.executable, "-m", "app.cli", "run", str(MAIN), "--server.port", str(port),
-           "--server.address", address, "--server.headless", str(headless).lower(),
+           "--server.address", address, "--server.headless", "true",
            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
            "--client.toolbarMode", "minimal", "--"]
     if model:
@@ -49,6 +51,26 @@ def run_streamlit(argv: list[str]) -> None:
     streamlit_cli.main()
 
 
+def _open_when_ready(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Open the browser once Streamlit answers its health check (in a thread; never blocks)."""
+    import threading
+    import time
+    import urllib.request
+    import webbrowser
+
+    def wait_then_open() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2):
+                    webbrowser.open(url)
+                    return
+            except OSError:
+                time.sleep(0.5)
+
+    threading.Thread(target=wait_then_open, daemon=True).start()
+
+
 def register(cli: typer.Typer) -> None:
     @cli.command("app")
     def app_command(
@@ -60,9 +82,15 @@ def register(cli: typer.Typer) -> None:
     ) -> None:
         """Open the Streamlit workbench in the browser."""
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        url = f"http://{'localhost' if address in ('0.0.0.0', '::') else address}:{port}"
+        proc = subprocess.Popen(streamlit_command(port, address, model, server), env=env)
+        print(f"thoughtscope: the workbench is at {url} (Ctrl+C stops it)", flush=True)
+        if not headless:
+            _open_when_ready(url, proc)
         try:
-            code = subprocess.call(streamlit_command(port, address, model, server, headless), env=env)
+            code = proc.wait()
         except KeyboardInterrupt:
+            proc.terminate()
             code = 0
         raise typer.Exit(code)
 

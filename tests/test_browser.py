@@ -47,7 +47,7 @@ def serve(model: str):
     ARTIFACTS.mkdir(exist_ok=True)
     log_path = ARTIFACTS / f"streamlit-{model.replace(':', '-')}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(streamlit_command(port, "127.0.0.1", model=model, headless=True), cwd=ROOT,
+        proc = subprocess.Popen(streamlit_command(port, "127.0.0.1", model=model), cwd=ROOT,
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -9,6 +9,15 @@ from app.registry import PageSpec, discover_pages
 PAGE = PageSpec("Home", ":material/home:", 0)
 
 
+def page_summary(doc: str, title: str) -> str:
+    """A page module's docstring as one line, without the title it usually starts with."""
+    first = " ".join(doc.strip().split("\n\n")[0].split())
+    for prefix in (f"{title}:", f"{title} -", title):
+        if first.lower().startswith(prefix.lower()):
+            return first[len(prefix):].strip()
+    return first
+
+
 def render(ctx) -> None:
     st.title("thoughtscope")
     st.markdown("Look inside a language model while it reasons: generate, record what happens inside it "
@@ -23,8 +32,7 @@ def render(ctx) -> None:
     st.subheader("Pages")
     for spec, module in discover_pages():
         if spec.order > 0:
-            first_line = (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
-            st.markdown(f"- **{spec.title}**: {first_line}")
+            st.markdown(f"- **{spec.title}**: {page_summary(module.__doc__ or '', spec.title)}")
     st.subheader("The prompt")
     st.caption("Set in the sidebar; every page uses it. This is what the model receives:")
     st.json(ctx.model_input(), expanded=False)

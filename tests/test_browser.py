@@ -79,7 +79,7 @@ def app_url():
 @pytest.fixture(scope="module")
 def browser():
     if not Path(CHROMIUM).is_file():
-        pytest.skip("Debian chromium is not installed (apt-get install -y chromium)")
+        pytest.fail("Debian chromium is not installed: run `make chromium` (apt-get install -y chromium)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -206,7 +206,7 @@ def test_screenshot_of_the_embedded_model_for_the_readme(browser):
     try:
         smollm2_gguf_path()
     except ThoughtscopeError as err:
-        pytest.skip(str(err))
+        pytest.fail(str(err))
     with serve("smollm2-135m") as url:
         context = browser.new_context(viewport={"width": 1400, "height": 1400})
         p = context.new_page()

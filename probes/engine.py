@@ -202,6 +202,7 @@ class Engine:
 
         Records of a batch come step by step: at each step one record per unfinished sequence.
         """
+        self._local_only("streaming generation")
         if (prompt is None) == (prompts is None):
             raise BadInputError("pass either prompt= or prompts=")
         batch_prompts = [prompt] if prompts is None else list(prompts)
@@ -328,16 +329,20 @@ class Engine:
         hooks, masks = self._split_interventions(interventions)
         if masks:
             raise BadInputError("MaskAttention applies to generated tokens; use it with generate()")
-        input_ids = torch.tensor([ids], device=self.handle.device)
-        with self.lock, HookRunner(self.handle, sites, hooks) as runner:
-            runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
-            out = self.model(input_ids=input_ids, use_cache=False)
-        logp = torch.log_softmax(out.logits[0].float(), dim=-1)
+        if self.handle.remote:
+            acts, logits = self._remote_trace(ids, sites, hooks)
+        else:
+            input_ids = torch.tensor([ids], device=self.handle.device)
+            with self.lock, HookRunner(self.handle, sites, hooks) as runner:
+                runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
+                logits = self.model(input_ids=input_ids, use_cache=False).logits[0]
+            acts = {name: v[0] for name, v in runner.captured.items()}
+        input_ids = torch.tensor([ids], device=logits.device)
+        logp = torch.log_softmax(logits.float(), dim=-1)
         entropies = -(logp.exp() * logp).sum(-1)
         token_lp = torch.full((len(ids),), float("nan"))
         if len(ids) > 1:
             token_lp[1:] = logp[:-1].gather(-1, input_ids[0, 1:].view(-1, 1)).squeeze(-1).cpu()
-        acts = {name: v[0] for name, v in runner.captured.items()}
         return Trace(
             text=text if isinstance(text, str) else self.tok.decode(ids), token_ids=ids,
             tokens=[self.tok.decode([i]) for i in ids], activations=acts,
@@ -354,6 +359,7 @@ class Engine:
         `stop_after_last_site` the forward ends after the deepest captured layer and no logits
         are computed, which is what harvesting step vectors needs.
         """
+        self._local_only("capture_batch")
         if not sequences:
             raise BadInputError("capture_batch needs at least one sequence")
         sites = self._check_sites(capture)
@@ -399,6 +405,22 @@ class Engine:
                     stopper.remove()
             return dict(runner.captured)
 
+    def _remote_trace(self, ids: list[int], sites: list[Site], hooks: list[Intervention]):
+        """A trace of an `ndif:` model: the same sites read through nnsight's remote execution."""
+        from probes.remote import nnsight_capture
+
+        if hooks:
+            raise BadInputError("interventions on ndif: models are not supported; trace without them, "
+                                "or load the model locally with hf:")
+        acts = nnsight_capture(self.handle, ids, sites, remote=True)
+        logits = acts["logits"] if any(s.name == "logits" for s in sites) else acts.pop("logits")
+        return acts, logits
+
+    def _local_only(self, what: str) -> None:
+        if self.handle.remote:
+            raise BadInputError(f"{what} needs the weights in this process; {self.handle.model_id} runs on NDIF, "
+                                "where only trace() is available (or handle.nnsight with remote=True)")
+
     @torch.no_grad()
     def head_means(self, texts: Sequence[str], layer: int) -> torch.Tensor:
         """Mean per-head attention output `z.layer` over all positions of `texts` (for mean ablation)."""
@@ -411,6 +433,7 @@ class Engine:
     @torch.no_grad()
     def prefill(self, prompt: Prompt, chat: bool = False) -> PrefixState:
         """Run a prefix once and keep its KV cache for any number of `fork`s."""
+        self._local_only("prefill")
         ids = self.encode(prompt, chat=chat)
         cache = self._new_cache()
         t = torch.tensor([ids], device=self.handle.device)

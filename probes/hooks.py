@@ -22,6 +22,19 @@ from probes.interventions import Intervention
 from probes.sites import Site, get_module
 
 
+def to_canonical(site: Site, x: torch.Tensor, arch: Any, batch: int) -> torch.Tensor:
+    """A module's raw tensor -> the site's [batch, seq, ...] view (heads split, router un-flattened)."""
+    if site.kind in ("q", "z"):
+        return x.view(*x.shape[:-1], arch.n_heads, -1)
+    if site.kind in ("k", "v"):
+        return x.view(*x.shape[:-1], arch.n_kv_heads, -1)
+    if site.kind == "router":
+        return x.view(batch, -1, x.shape[-1])
+    if site.kind == "attn_pattern":
+        return x.transpose(1, 2)  # [B, H, T, kv] -> [B, T, H, kv]: position axis second
+    return x
+
+
 @dataclass
 class ForwardContext:
     """What the hooks need to know about the forward in flight."""
@@ -85,16 +98,7 @@ class HookRunner:
     # --- shape conventions: every site is seen as [batch, seq, ...] inside the handlers ---
 
     def _to_canonical(self, site: Site, x: torch.Tensor) -> torch.Tensor:
-        arch, ctx = self.handle.arch, self.ctx
-        if site.kind in ("q", "z"):
-            return x.view(*x.shape[:-1], arch.n_heads, -1)
-        if site.kind in ("k", "v"):
-            return x.view(*x.shape[:-1], arch.n_kv_heads, -1)
-        if site.kind == "router":
-            return x.view(ctx.batch, -1, x.shape[-1])
-        if site.kind == "attn_pattern":
-            return x.transpose(1, 2)  # [B, H, T, kv] -> [B, T, H, kv]: position axis second
-        return x
+        return to_canonical(site, x, self.handle.arch, self.ctx.batch)
 
     def _from_canonical(self, site: Site, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         if site.kind == "attn_pattern":

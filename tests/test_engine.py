@@ -242,3 +242,29 @@ def test_capture_batch_with_a_shared_prefix_equals_single_traces(llama):
                                        atol=1e-5, rtol=0)
     with pytest.raises(BadInputError, match="prefix"):
         llama.capture_batch([llama.encode("something else entirely")], ["resid_post.0"], prefix=state)
+
+
+@pytest.mark.parametrize("fixture", ["llama", "moe"])
+def test_nnsight_capture_reads_every_site_like_the_engine(fixture, request):
+    """The path ndif: models take (nnsight, here with remote=False) reads exactly what the hooks read."""
+    from probes.remote import nnsight_capture
+    from probes.sites import list_sites, parse_site
+
+    engine = request.getfixturevalue(fixture)
+    ids = engine.encode("nnsight and the hook runner agree on every site")
+    names = [row["site"] for row in list_sites(engine.handle.arch)]
+    ours = engine.trace(ids, capture=names).activations
+    theirs = nnsight_capture(engine.handle, ids, [parse_site(n) for n in names], remote=False)
+    for name in names:
+        torch.testing.assert_close(theirs[name], ours[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_streaming_needs_local_weights(llama):
+    """An ndif: handle (no local weights) refuses generation with a message saying what works."""
+    import dataclasses
+
+    remote = Engine(dataclasses.replace(llama.handle, remote=True))
+    with pytest.raises(BadInputError, match="NDIF"):
+        remote.generate("hello", max_new_tokens=2)
+    with pytest.raises(BadInputError, match="NDIF"):
+        remote.prefill("hello")

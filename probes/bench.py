@@ -52,7 +52,7 @@ def bench_capture_forward(engine: Any, repeats: int = 15, tokens: int = 128) -> 
         engine.model(input_ids=x, use_cache=False)
 
     def captured() -> None:
-        engine.trace(ids, capture=sites)
+        engine.capture(ids, sites)
 
     tp, tc = _alternate(plain, captured, repeats)
     ratio = statistics.median(tc) / statistics.median(tp)

@@ -329,14 +329,7 @@ class Engine:
         hooks, masks = self._split_interventions(interventions)
         if masks:
             raise BadInputError("MaskAttention applies to generated tokens; use it with generate()")
-        if self.handle.remote:
-            acts, logits = self._remote_trace(ids, sites, hooks)
-        else:
-            input_ids = torch.tensor([ids], device=self.handle.device)
-            with self.lock, HookRunner(self.handle, sites, hooks) as runner:
-                runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
-                logits = self.model(input_ids=input_ids, use_cache=False).logits[0]
-            acts = {name: v[0] for name, v in runner.captured.items()}
+        acts, logits = self._capture_forward(ids, sites, hooks)
         input_ids = torch.tensor([ids], device=logits.device)
         logp = torch.log_softmax(logits.float(), dim=-1)
         entropies = -(logp.exp() * logp).sum(-1)
@@ -404,6 +397,32 @@ class Engine:
                 if stopper is not None:
                     stopper.remove()
             return dict(runner.captured)
+
+    @torch.no_grad()
+    def capture(self, text: Prompt, capture: Sequence[str], interventions: Sequence[Any] = (),
+                chat: bool = False) -> dict[str, torch.Tensor]:
+        """One forward, the named sites out: {site: [seq, ...]}. `trace` without the statistics.
+
+        >>> acts = Engine.from_id("tiny-random:llama").capture("hello world", ["resid_post.0"])
+        >>> acts["resid_post.0"].shape
+        torch.Size([2, 64])
+        """
+        ids = self.encode(text, chat=chat)
+        sites = self._check_sites(capture)
+        hooks, masks = self._split_interventions(interventions)
+        if masks:
+            raise BadInputError("MaskAttention applies to generated tokens; use it with generate()")
+        return self._capture_forward(ids, sites, hooks)[0]
+
+    def _capture_forward(self, ids: list[int], sites: list[Site], hooks: list[Intervention]):
+        """(activations {site: [seq, ...]}, logits [seq, vocab]) of one teacher-forced forward."""
+        if self.handle.remote:
+            return self._remote_trace(ids, sites, hooks)
+        input_ids = torch.tensor([ids], device=self.handle.device)
+        with self.lock, HookRunner(self.handle, sites, hooks) as runner:
+            runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
+            logits = self.model(input_ids=input_ids, use_cache=False).logits[0]
+        return {name: v[0] for name, v in runner.captured.items()}, logits
 
     def _remote_trace(self, ids: list[int], sites: list[Site], hooks: list[Intervention]):
         """A trace of an `ndif:` model: the same sites read through nnsight's remote execution."""

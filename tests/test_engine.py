@@ -268,3 +268,12 @@ def test_streaming_needs_local_weights(llama):
         remote.generate("hello", max_new_tokens=2)
     with pytest.raises(BadInputError, match="NDIF"):
         remote.prefill("hello")
+
+
+def test_capture_is_trace_without_the_statistics(llama):
+    ids = llama.encode("one forward, the sites out")
+    acts = llama.capture(ids, ["resid_post.1", "logits"])
+    trace = llama.trace(ids, capture=["resid_post.1", "logits"])
+    assert set(acts) == {"resid_post.1", "logits"}
+    for site in acts:
+        torch.testing.assert_close(acts[site], trace.activations[site])

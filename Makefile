@@ -35,7 +35,7 @@ test-unit:
 	$(PYTEST) -q -m "not model and not browser" tests
 
 test-model:
-	$(PYTEST) -q -m model tests
+	$(PYTEST) -q -m "model and not browser" tests
 
 test-browser:
 	$(PYTEST) -q -m browser tests

@@ -78,11 +78,13 @@ def generate(
     chat: bool = typer.Option(True, help="wrap the prompt in the model's chat template"),
     capture: list[str] = typer.Option([], help="site to capture, e.g. resid_post.12 (repeatable)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON record per token"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
+                                           help="let an hf: model folder run its own modeling code"),
 ) -> None:
     """Stream tokens with their entropy to the terminal (or JSON records with --json)."""
     from probes.engine import Engine, Sampling
 
-    engine = Engine.from_id(model)
+    engine = Engine.from_id(model, trust_remote_code=trust_remote_code)
     stream = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=Sampling(temperature=temperature),
                              seed=seed, capture=capture, chat=chat)
     out = Console(highlight=False)

@@ -491,6 +491,7 @@ def serve(
     dtype: str | None = None,
     device_map: str | None = None,
     log_level: str = "info",
+    trust_remote_code: bool = False,
 ) -> None:
     """Load `model_id` and serve it until interrupted. A model that fails to load stops the server
     and raises its error (the CLI prints the message)."""
@@ -504,7 +505,7 @@ def serve(
         load_error.append(err)
         server.should_exit = True
 
-    load_kwargs = {"device": device, "dtype": dtype, "device_map": device_map}
+    load_kwargs = {"device": device, "dtype": dtype, "device_map": device_map, "trust_remote_code": trust_remote_code}
     app = create_app(model_id, token=token, max_queue=max_queue, max_body_bytes=max_body_bytes,
                      max_new_tokens_cap=max_new_tokens_cap, load_kwargs=load_kwargs, on_load_error=stop)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)

@@ -27,9 +27,11 @@ def register(cli: typer.Typer) -> None:
         max_new_tokens_cap: int = typer.Option(DEFAULT_MAX_NEW_TOKENS_CAP, help="largest max_new_tokens accepted"),
         max_body_bytes: int = typer.Option(DEFAULT_MAX_BODY_BYTES, help="largest request body accepted (413 beyond)"),
         log_level: str = typer.Option("info", help="uvicorn log level"),
+        trust_remote_code: bool = typer.Option(
+            False, "--trust-remote-code", help="let an hf: model folder run its own modeling code (only if you trust it)"),
     ) -> None:
         """Serve a model over HTTP: streamed generation (SSE), traces, interventions; the app connects with
         `RemoteBackend(url, token)`."""
         serve(model, host=host, port=port, token=token, max_queue=max_queue, max_body_bytes=max_body_bytes,
               max_new_tokens_cap=max_new_tokens_cap, device=device, dtype=dtype, device_map=device_map,
-              log_level=log_level)
+              log_level=log_level, trust_remote_code=trust_remote_code)

@@ -60,6 +60,11 @@ class PageContext:
             return one_shot_messages(self.prompt)
         return [{"role": "user", "content": self.prompt}]
 
+    def result_key(self, kind: str, **parts: Any) -> str:
+        """A string naming a page's result by its kind, the model behind it and `parts` (not the prompt)."""
+        return json.dumps({"kind": kind, "server": self.server_url, "model": self.model_id, **parts},
+                          sort_keys=True, default=str)
+
     def cache_key(self, **extra: Any) -> str:
         """A string naming everything a generation depends on (plus `extra`), for st.cache_data keys."""
         return json.dumps({

@@ -9,7 +9,6 @@ by everything they depend on, so moving h or reopening the page never regenerate
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -41,11 +40,6 @@ H_MIN, H_MAX = 0.1, 10.0
 def results() -> FinishedGenerations:
     """Fitted detectors, finished traces and evaluations of this process, newest 64 kept."""
     return FinishedGenerations(max_entries=64)
-
-
-def _key(ctx, kind: str, **parts: Any) -> str:
-    return json.dumps({"kind": kind, "server": ctx.server_url, "model": ctx.model_id, **parts}, sort_keys=True,
-                      default=str)
 
 
 def fit_calibration(engine: Any, problems: list, family: CotFamily, *, max_new_tokens: int, bins: int, seed: int,
@@ -81,7 +75,7 @@ def calibration_section(ctx, store, family: CotFamily, task: str, force: bool):
     right.write("")
     fit_now = right.button("Calibrate", key="cot_calibrate", icon=":material/tune:")
     s = ctx.settings
-    key = _key(ctx, "calibration", task=task, n=n, bins=bins, tokens=s.max_new_tokens, seed=ctx.seed,
+    key = ctx.result_key("calibration", task=task, n=n, bins=bins, tokens=s.max_new_tokens, seed=ctx.seed,
                delimiter=family.step_delimiter)
     found = store.get(key)
     if found is None and (fit_now or force):
@@ -209,7 +203,7 @@ def trace_section(ctx, store, family: CotFamily, task: str, n_cal: int, detector
     if detector is None:
         return
     s = ctx.settings
-    key = _key(ctx, "trace", calibration=calibration_key, prompt=prompt, target=target, settings=s.to_dict(),
+    key = ctx.result_key("trace", calibration=calibration_key, prompt=prompt, target=target, settings=s.to_dict(),
                seed=ctx.seed, delimiter=family.step_delimiter)
     analysis = store.get(key)
     if generate:
@@ -236,7 +230,7 @@ def evaluation_section(ctx, store, family: CotFamily, task: str, n_cal: int, bin
                                      default=list(DEFAULT_THRESHOLDS), key="cot_eval_h")
         right.write("")
         run_exit = right.button("Run exit evaluation", key="cot_eval_run", icon=":material/play_arrow:")
-        key = _key(ctx, "cot-exit", task=task, n=n, n_cal=n_cal, h=sorted(thresholds), bins=bins,
+        key = ctx.result_key("cot-exit", task=task, n=n, n_cal=n_cal, h=sorted(thresholds), bins=bins,
                    tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
         report = store.get(key)
         if run_exit:
@@ -264,7 +258,7 @@ def evaluation_section(ctx, store, family: CotFamily, task: str, n_cal: int, bin
         temperature = right.slider("Temperature", 0.1, 1.5, 0.7, 0.05, key="cot_vote_temperature")
         last.write("")
         run_vote = last.button("Run voting", key="cot_vote_run", icon=":material/how_to_vote:")
-        vote_key = _key(ctx, "cot-vote", task=task, n=n_vote, n_cal=n_cal, samples=samples, t=temperature, bins=bins,
+        vote_key = ctx.result_key("cot-vote", task=task, n=n_vote, n_cal=n_cal, samples=samples, t=temperature, bins=bins,
                         tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
         vote = store.get(vote_key)
         if run_vote:

@@ -9,7 +9,6 @@ reopening the page never recomputes anything.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import streamlit as st
@@ -37,11 +36,6 @@ N_HELDOUT = 8
 def results() -> FinishedGenerations:
     """Pipelines, steered generations and confidence fits of this process, newest 32 kept."""
     return FinishedGenerations(max_entries=32)
-
-
-def _key(ctx, kind: str, **parts: Any) -> str:
-    return json.dumps({"kind": kind, "server": ctx.server_url, "model": ctx.model_id, **parts}, sort_keys=True,
-                      default=str)
 
 
 def default_layers(n_layers: int) -> list[int]:
@@ -101,7 +95,7 @@ def harvest_section(ctx, store) -> tuple[dict[str, Any] | None, HarvestSettings 
     settings = HarvestSettings(layers=tuple(sorted(layers)), max_new_tokens=ctx.settings.max_new_tokens,
                                batch_size=max(1, min(16, int(n))), augment="templated" if augment else "none",
                                seed=ctx.seed)
-    key = _key(ctx, "rise-pipeline", task=task, n=int(n), seed=ctx.seed, settings=settings.to_dict(),
+    key = ctx.result_key("rise-pipeline", task=task, n=int(n), seed=ctx.seed, settings=settings.to_dict(),
                sae_steps=int(sae_steps), projection=projection)
     run_now = st.button("Harvest + train", type="primary", key="rise_run", icon=":material/play_arrow:")
     found = store.get(key)
@@ -248,7 +242,7 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
         if not ctx.prompt.strip():
             st.info("Type a question in the sidebar.")
             return
-    key = _key(ctx, "rise-steer", pipeline=found["key"], site=site, direction=name, mode=mode,
+    key = ctx.result_key("rise-steer", pipeline=found["key"], site=site, direction=name, mode=mode,
                alpha=float(alpha), problem=problem.to_dict(), seed=ctx.seed)
     result = store.get(key)
     if result is None:
@@ -282,7 +276,7 @@ def confidence_section(ctx, store, found: dict[str, Any], site: str, pipeline_ke
         batch = mid.number_input("Batch (traces)", 1, 64, 4, key="rise_conf_batch")
         right.write("")
         run_now = right.button("Fit confidence vectors", key="rise_conf_run", icon=":material/bolt:")
-        key = _key(ctx, "rise-confidence", pipeline=pipeline_key, site=site, iterations=int(iterations),
+        key = ctx.result_key("rise-confidence", pipeline=pipeline_key, site=site, iterations=int(iterations),
                    batch=int(batch), seed=ctx.seed)
         result = store.get(key)
         if run_now and result is None:

@@ -1,0 +1,31 @@
+"""The benchmark harness runs and reports ratios (on a tiny model: the figures themselves are the README's)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from probes import bench
+
+
+def test_each_hook_benchmark_reports_a_positive_ratio(llama):
+    rows = [
+        bench.bench_capture_forward(llama, repeats=2, tokens=32),
+        bench.bench_generate(llama, steer=False, tokens=8, repeats=1),
+        bench.bench_generate(llama, steer=True, tokens=8, repeats=1),
+        bench.bench_fork_probe(llama, prefix_tokens=128, probe_tokens=16, repeats=2),
+    ]
+    assert [r["bench"] for r in rows] == ["capture_forward", "stream_generate", "steer_generate", "fork_probe"]
+    for row in rows:
+        assert row["ratio"] > 0 and row["target"] > 0
+        json.dumps(row)
+    assert rows[1]["engine_tokens"] <= 8
+
+
+def test_bench_cli_prints_one_json_object_per_line(monkeypatch, llama):
+    monkeypatch.setattr(bench, "run_hooks", lambda model: [bench.bench_capture_forward(llama, repeats=1, tokens=16)])
+    result = CliRunner().invoke(bench.bench_cli, ["hooks", "--model", "tiny-random:llama", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.output.splitlines()]
+    assert rows[0]["bench"] == "capture_forward" and "device" in rows[0]

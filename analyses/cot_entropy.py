@@ -921,12 +921,30 @@ class CotExitReport:
 
 def fit_detector(engine: Any, problems: Sequence[Problem], family: CotFamily, *, threshold: float = 2.0,
                  bins: int = 10, max_new_tokens: int = 96, seed: int = 0, batch_size: int = 8,
-                 progress: bool = True) -> tuple[CusumDetector, list[ProbedTrace]]:
-    """Greedy calibration traces probed at their step ends, and the detector fitted on them."""
-    traces = probe_traces(engine, problems, family, [StoppingRule(probe_step_ends=True)],
-                          max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, progress=progress,
-                          desc="calibration")
+                 progress: bool = True, on_progress: Callable[[int, int], None] | None = None,
+                 ) -> tuple[CusumDetector, list[ProbedTrace]]:
+    """Greedy calibration traces probed at their step ends, and the detector fitted on them.
+
+    `on_progress(done, total)` is called after each batch (a page's progress bar); without it a
+    terminal progress bar is shown when `progress`.
+    """
+    rule = [StoppingRule(probe_step_ends=True)]
+    if on_progress is None:
+        traces = probe_traces(engine, problems, family, rule, max_new_tokens=max_new_tokens, seed=seed,
+                              batch_size=batch_size, progress=progress, desc="calibration")
+    else:
+        traces = []
+        for start in range(0, len(problems), batch_size):
+            traces += probe_traces(engine, problems[start:start + batch_size], family, rule,
+                                   max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, progress=False)
+            on_progress(len(traces), len(problems))
     return CusumDetector(threshold=threshold, bins=bins).fit(traces), traces
+
+
+def calibration_summary(traces: Sequence[ProbedTrace]) -> dict[str, Any]:
+    """Accuracy of the calibration traces' final answers and how many probed steps the densities saw."""
+    return {"accuracy": float(np.mean([is_correct(t.final_answer, t.target) for t in traces])) if traces else 0.0,
+            "steps": int(sum(len(t.calibration().entropies) for t in traces))}
 
 
 def _split(task: str, n: int, n_calibration: int, seed: int) -> tuple[list[Problem], list[Problem]]:

@@ -365,3 +365,22 @@ def test_embedded_model_probes_read_numbers():
     analysis = analyze_trace(engine, problem, _hand_detector(1.0), max_new_tokens=64)
     assert analysis.step_probes, "SmolLM2's trace should hold at least one sentence end before its last"
     assert all(p.answer is not None and p.answer.lstrip("-").isdigit() for p in analysis.step_probes)
+
+
+def test_fit_detector_reports_progress_per_batch_and_matches_one_call():
+    """A page's progress callback sees every batch; the fitted densities equal those of one call."""
+    from analyses.cot_entropy import calibration_summary, cot_family_for, fit_detector
+    from analyses.tasks import load_task
+    from probes import Engine
+
+    engine = Engine.from_id("tiny-random:llama")
+    problems = load_task("arith", 5, seed=3)
+    family = cot_family_for(engine)
+    seen: list[tuple[int, int]] = []
+    batched, traces = fit_detector(engine, problems, family, max_new_tokens=12, batch_size=2, progress=False,
+                                   on_progress=lambda done, total: seen.append((done, total)))
+    whole, _ = fit_detector(engine, problems, family, max_new_tokens=12, batch_size=2, progress=False)
+    assert seen == [(2, 5), (4, 5), (5, 5)]
+    assert batched.to_dict() == whole.to_dict()
+    summary = calibration_summary(traces)
+    assert summary["steps"] == sum(len(t.calibration().entropies) for t in traces) and 0 <= summary["accuracy"] <= 1

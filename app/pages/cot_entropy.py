@@ -13,12 +13,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import streamlit as st
 
 from analyses.cot_entropy import (DEFAULT_THRESHOLDS, CotFamily, CotMonitor, CusumDetector, StoppingRule,
-                                  analysis_from_run, cot_family_for, evaluate_cot_exit, evaluate_cot_vote,
-                                  probe_traces, run_with_rule)
+                                  analysis_from_run, calibration_summary, cot_family_for, evaluate_cot_exit,
+                                  evaluate_cot_vote, fit_detector, run_with_rule)
 from analyses.tasks import TASK_NAMES, is_correct, load_task
 from app.context import FinishedGenerations
 from app.export import show_figure
@@ -44,22 +43,12 @@ def results() -> FinishedGenerations:
 
 def fit_calibration(engine: Any, problems: list, family: CotFamily, *, max_new_tokens: int, bins: int, seed: int,
                     on_progress: Callable[[int, int], None] | None = None) -> tuple[CusumDetector, dict[str, Any]]:
-    """Greedy traces of the calibration problems probed at every step end, the detector fitted on them
-    (as `analyses.cot_entropy.fit_detector`, batch by batch so the page can show progress), and a summary."""
-    rule = [StoppingRule(probe_step_ends=True)]
-    traces = []
-    for start in range(0, len(problems), CAL_BATCH):
-        traces += probe_traces(engine, problems[start:start + CAL_BATCH], family, rule, max_new_tokens=max_new_tokens,
-                               seed=seed + start, batch_size=CAL_BATCH, progress=False)
-        if on_progress:
-            on_progress(len(traces), len(problems))
+    """`fit_detector` batch by batch (so the page can show progress), its summary and any warnings of the fit."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        detector = CusumDetector(bins=bins).fit(traces)
-    summary = {"accuracy": float(np.mean([is_correct(t.final_answer, t.target) for t in traces])),
-               "steps": int(sum(len(t.calibration().entropies) for t in traces)),
-               "warnings": [str(w.message) for w in caught]}
-    return detector, summary
+        detector, traces = fit_detector(engine, problems, family, bins=bins, max_new_tokens=max_new_tokens, seed=seed,
+                                        batch_size=CAL_BATCH, progress=False, on_progress=on_progress)
+    return detector, {**calibration_summary(traces), "warnings": [str(w.message) for w in caught]}
 
 
 # ----------------------------------------------------------------------------- 1. calibration

@@ -13,8 +13,8 @@ from typing import Any
 
 import streamlit as st
 
-from analyses.rise import (BEHAVIOURS, SENTENCE_MODELS, HarvestSettings, analyse, confidence_vectors,
-                           engine_unembedding, feature_dashboard, harvest, steer)
+from analyses.rise import (BEHAVIOURS, SENTENCE_MODELS, HarvestSettings, confidence_vectors,
+                           engine_unembedding, feature_dashboard, run_pipeline, steer)
 from analyses.tasks import TASK_NAMES, Problem, load_task
 from app.context import FinishedGenerations
 from app.export import show_figure
@@ -43,36 +43,6 @@ def default_layers(n_layers: int) -> list[int]:
     from analyses.rise_cli import default_layers as cli_layers
 
     return list(cli_layers(n_layers))
-
-
-def run_pipeline(engine: Any, problems: list[Problem], settings: HarvestSettings, *, sae_steps: int, projection: str,
-                 seed: int, model_id: str, on_progress=None) -> dict[str, Any]:
-    """Harvest (resumable, in the ActivationStore), one SAE per layer, then the analysis."""
-    from cache.store import ActivationStore
-    from saes.train import SAETrainSettings, train_sae
-
-    done: list = []
-    store = ActivationStore()
-    for lo in range(0, len(problems), settings.batch_size):  # one harvest per batch so the bar moves
-        done.append(harvest(engine, problems[:lo + settings.batch_size], settings, store=store, progress=False))
-        if on_progress:
-            on_progress("harvest", min(lo + settings.batch_size, len(problems)), len(problems))
-    h = done[-1]
-    saes, stats = {}, {}
-    for i, (site, acts) in enumerate(h.acts.items()):
-        if acts.shape[0] < 2:
-            raise _TooFewSteps(site, acts.shape[0])
-        train = SAETrainSettings.scaled(acts.shape[1], acts.shape[0], seed=seed, steps=sae_steps, progress=False)
-        saes[site], stats[site] = train_sae(acts, train, metadata={"model_name": model_id, "hook_name": site})
-        if on_progress:
-            on_progress("train", i + 1, len(h.acts))
-    return {"harvest": h, "saes": saes, "stats": stats, "analysis": analyse(h, saes, method=projection, seed=seed)}
-
-
-class _TooFewSteps(ThoughtscopeError):
-    def __init__(self, site: str, n: int):
-        super().__init__(f"only {n} step vector(s) at {site}: an SAE needs at least 2. Harvest more problems, "
-                         "more tokens, or tick 'splice templated reflection/backtracking steps'.")
 
 
 # ----------------------------------------------------------------------------- 1. harvest + train

@@ -277,3 +277,21 @@ def test_capture_is_trace_without_the_statistics(llama):
     assert set(acts) == {"resid_post.1", "logits"}
     for site in acts:
         torch.testing.assert_close(acts[site], trace.activations[site])
+
+
+def test_generation_feeds_each_token_once(llama):
+    """The KV cache is reused: the prompt is fed once, then exactly one new token per step."""
+    fed: list[int] = []
+    hook = llama.model.model.embed_tokens.register_forward_hook(lambda m, args, out: fed.append(args[0].shape[1]))
+    try:
+        ids = llama.encode("the prefix is never run twice")
+        list(llama.generate(ids, max_new_tokens=6))
+        generation = list(fed)
+        state = llama.prefill(ids)
+        fed.clear()
+        llama.fork(state, " probe", max_new_tokens=3)
+    finally:
+        hook.remove()
+    assert generation == [len(ids), 1, 1, 1, 1, 1]  # the 6th token is emitted, never fed
+    suffix = len(llama.tok(" probe", add_special_tokens=False)["input_ids"])
+    assert fed == [suffix, 1, 1]

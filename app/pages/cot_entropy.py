@@ -65,7 +65,7 @@ def calibration_section(ctx, store, family: CotFamily, task: str, force: bool):
     fit_now = right.button("Calibrate", key="cot_calibrate", icon=":material/tune:")
     s = ctx.settings
     key = ctx.result_key("calibration", task=task, n=n, bins=bins, tokens=s.max_new_tokens, seed=ctx.seed,
-               delimiter=family.step_delimiter)
+                         delimiter=family.step_delimiter)
     found = store.get(key)
     if found is None and (fit_now or force):
         problems = load_task(task, n, seed=ctx.seed)
@@ -193,7 +193,7 @@ def trace_section(ctx, store, family: CotFamily, task: str, n_cal: int, detector
         return
     s = ctx.settings
     key = ctx.result_key("trace", calibration=calibration_key, prompt=prompt, target=target, settings=s.to_dict(),
-               seed=ctx.seed, delimiter=family.step_delimiter)
+                         seed=ctx.seed, delimiter=family.step_delimiter)
     analysis = store.get(key)
     if generate:
         analysis = live_run(ctx, detector, family, prompt, target, problem_id, h)
@@ -220,7 +220,7 @@ def evaluation_section(ctx, store, family: CotFamily, task: str, n_cal: int, bin
         right.write("")
         run_exit = right.button("Run exit evaluation", key="cot_eval_run", icon=":material/play_arrow:")
         key = ctx.result_key("cot-exit", task=task, n=n, n_cal=n_cal, h=sorted(thresholds), bins=bins,
-                   tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
+                             tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
         report = store.get(key)
         if run_exit:
             with st.spinner(f"Calibrating on {n_cal} and evaluating {n} problems\u2026"), warnings.catch_warnings():
@@ -248,7 +248,7 @@ def evaluation_section(ctx, store, family: CotFamily, task: str, n_cal: int, bin
         last.write("")
         run_vote = last.button("Run voting", key="cot_vote_run", icon=":material/how_to_vote:")
         vote_key = ctx.result_key("cot-vote", task=task, n=n_vote, n_cal=n_cal, samples=samples, t=temperature, bins=bins,
-                        tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
+                                  tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
         vote = store.get(vote_key)
         if run_vote:
             with st.spinner(f"Sampling {samples} traces for each of {n_vote} problems\u2026"), \

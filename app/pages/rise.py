@@ -66,7 +66,7 @@ def harvest_section(ctx, store) -> tuple[dict[str, Any] | None, HarvestSettings 
                                batch_size=max(1, min(16, int(n))), augment="templated" if augment else "none",
                                seed=ctx.seed)
     key = ctx.result_key("rise-pipeline", task=task, n=int(n), seed=ctx.seed, settings=settings.to_dict(),
-               sae_steps=int(sae_steps), projection=projection)
+                         sae_steps=int(sae_steps), projection=projection)
     run_now = st.button("Harvest + train", type="primary", key="rise_run", icon=":material/play_arrow:")
     found = store.get(key)
     if run_now and found is None:
@@ -213,7 +213,7 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
             st.info("Type a question in the sidebar.")
             return
     key = ctx.result_key("rise-steer", pipeline=found["key"], site=site, direction=name, mode=mode,
-               alpha=float(alpha), problem=problem.to_dict(), seed=ctx.seed)
+                         alpha=float(alpha), problem=problem.to_dict(), seed=ctx.seed)
     result = store.get(key)
     if result is None:
         with st.spinner(f"Generating with alpha 0 and {alpha:g}\u2026"):
@@ -247,7 +247,7 @@ def confidence_section(ctx, store, found: dict[str, Any], site: str, pipeline_ke
         right.write("")
         run_now = right.button("Fit confidence vectors", key="rise_conf_run", icon=":material/bolt:")
         key = ctx.result_key("rise-confidence", pipeline=pipeline_key, site=site, iterations=int(iterations),
-                   batch=int(batch), seed=ctx.seed)
+                             batch=int(batch), seed=ctx.seed)
         result = store.get(key)
         if run_now and result is None:
             with st.spinner(f"Fitting {int(iterations)} iterations at {site}\u2026"):

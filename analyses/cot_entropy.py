@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from analyses.tasks import Problem, extract_answer, is_correct, load_task, one_shot_messages, split_problems
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 
 DEFAULT_THRESHOLDS = (0.5, 1.0, 2.0, 4.0)
 HESITATION_WORDS = ("wait", "hmm", "but", "however", "alternatively", "maybe", "not sure", "double-check")

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 
 
 def _eval_app(cli: typer.Typer) -> typer.Typer:

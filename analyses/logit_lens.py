@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 from probes.records import Trace
 from probes.sites import FAMILIES, get_module, parse_site
 

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from analyses.tasks import SYSTEM_PROMPT, Problem, cot_prompt, is_correct, one_shot_messages
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 
 BEHAVIOURS = ("reflection", "backtracking")
 OTHER = "other"

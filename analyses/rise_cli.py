@@ -23,7 +23,7 @@ from typing import Any, Optional
 import typer
 import typer.core
 
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 
 rise_app = typer.Typer(no_args_is_help=True, help="RISE: step-level SAEs, reasoning vectors and steering.")
 MULTI_VALUE_FLAGS = ("--alpha", "--layers")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from probes.engine import Sampling
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 from probes.interventions import AddVector
 from probes.records import TokenRecord
 

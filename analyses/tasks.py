@@ -31,7 +31,7 @@ from decimal import Decimal, InvalidOperation
 from importlib.resources import files
 from typing import Any
 
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 
 TASK_NAMES = ("arith", "arith2", "arith-mixed", "gsm8k")
 

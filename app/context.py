@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from probes.engine import Sampling
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 
 ChatMessages = list[dict[str, str]]
 

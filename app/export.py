@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from app.figures.template import EXPORT_SIZE
-from probes.errors import ThoughtscopeError
+from thoughtscope.errors import ThoughtscopeError
 
 IMAGE_FORMATS = ("png", "svg", "pdf")
 DATA_FORMATS = ("csv", "json")

@@ -22,7 +22,7 @@ import streamlit as st  # noqa: E402
 from app.context import PageContext  # noqa: E402
 from app.registry import discover_pages  # noqa: E402
 from app.sidebar import MODEL_ENV, SERVER_ENV, sidebar_context  # noqa: E402
-from probes.errors import ThoughtscopeError  # noqa: E402
+from thoughtscope.errors import ThoughtscopeError  # noqa: E402
 
 
 def apply_launch_args(argv: list[str]) -> None:

@@ -14,7 +14,7 @@ import threading
 import streamlit as st
 
 from app.context import FinishedGenerations, GenerationSettings, PageContext
-from probes.errors import ThoughtscopeError
+from thoughtscope.errors import ThoughtscopeError
 from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, local_hf_models
 
 MODEL_ENV = "THOUGHTSCOPE_MODEL"  # set by `thoughtscope app --model` (or by hand)

@@ -39,7 +39,7 @@ import platformdirs
 import safetensors.torch
 import torch
 
-from probes.errors import BadInputError, CacheError
+from thoughtscope.errors import BadInputError, CacheError
 
 ENV_VAR = "THOUGHTSCOPE_CACHE_DIR"
 INDEX_NAME = "index.sqlite"

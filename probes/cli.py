@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from probes.errors import ThoughtscopeError
+from thoughtscope.errors import ThoughtscopeError
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help="thoughtscope: look inside models while they reason.")
 console = Console(stderr=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from probes.errors import ThoughtscopeError
+from thoughtscope.errors import ThoughtscopeError
 from probes.records import TokenRecord, Trace
 from probes.wire import (
     ServerBusyError,

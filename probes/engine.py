@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 from probes.hooks import HookRunner
 from probes.interventions import Intervention, MaskAttention
 from probes.records import TokenRecord, Trace

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +27,58 @@ from typing import Any, ClassVar
 
 import torch
 
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 from probes.sites import Site, validate_site
 
 RESIDUAL_KINDS = ("resid_pre", "resid_post", "attn_out", "mlp_out")
 WHERE = ("all", "generated")
+
+# Every kind the engine applies (interventions, attention masks, router rules, KV-cache policies),
+# by its wire name. A class registers itself by defining `kind`; nothing else changes to add one.
+KINDS: dict[str, type["Registered"]] = {}
+
+
+class Registered:
+    """Base of everything that travels in `interventions=`: it has a wire name (`kind`), its spec is
+    its constructor's arguments (read back from attributes of the same names), and `tensor_fields`
+    name the arguments that are tensors (sent as safetensors bytes, never pickle)."""
+
+    kind: ClassVar[str] = ""
+    tensor_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("kind")
+        if name:
+            if name in KINDS and KINDS[name].__qualname__ != cls.__qualname__:
+                raise TypeError(f"two classes claim the intervention kind {name!r}: {KINDS[name]} and {cls}")
+            KINDS[name] = cls
+
+    @classmethod
+    def parameters(cls) -> list[str]:
+        """The constructor's argument names: what a spec holds besides `kind`."""
+        return [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
+
+    def spec(self) -> dict[str, Any]:
+        """{'kind': ..., <constructor argument>: value, ...}; tensors stay tensors (the wire encodes them)."""
+        return {"kind": self.kind, **{name: getattr(self, name) for name in self.parameters()}}
+
+    @classmethod
+    def from_spec(cls, fields: dict[str, Any]) -> "Registered":
+        unknown = sorted(set(fields) - set(cls.parameters()))
+        if unknown:
+            raise BadInputError(f"{cls.kind!r} takes {cls.parameters()}; unknown field(s) {unknown}")
+        try:
+            return cls(**fields)
+        except TypeError as err:  # a missing required argument
+            raise BadInputError(f"{cls.kind!r}: {err}") from err
+
+
+def kind_of(name: str) -> type[Registered]:
+    """The registered class of a wire name; an unknown name lists the known ones."""
+    if name not in KINDS:
+        raise BadInputError(f"unknown intervention kind {name!r}; known kinds: {', '.join(sorted(KINDS))}")
+    return KINDS[name]
 
 
 def _finite(value: float, what: str) -> float:
@@ -53,7 +101,7 @@ def _as_vector(v: Any, width: int, what: str) -> torch.Tensor:
 
 
 @dataclass
-class Intervention:
+class Intervention(Registered):
     """Base: a site, where it applies (`all` positions or only the `generated` ones), and `edit`."""
 
     site: str
@@ -85,6 +133,8 @@ class Intervention:
 class AddVector(Intervention):
     """Add `scale * vector` to the activation at `site` (activation addition, Turner et al. 2023)."""
 
+    kind: ClassVar[str] = "add"
+    tensor_fields: ClassVar[tuple[str, ...]] = ("vector",)
     vector: torch.Tensor = None
     scale: float = 1.0
 
@@ -106,6 +156,8 @@ class AddVector(Intervention):
 class ProjectionRescale(Intervention):
     """h' = h - alpha * w (w.h) with w normalised (RISE): alpha 1 removes the w component, -1 doubles it."""
 
+    kind: ClassVar[str] = "rescale"
+    tensor_fields: ClassVar[tuple[str, ...]] = ("direction",)
     direction: torch.Tensor = None
     alpha: float = 1.0
 
@@ -136,6 +188,8 @@ class HeadAblation(Intervention):
     because the mean over one decode step is the step itself.
     """
 
+    kind: ClassVar[str] = "ablate_heads"
+    tensor_fields: ClassVar[tuple[str, ...]] = ("means",)
     heads: list[int] = field(default_factory=list)
     mode: str = "zero"
     means: torch.Tensor | None = None
@@ -143,11 +197,15 @@ class HeadAblation(Intervention):
 
     def __init__(self, layer: int, heads: list[int], mode: str = "zero", means: Any = None, where: str = "all"):
         self.site, self.where = f"z.{layer}", where
-        self.heads, self.mode, self.means = list(heads), mode, means
+        self.heads, self.mode, self.means = list(heads) if isinstance(heads, (list, tuple)) else heads, mode, means
+
+    @property
+    def layer(self) -> int:
+        return int(self.site.split(".", 1)[1])
 
     def _check(self, arch: Any) -> None:
-        if not self.heads:
-            raise BadInputError("HeadAblation needs at least one head")
+        if not isinstance(self.heads, list) or not self.heads:
+            raise BadInputError("HeadAblation needs a non-empty list of heads")
         bad = [h for h in self.heads if not (isinstance(h, int) and 0 <= h < arch.n_heads)]
         if bad:
             raise BadInputError(f"heads {bad} out of range; this model has heads 0..{arch.n_heads - 1}")
@@ -174,17 +232,22 @@ class HeadAblation(Intervention):
 
 
 @dataclass
-class MaskAttention:
+class MaskAttention(Registered):
     """Generated tokens (and the last prompt token, which predicts the first of them) may not
     attend to `positions` (indices into the prompt), in every layer. Applied through the
     attention mask, so it works with any attention implementation."""
 
+    kind: ClassVar[str] = "mask_attention"
     positions: list[int]
     site: str = "attention_mask"
     where: str = "generated"
 
+    @classmethod
+    def parameters(cls) -> list[str]:
+        return ["positions"]
+
     def validate(self, arch: Any) -> None:
-        if not self.positions:
+        if not isinstance(self.positions, list) or not self.positions:
             raise BadInputError("MaskAttention needs at least one position")
         if any((not isinstance(p, int)) or p < 0 for p in self.positions):
             raise BadInputError("MaskAttention positions must be non-negative token indices")

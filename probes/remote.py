@@ -36,7 +36,7 @@ def _read_order(site: Site) -> tuple[int, int]:
 
 def nnsight_capture(handle: Any, ids: list[int], sites: list[Site], remote: bool = False) -> dict[str, torch.Tensor]:
     """{site: [seq, ...]} for one sequence, plus `logits`, read through `handle.nnsight` (NDIF if `remote`)."""
-    from probes.errors import BadInputError
+    from thoughtscope.errors import BadInputError
 
     lm = handle.nnsight
     family = handle.family

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from probes.engine import Engine, Sampling
-from probes.errors import BadInputError, ThoughtscopeError
+from thoughtscope.errors import BadInputError, ThoughtscopeError
 from probes.wire import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_NEW_TOKENS_CAP,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from probes.errors import UnknownSiteError
+from thoughtscope.errors import UnknownSiteError
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 Both `probes.server` and `probes.client` import this module, so the two ends cannot drift apart.
 Tensors travel as safetensors bytes in base64 (never pickle: a payload is data, not code).
 Request bodies are pydantic models with `extra="forbid"` and strict types, so a typo or a string
-where a number belongs is a 422, not a silent default. Interventions travel as JSON specs
-(`kind`: add | rescale | ablate_heads | mask_attention) and become the engine's dataclasses here.
+where a number belongs is a 422, not a silent default. Interventions travel as JSON specs: the
+registered kind (`probes.interventions.KINDS`) and its constructor's arguments, tensors as
+safetensors bytes; a new kind needs no change here.
 
 Example:
     >>> import torch
@@ -22,14 +23,14 @@ import base64
 import binascii
 import dataclasses
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field
 
-from probes.errors import (AuthError, BadInputError, InvalidRequestError, RequestTooLargeError,  # noqa: F401
+from thoughtscope.errors import (AuthError, BadInputError, InvalidRequestError, RequestTooLargeError,  # noqa: F401
                             ServerBusyError, ServerError, ThoughtscopeError)
-from probes.interventions import AddVector, HeadAblation, MaskAttention, ProjectionRescale, load_vector_bytes
+from probes.interventions import KINDS, Registered, kind_of, load_vector_bytes
 from probes.records import TokenRecord, Trace
 
 # Generous for any vector or prompt a page sends (a d_model=16384 float32 vector is 88 KB in base64),
@@ -50,12 +51,12 @@ def error_body(err: BaseException) -> dict[str, Any]:
 
 def error_from_body(status: int, body: Any, fallback: str = "") -> ThoughtscopeError:
     """An error response -> the matching `ThoughtscopeError` subclass, carrying the server's message."""
-    from probes import errors
+    from thoughtscope import errors
 
     message = body.get("error") if isinstance(body, dict) else None
     message = message or fallback or f"the model server answered HTTP {status}"
     kind = body.get("kind") if isinstance(body, dict) else None
-    cls = getattr(errors, kind or "", None)  # every project error class lives in probes.errors
+    cls = getattr(errors, kind or "", None)  # every project error class lives in thoughtscope.errors
     if not (isinstance(cls, type) and issubclass(cls, ThoughtscopeError)):
         cls = {401: AuthError, 413: RequestTooLargeError, 422: InvalidRequestError, 503: ServerBusyError}.get(
             status, BadInputError if 400 <= status < 500 else ServerError)
@@ -101,54 +102,6 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-Where = Literal["all", "generated"]
-
-
-class AddSpec(_Body):
-    """`AddVector`: h + scale * v. `vector` is base64 safetensors; `key` picks a tensor in it."""
-
-    kind: Literal["add"]
-    site: str = Field(max_length=64)
-    vector: str
-    key: str | None = None
-    scale: float = 1.0
-    where: Where = "all"
-
-
-class RescaleSpec(_Body):
-    """`ProjectionRescale`: h - alpha * w (w.h), w = the unit `vector`."""
-
-    kind: Literal["rescale"]
-    site: str = Field(max_length=64)
-    vector: str
-    key: str | None = None
-    alpha: float = 1.0
-    where: Where = "all"
-
-
-class AblateHeadsSpec(_Body):
-    """`HeadAblation` at `z.layer`; mean mode needs `means` [n_heads, head_dim] as base64 safetensors."""
-
-    kind: Literal["ablate_heads"]
-    layer: int = Field(ge=0)
-    heads: list[int] = Field(max_length=4096)
-    mode: Literal["zero", "mean"] = "zero"
-    means: str | None = None
-    key: str | None = None
-    where: Where = "all"
-
-
-class MaskAttentionSpec(_Body):
-    """`MaskAttention`: generated tokens may not attend to these prompt positions."""
-
-    kind: Literal["mask_attention"]
-    positions: list[int] = Field(max_length=100_000)
-
-
-InterventionSpec = Annotated[Union[AddSpec, RescaleSpec, AblateHeadsSpec, MaskAttentionSpec],
-                             Field(discriminator="kind")]
-_SPEC_ADAPTER = TypeAdapter(InterventionSpec)
-
 Prompt = Union[str, list[dict[str, str]], list[int]]
 
 
@@ -168,7 +121,7 @@ class GenerateRequest(_Body):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     seed: int = Field(0, ge=0, le=2**63 - 1)
     capture: list[str] = Field(default_factory=list, max_length=512)
-    interventions: list[InterventionSpec] = Field(default_factory=list, max_length=64)
+    interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     top_k: int = Field(5, ge=0, le=100)
     stop: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=32)
     chat: bool = False
@@ -180,59 +133,58 @@ class TraceRequest(_Body):
 
     text: Prompt
     capture: list[str] = Field(default_factory=list, max_length=512)
-    interventions: list[InterventionSpec] = Field(default_factory=list, max_length=64)
+    interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     chat: bool = False
 
 
-# ----- interventions: engine dataclass <-> JSON spec -----
+# ----- interventions: any registered kind <-> JSON spec -----
 
 
 def intervention_to_spec(iv: Any) -> dict[str, Any]:
-    """An engine intervention -> its JSON spec (vectors as base64 safetensors)."""
-    if isinstance(iv, AddVector):
-        vec = torch.as_tensor(iv.vector, dtype=torch.float32)
-        return {"kind": "add", "site": iv.site, "vector": tensors_to_b64({"vector": vec}),
-                "scale": float(iv.scale), "where": iv.where}
-    if isinstance(iv, ProjectionRescale):
-        vec = torch.as_tensor(iv.direction, dtype=torch.float32)
-        return {"kind": "rescale", "site": iv.site, "vector": tensors_to_b64({"vector": vec}),
-                "alpha": float(iv.alpha), "where": iv.where}
-    if isinstance(iv, HeadAblation):
-        spec = {"kind": "ablate_heads", "layer": int(iv.site.split(".", 1)[1]), "heads": [int(h) for h in iv.heads],
-                "mode": iv.mode, "where": iv.where}
-        if iv.means is not None:
-            spec["means"] = tensors_to_b64({"means": torch.as_tensor(iv.means, dtype=torch.float32)})
-        return spec
-    if isinstance(iv, MaskAttention):
-        return {"kind": "mask_attention", "positions": [int(p) for p in iv.positions]}
+    """A registered intervention (or KV policy, router rule, mask) -> its JSON spec; tensors as base64 safetensors."""
     if isinstance(iv, dict):  # already a spec
         return iv
-    raise BadInputError(f"{iv!r} cannot be sent to the model server; use AddVector, ProjectionRescale, "
-                        "HeadAblation or MaskAttention from probes.interventions")
+    if not isinstance(iv, Registered):
+        raise BadInputError(f"{iv!r} cannot be sent to the model server; use a kind from probes.interventions "
+                            f"({', '.join(sorted(KINDS))})")
+    spec = iv.spec()
+    for name in type(iv).tensor_fields:
+        if spec.get(name) is not None:
+            spec[name] = tensors_to_b64({name: torch.as_tensor(spec[name], dtype=torch.float32)})
+    return _jsonable(spec)
 
 
 def intervention_from_spec(spec: Any) -> Any:
-    """A validated spec (pydantic model or dict) -> an engine intervention; bad tensors are a 400."""
-    if isinstance(spec, dict):
-        spec = _SPEC_ADAPTER.validate_python(spec)
-    if isinstance(spec, AddSpec):
-        return AddVector(spec.site, _vector(spec.vector, spec.key, f"vector of 'add' at {spec.site}"),
-                         scale=spec.scale, where=spec.where)
-    if isinstance(spec, RescaleSpec):
-        return ProjectionRescale(spec.site, _vector(spec.vector, spec.key, f"vector of 'rescale' at {spec.site}"),
-                                 alpha=spec.alpha, where=spec.where)
-    if isinstance(spec, AblateHeadsSpec):
-        means = None if spec.means is None else _vector(spec.means, spec.key, "means of 'ablate_heads'", flat=False)
-        return HeadAblation(spec.layer, spec.heads, mode=spec.mode, means=means, where=spec.where)
-    return MaskAttention(list(spec.positions))
+    """A JSON spec -> the registered class's instance; unknown kinds, fields or bad tensors are a 400.
 
-
-def _vector(text: str, key: str | None, what: str, flat: bool = True) -> torch.Tensor:
+    The instance is validated against the model by the engine, before any model work."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
+        raise InvalidRequestError(f"an intervention is a JSON object with a 'kind' ({', '.join(sorted(KINDS))})")
+    fields = dict(spec)
     try:
-        tensor = load_vector_bytes(b64_to_bytes(text, what), key=key)
+        cls = kind_of(fields.pop("kind"))
     except BadInputError as err:
-        raise BadInputError(f"{what}: {err}") from err
-    return tensor.flatten() if flat else tensor
+        raise InvalidRequestError(str(err)) from err
+    unknown = sorted(set(fields) - set(cls.parameters()))
+    if unknown:
+        raise InvalidRequestError(f"{cls.kind!r} takes {cls.parameters()}; unknown field(s) {unknown}")
+    for name in cls.tensor_fields:
+        if fields.get(name) is not None:
+            if not isinstance(fields[name], str):
+                raise BadInputError(f"{cls.kind}.{name} must be base64 safetensors bytes")
+            fields[name] = load_vector_bytes(b64_to_bytes(fields[name], f"{cls.kind}.{name}"))
+    return cls.from_spec(fields)
+
+
+def _jsonable(value: Any) -> Any:
+    """Tuples, numpy scalars and small tensors -> plain JSON values."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
 
 
 # ----- records and traces -----

@@ -6,6 +6,8 @@ Ids (see DESIGN.md):
 - `hf:<repo id or local folder>`: any Hugging Face causal LM already on this machine (never fetched).
 - `ndif:<repo id>`: the same model run remotely on NDIF through nnsight (needs an NDIF API key).
 - `tiny-random:<arch>`: 1-2 layer randomly initialised configs of real HF architectures, for tests.
+- `toy-reasoner`, `toy-moe`, `toy-vlm` (and `<id>:small`, the configs tests train in under a minute):
+  models this project trains on synthetic data with known ground truth (`probes.toys`), on first use.
 
 Example:
     >>> from probes.zoo import load_model
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from probes.errors import BadInputError, ModelLoadError, UnknownModelError
+from thoughtscope.errors import BadInputError, ModelLoadError, UnknownModelError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,18 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     "gemma3": ("Gemma3TextConfig", dict(sliding_window=64)),
 }
+
+
+# Models this project trains (DESIGN.md): id -> (module with `load(size, dtype)`, what it is).
+# `<id>` loads the full config, `<id>:small` the small one the tests train in under a minute.
+TOY_MODELS: dict[str, tuple[str, str]] = {
+    "toy-reasoner": ("probes.toys.reasoner", "Llama trained on synthetic chains of thought with planted reflection, "
+                                             "backtracking and a known settling step (ground truth for RISE, CoT entropy)"),
+    "toy-moe": ("probes.toys.moe", "fine-grained Qwen3-MoE trained on multi-step arithmetic (router tails, "
+                                   "Expert-Sample)"),
+    "toy-vlm": ("probes.toys.vlm", "Llava trained on synthetic scenes with known object regions (visual attribution)"),
+}
+TOY_SIZES = ("full", "small")
 
 
 def user_cache_dir() -> Path:
@@ -189,6 +203,7 @@ def list_models() -> list[dict[str, str]]:
         {"id": "hf:<repo id or folder>", "what": "any local Hugging Face causal LM (never downloaded)"},
         {"id": "ndif:<repo id>", "what": "nnsight remote execution on NDIF (needs NDIF_API_KEY)"},
     ]
+    rows += [{"id": name, "what": f"trained here on first use: {what}"} for name, (_, what) in TOY_MODELS.items()]
     rows += [{"id": f"tiny-random:{a}", "what": f"random 2-layer {a}, for tests only"} for a in TINY_ARCHS]
     rows += [{"id": f"hf:{repo}", "what": "found in the local Hugging Face cache"} for repo in local_hf_models()]
     return rows
@@ -241,13 +256,16 @@ def load_model(
         model, tok = _load_smollm2(dt)
     elif model_id.startswith("tiny-random:"):
         model, tok = _load_tiny_random(model_id.split(":", 1)[1], dt)
+    elif model_id.partition(":")[0] in TOY_MODELS:
+        model, tok = _load_toy(model_id, dt)
     elif model_id.startswith("hf:"):
         model, tok = _load_hf(model_id[3:], dt, device_map, trust_remote_code)
     elif model_id.startswith("ndif:"):
         return _load_ndif(model_id, dt)
     else:
         raise UnknownModelError(
-            f"unknown model id {model_id!r}. Known: {DEFAULT_MODEL}, tiny-random:<{'|'.join(TINY_ARCHS)}>, "
+            f"unknown model id {model_id!r}. Known: {DEFAULT_MODEL}, {', '.join(TOY_MODELS)}, "
+            f"tiny-random:<{'|'.join(TINY_ARCHS)}>, "
             "hf:<repo id or local folder>, ndif:<repo id>. Run `thoughtscope models` for the list."
         )
     if device_map is None:
@@ -357,6 +375,25 @@ def _load_tiny_random(arch: str, dtype: torch.dtype):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(40.0)
     return model, tok
+
+
+def _load_toy(model_id: str, dtype: torch.dtype):
+    """A toy model (trained and cached on first use by its module in `probes.toys`)."""
+    import importlib
+
+    name, _, size = model_id.partition(":")
+    size = size or "full"
+    if size not in TOY_SIZES:
+        raise UnknownModelError(f"{model_id!r}: the sizes of {name} are {', '.join(TOY_SIZES)} ({name} or {name}:small)")
+    module_name, _ = TOY_MODELS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        raise UnknownModelError(f"{name} is not built in this version ({module_name} is missing)") from err
+    _quiet_transformers()
+    return module.load(size, dtype)
 
 
 def _load_hf(ref: str, dtype: torch.dtype, device_map: str | None, trust_remote_code: bool):

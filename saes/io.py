@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 
 CFG_FILENAME = "cfg.json"
 WEIGHTS_FILENAME = "sae_weights.safetensors"

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 from saes.stats import SAEStats, sae_stats
 
 ARCHITECTURES = ("standard", "topk")

@@ -23,7 +23,7 @@ from analyses.steering import diff_of_means_direction, steered_comparison  # noq
 from app.export import data_csv, data_json, data_rows, figure_bytes, figure_registry  # noqa: E402
 from app.figures.trace import FIGURES, entropy_figure, records_data, tokens_html  # noqa: E402
 from app.registry import discover_pages  # noqa: E402
-from probes.errors import BadInputError  # noqa: E402
+from thoughtscope.errors import BadInputError  # noqa: E402
 from probes.records import Trace  # noqa: E402
 
 MODEL = "tiny-random:llama"

@@ -200,7 +200,7 @@ def test_moving_the_steering_slider_changes_the_steered_text(page, app_url):
 @pytest.mark.model
 def test_screenshot_of_the_embedded_model_for_the_readme(browser):
     """docs/screenshot.png: the trace explorer on the embedded SmolLM2 (tiny-random models are for tests only)."""
-    from probes.errors import ThoughtscopeError
+    from thoughtscope.errors import ThoughtscopeError
     from probes.zoo import smollm2_gguf_path
 
     try:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cache import ActivationStore, Entry, default_root, make_key
-from probes.errors import BadInputError, CacheError
+from thoughtscope.errors import BadInputError, CacheError
 
 REPO = Path(__file__).resolve().parents[1]
 FP = "smollm2-135m@sha256:abc123"

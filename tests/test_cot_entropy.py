@@ -46,7 +46,7 @@ from analyses.cot_entropy import (
 )
 from analyses.cot_entropy_cli import parse_thresholds, register
 from analyses.tasks import load_task, one_shot_messages
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 from probes.records import TokenRecord
 
 # --------------------------------------------------------------------------- CUSUM by hand

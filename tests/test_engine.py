@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from probes import Engine, Sampling, UnknownModelError, load_model
-from probes.errors import BadInputError, UnknownSiteError
+from thoughtscope.errors import BadInputError, UnknownSiteError
 from probes.zoo import TINY_ARCHS
 
 

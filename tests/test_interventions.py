@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from probes import AddVector, HeadAblation, MaskAttention, ProjectionRescale, load_vector
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 from probes.interventions import load_vector_bytes
 
 PROMPT = "Steering vectors change what the model says next"

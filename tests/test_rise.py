@@ -24,7 +24,7 @@ from analyses.rise import (  # noqa: E402
     segment_steps,
 )
 from analyses.tasks import arithmetic_problems  # noqa: E402
-from probes.errors import BadInputError  # noqa: E402
+from thoughtscope.errors import BadInputError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 from saes.io import check_fits, is_sae_folder, load_sae, save_sae
 from saes.stats import sae_stats
 from saes.train import SAETrainSettings, train_sae

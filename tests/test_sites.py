@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from probes.errors import UnknownSiteError
+from thoughtscope.errors import UnknownSiteError
 from probes.sites import SITE_KINDS, Site, get_module, list_sites, parse_site, validate_site
 from probes.zoo import arch_from_config
 

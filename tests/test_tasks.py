@@ -23,7 +23,7 @@ from analyses.tasks import (
     pass_at_k,
     split_problems,
 )
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 
 # --------------------------------------------------------------------------- arithmetic
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from probes import Engine, load_model
-from probes.errors import BadInputError, ModelLoadError, UnknownModelError
+from thoughtscope.errors import BadInputError, ModelLoadError, UnknownModelError
 from probes.zoo import list_models, resolve_device
 
 

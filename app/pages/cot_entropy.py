@@ -24,7 +24,7 @@ from app.export import show_figure
 from app.figures.cot_entropy import (answer_strip_figure, calibration_figure, cusum_figure, entropy_curve_figure,
                                      pareto_figure, voting_figure)
 from app.registry import PageSpec
-from probes.errors import ThoughtscopeError
+from thoughtscope.errors import ThoughtscopeError
 
 PAGE = PageSpec("CoT entropy phases", ":material/ssid_chart:", 30)
 

@@ -21,7 +21,7 @@ from app.export import show_figure
 from app.figures.rise import (confidence_curve, decoder_map, feature_histogram, feature_labels, feature_tokens,
                               silhouette_curve, steering_bars, step_timeline)
 from app.registry import PageSpec
-from probes.errors import ThoughtscopeError
+from thoughtscope.errors import ThoughtscopeError
 
 PAGE = PageSpec("RISE reasoning vectors", ":material/psychology_alt:", 40)
 

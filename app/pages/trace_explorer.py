@@ -11,7 +11,7 @@ from app.figures.trace import (attention_figure, entropy_figure, logit_lens_figu
                                residual_norm_figure, tokens_html)
 from app.registry import PageSpec
 from app.sidebar import finished_generations
-from probes.errors import BadInputError
+from thoughtscope.errors import BadInputError
 
 PAGE = PageSpec("Trace explorer", ":material/timeline:", 10)
 

@@ -1,5 +1,8 @@
 """Project errors: every mistake a user can make raises one of these, with a message that says what to do.
 
+A leaf module: it imports nothing of the project, so `cache`, `saes`, `probes`, `analyses` and
+`app` all import it.
+
 The app and the CLI catch `ThoughtscopeError` and show its message instead of a traceback;
 the server turns it into a JSON error with a 4xx status.
 """

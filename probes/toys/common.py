@@ -1,0 +1,101 @@
+"""What the toy models share: where a trained toy lives, training it once under a lock, and
+word-level tokenizers (numbers and words as single tokens, so traces are short and labels exact).
+
+Example:
+    >>> tok = word_tokenizer(["Q", ":", "1", "+", "2", "=", "3"])
+    >>> tok("Q : 1 + 2 = 3")["input_ids"][-3:] == tok.convert_tokens_to_ids(["2", "=", "3"])
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from thoughtscope.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+DONE_MARKER = "trained.json"
+
+
+def recipe_hash(recipe: dict[str, Any]) -> str:
+    """A short hash of everything that decides a toy's weights (config, data, steps, seed)."""
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def toy_folder(name: str, size: str, recipe: dict[str, Any]) -> Path:
+    from probes.zoo import user_cache_dir
+
+    return user_cache_dir() / "models" / f"{name}-{size}-{recipe_hash(recipe)}"
+
+
+def is_trained(folder: Path) -> bool:
+    return (folder / DONE_MARKER).is_file() and (folder / "model.safetensors").is_file()
+
+
+def train_once(folder: Path, train: Callable[[Path], dict[str, Any]]) -> Path:
+    """Run `train(tmp_folder) -> report` unless `folder` already holds a finished model.
+
+    A file lock makes concurrent processes (test workers, app and server) train only once; the
+    model is written to a temporary folder and renamed, so a killed run leaves no half model behind
+    (its temporary folder is removed by the next run).
+    """
+    from filelock import FileLock
+
+    if is_trained(folder):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if is_trained(folder):
+            return folder
+        for stale in folder.parent.glob(folder.name + ".tmp*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        tmp.mkdir()
+        try:
+            report = train(tmp)
+            (tmp / DONE_MARKER).write_text(json.dumps(report, indent=2, default=str))
+            if folder.exists():
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return folder
+
+
+def training_report(folder: Path) -> dict[str, Any]:
+    """What the training run wrote about itself (steps, seconds, held-out accuracy)."""
+    try:
+        return json.loads((folder / DONE_MARKER).read_text())
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{folder} holds no training report: {err}") from err
+
+
+def word_tokenizer(words: Sequence[str], specials: Sequence[str] = SPECIALS, chat_template: str | None = None):
+    """A `PreTrainedTokenizerFast` over a fixed word list: whitespace-split words, one id each.
+
+    Decoding joins tokens with single spaces, so a trace's text is its words separated by spaces.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for w in [*specials, *words]:
+        vocab.setdefault(w, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                  unk_token="<unk>")
+    if chat_template:
+        tok.chat_template = chat_template
+    return tok

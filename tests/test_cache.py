@@ -1,4 +1,4 @@
-"""The activation store: round trips, keys, eviction, crash safety and concurrent readers.
+"""The activation store: round trips, keys, eviction, crash safety, damage and concurrency.
 
 These double as examples of use: `ActivationStore(root).put(...)` returns a key,
 `get(...)` with the same key arguments returns an `Entry` or None.
@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -281,7 +283,7 @@ def test_an_index_row_whose_shard_is_gone_reads_as_absent(tmp_path):
     assert store.list() == [] and store.total_bytes() == 0
 
 
-def test_a_damaged_shard_reads_as_absent_and_is_removed(tmp_path):
+def test_a_damaged_shard_raises_cache_error_once_and_is_removed(tmp_path):
     store = ActivationStore(tmp_path)
     store.put(FP, "damaged", SETTINGS, SITES, {"x": torch.ones(3)})
     store.put(FP, "fine", SETTINGS, SITES, {"x": torch.ones(3)})
@@ -289,6 +291,8 @@ def test_a_damaged_shard_reads_as_absent_and_is_removed(tmp_path):
     damaged = next(p for p in shard_files(store) if p.name.startswith(key))
     damaged.write_bytes(damaged.read_bytes()[:-5])  # truncated, as by a full disk
 
+    with pytest.raises(CacheError, match="removed"):
+        store.get(FP, "damaged", SETTINGS, SITES)
     assert store.get(FP, "damaged", SETTINGS, SITES) is None
     assert not damaged.exists()
     assert [i.prompt for i in store.list()] == ["fine"]
@@ -459,3 +463,233 @@ def test_readers_in_threads_and_processes_see_whole_entries_while_one_writes(
     assert final.meta == {"v": last_v} and check_read(final)
     assert store.total_bytes() <= store.max_bytes
     assert len(shard_files(store)) == len(store.list())
+
+
+# ---- damage and hostile edits (issue 10) ---------------------------------------------------
+#
+# A damaged store never hands back wrong data and never deletes anything outside its folder:
+# a damaged index refuses to open (its shards stay), a damaged shard raises `CacheError` once
+# and its entry is gone, an index row that names a file outside `root/shards/` is refused.
+
+
+def fill(store: ActivationStore, n: int) -> list[str]:
+    return [
+        store.put(FP, f"p{i}", SETTINGS, SITES, {"x": torch.full((4,), float(i))}, meta={"i": i})
+        for i in range(n)
+    ]
+
+
+def edit_index(store: ActivationStore, sql: str, *args) -> None:
+    """Edit the index by hand, as a user with the sqlite3 shell would."""
+    with closing(sqlite3.connect(store.index_path)) as conn, conn:
+        conn.execute(sql, args)
+
+
+def shard_of(store: ActivationStore, key: str) -> Path:
+    return next(p for p in shard_files(store) if p.name.startswith(key))
+
+
+def test_a_truncated_index_raises_cache_error_and_keeps_every_shard(tmp_path):
+    store = ActivationStore(tmp_path)
+    fill(store, 20)
+    store.close()
+    # Fold the write-ahead log into the index file, so cutting the file cuts stored rows.
+    with closing(sqlite3.connect(store.index_path)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    whole = store.index_path.read_bytes()
+    shards = shard_files(store)
+    assert len(shards) == 20
+
+    # 0: emptied; 10%: most pages gone; the last page half cut (rows read back as NULLs).
+    for cut in (0, len(whole) // 10, len(whole) - 512):
+        for log in tmp_path.glob("index.sqlite-*"):  # -wal, -shm: no rows from earlier opens
+            log.unlink()
+        store.index_path.write_bytes(whole[:cut])
+        with pytest.raises(CacheError, match="damaged") as err:
+            ActivationStore(tmp_path)
+        assert str(store.index_path) in str(err.value) and "delete" in str(err.value)
+        assert shard_files(store) == shards, cut  # nothing was thrown away
+
+    store.index_path.write_bytes(whole)
+    assert len(ActivationStore(tmp_path).list()) == 20
+
+
+def test_a_flipped_byte_in_a_shard_raises_cache_error_and_the_entry_is_gone(tmp_path):
+    store = ActivationStore(tmp_path)
+    key = store.put(FP, PROMPT, SETTINGS, SITES, {"x": torch.ones(256)}, meta={"v": 1})
+    fine = store.put(FP, "fine", SETTINGS, SITES, {"x": torch.ones(256)})
+    shard = shard_of(store, key)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x40  # the last float's exponent: 1.0 becomes inf, the header still parses
+    shard.write_bytes(bytes(data))
+
+    with pytest.raises(CacheError, match="checksum") as err:
+        store.get(FP, PROMPT, SETTINGS, SITES)
+    assert "removed" in str(err.value)
+    assert store.get(FP, PROMPT, SETTINGS, SITES) is None  # never returned, not even later
+    assert key not in store and not shard.exists()
+    assert [i.key for i in store.list()] == [fine]
+    assert torch.equal(store.get_by_key(fine).tensors["x"], torch.ones(256))
+
+
+def test_a_directory_in_place_of_a_shard_raises_cache_error_and_the_entry_is_gone(tmp_path):
+    store = ActivationStore(tmp_path)
+    key = store.put(FP, PROMPT, SETTINGS, SITES, {"x": torch.ones(3)})
+    shard = shard_of(store, key)
+    shard.unlink()
+    shard.mkdir()
+
+    with pytest.raises(CacheError, match="not a file"):
+        store.get_by_key(key)
+    assert key not in store and store.get_by_key(key) is None
+    assert store.list() == [] and store.vacuum(min_age_s=0) == 0
+    assert shard.is_dir()  # a folder is the user's to remove; the message names it
+
+
+@pytest.mark.parametrize("how", ["absolute", "relative", "symlink"])
+def test_an_index_row_naming_a_file_outside_the_store_is_refused(tmp_path, how):
+    store = ActivationStore(tmp_path / "store")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("not yours")
+    if how == "absolute":
+        shard = str(precious)
+    elif how == "relative":
+        shard = "../../precious.txt"
+    else:  # a well-formed shard name, but a link that leads out of the store
+        shard = f"{make_key(FP, PROMPT, SETTINGS, SITES)}.{'0' * 16}.safetensors"
+
+    for use in ("get", "list", "delete", "clear", "vacuum", "evict"):
+        if how == "symlink" and not (store.shards_dir / shard).is_symlink():
+            (store.shards_dir / shard).symlink_to(precious)  # vacuum removes the link itself
+        key = store.put(FP, PROMPT, SETTINGS, SITES, {"x": torch.ones(3)})
+        edit_index(store, "UPDATE entries SET shard = ? WHERE key = ?", shard, key)
+        if use == "get":
+            with pytest.raises(CacheError, match="outside"):
+                store.get_by_key(key)
+            assert key not in store
+        elif use == "list":
+            assert store.list() == []
+        elif use == "delete":
+            store.delete(key)
+        elif use == "clear":
+            store.clear()
+        elif use == "vacuum":
+            store.vacuum(min_age_s=0)
+        else:
+            capped = ActivationStore(store.root, max_bytes=entry_size(tmp_path, torch.ones(3)))
+            capped.put(FP, "newer", SETTINGS, SITES, {"x": torch.ones(3)})
+            capped.clear()
+        assert precious.read_text() == "not yours", use
+        assert key not in store, use
+
+
+def test_any_str_is_stored_even_a_lone_surrogate(tmp_path):
+    # Lone surrogates come from JSON ("\ud800") and from non-UTF-8 bytes decoded with
+    # surrogateescape (file names, argv). The store keeps them as they are.
+    store = ActivationStore(tmp_path)
+    prompt, fingerprint, settings = "half \ud800 a pair", "model-\udcff", {"stop": "\udc80"}
+    key = store.put(fingerprint, prompt, settings, ["a\ud83d"], {"x": torch.ones(2)},
+                    meta={"text": "\ud83d!"})
+
+    entry = ActivationStore(tmp_path).get(fingerprint, prompt, settings, ["a\ud83d"])
+    assert entry.key == key
+    assert (entry.prompt, entry.fingerprint, entry.settings) == (prompt, fingerprint, settings)
+    assert entry.sites == ["a\ud83d"] and entry.meta == {"text": "\ud83d!"}
+    assert [i.key for i in store.list(fingerprint)] == [key]
+    assert store.list("model-") == []
+    assert store.get(fingerprint, "half \\ud800 a pair", settings, ["a\ud83d"]) is None
+    # Tensor names go into the safetensors header, which must be UTF-8.
+    with pytest.raises(BadInputError, match="safetensors"):
+        store.put(FP, PROMPT, SETTINGS, SITES, {"x\ud800": torch.ones(1)})
+    # Keys of ordinary text are what they always were, so existing stores keep their entries.
+    assert make_key(FP, PROMPT, SETTINGS, SITES) == (
+        "49d94aaa6326551f8e4053043bfec4cdca8ba63dec0879bc2021124619203013"
+    )
+
+
+def test_concurrent_writers_stay_within_the_cap_on_disk_plus_one_shard(tmp_path):
+    # The bound: the bytes of every file under root/shards (shards and temporary files) never
+    # exceed max_bytes plus the one shard being written, whatever the number of writers.
+    one = entry_size(tmp_path, torch.zeros(65536))  # 256 KiB
+    cap = 3 * one
+    root = tmp_path / "capped"
+    ActivationStore(root, max_bytes=cap)
+    peak, writing, errors = 0, threading.Event(), []
+    writing.set()
+
+    def disk_bytes() -> int:
+        total = 0
+        for entry in os.scandir(root / "shards"):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:
+                pass  # evicted between listing and stat
+        return total
+
+    def watch():
+        nonlocal peak
+        while writing.is_set():
+            peak = max(peak, disk_bytes())
+
+    def write(w: int):
+        store = ActivationStore(root, max_bytes=cap)  # one store per writer, as in processes
+        try:
+            for i in range(10):
+                x = torch.full((65536,), float(i))
+                store.put(FP, f"writer {w} prompt {i}", SETTINGS, SITES, {"x": x}, meta={"i": i})
+        except BaseException as err:
+            errors.append(err)
+
+    watcher = threading.Thread(target=watch)
+    writers = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    watcher.start()
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join(timeout=120)
+    writing.clear()
+    watcher.join()
+
+    assert errors == []
+    assert one < peak <= cap + one
+    store = ActivationStore(root, max_bytes=cap)
+    assert disk_bytes() == store.total_bytes() <= cap
+    for info in store.list():
+        want = torch.full((65536,), float(info.meta["i"]))
+        assert torch.equal(store.get_by_key(info.key).tensors["x"], want)
+
+
+V1_SCHEMA = """
+CREATE TABLE entries (
+    key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, prompt_hash TEXT NOT NULL,
+    prompt TEXT NOT NULL, settings_json TEXT NOT NULL, sites_json TEXT NOT NULL,
+    created REAL NOT NULL, last_access REAL NOT NULL, nbytes INTEGER NOT NULL,
+    shard TEXT NOT NULL, meta_json TEXT NOT NULL
+);
+PRAGMA user_version = 1;
+"""
+
+
+def test_a_store_written_before_checksums_opens_and_is_checked_from_its_first_read(tmp_path):
+    store = ActivationStore(tmp_path)
+    key = store.put(FP, PROMPT, SETTINGS, SITES, {"x": torch.ones(8)}, meta={"v": 1})
+    store.close()
+    with closing(sqlite3.connect(store.index_path)) as conn:
+        conn.row_factory = sqlite3.Row
+        row = dict(conn.execute("SELECT * FROM entries").fetchone())
+    # Rebuild the index as the first schema (no checksum column) held it.
+    store.index_path.unlink()
+    with closing(sqlite3.connect(store.index_path)) as conn, conn:
+        conn.executescript(V1_SCHEMA)
+        row.pop("sha256")
+        conn.execute(f"INSERT INTO entries ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                     tuple(row.values()))
+
+    old = ActivationStore(tmp_path)
+    assert torch.equal(old.get_by_key(key).tensors["x"], torch.ones(8))  # records its checksum
+    shard = shard_of(old, key)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match="checksum"):
+        old.get_by_key(key)

@@ -254,6 +254,8 @@ class ActivationStore:
                 f"Another process has been writing to the cache in {self.root} for "
                 f"{WRITE_LOCK_TIMEOUT_S:.0f} s; try again, or set {ENV_VAR} to another folder."
             ) from err
+        except OSError as err:
+            raise CacheError(f"Could not write to the cache in {self.root}: {err}.") from err
         try:
             yield
         finally:

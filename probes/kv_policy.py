@@ -395,17 +395,21 @@ class CompressedLayer(_cache_layer_base()):
             if visible is not None:
                 allowed = allowed & visible
             allowed = allowed | ~allowed.any(-1, keepdim=True)  # a padding query reads something finite
-            allowed = allowed.repeat_interleave(rep, dim=1)
-            keys, values = g.keys.repeat_interleave(rep, dim=1), g.values.repeat_interleave(rep, dim=1)
+            # GQA without copying keys: the `rep` query heads of a KV head become rows of one [rep * t] block.
+            grouped_q = q.reshape(batch, h, rep * t, dim)
+            grouped_mask = allowed[:, :, None].expand(batch, h, rep, t, n).reshape(batch, h, rep * t, n)
+            bias = torch.zeros(grouped_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+                ~grouped_mask, torch.finfo(q.dtype).min)
             if weights is None:
-                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale)
+                # an additive mask keeps CPU sdpa on its math kernel, much faster than the flash one at these sizes
+                o = F.scaled_dot_product_attention(grouped_q, g.keys, g.values, attn_mask=bias, scale=scale)
             else:
-                w = (q @ keys.transpose(-1, -2) * scale).masked_fill(~allowed, -math.inf)
-                w = w.softmax(-1, dtype=torch.float32).to(q.dtype)
-                o = w @ values
+                w = (grouped_q @ g.keys.transpose(-1, -2) * scale + bias).softmax(-1, dtype=torch.float32).to(q.dtype)
+                o = w @ g.values
+                w = (w * real[:, :, None, :]).view(batch, h * rep, t, n)
                 idx = safe.repeat_interleave(rep, dim=1)[:, :, None, :].expand(-1, -1, t, -1)
-                w = w * real.repeat_interleave(rep, dim=1)[:, :, None, :]
                 weights[:, qidx] = torch.zeros_like(weights[:, qidx]).scatter_add_(3, idx, w)
+            o = o.view(batch, h * rep, t, dim)
             out[:, qidx] = o
             kept.extend(_regroup(g, self.policy.keep(view) & valid))
         self.groups = _merge(kept)

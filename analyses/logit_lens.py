@@ -3,37 +3,60 @@
 Logit lens (nostalgebraist 2020, "interpreting GPT: the logit lens"): decode every layer's
 residual stream with the model's own final norm and unembedding, as if the model stopped at that
 layer; the top token and its probability per (layer, position) show where a prediction forms.
-At the last layer the lens is the model's actual next-token distribution. No tuned lens here.
+At the last layer the lens is the model's actual next-token distribution. Besides the top token,
+the lens reports the probability and rank of the token that actually comes next at each position
+(the view the LLM Transparency Tool and the tuned-lens paper plot).
 
-Every function is pure over a `Trace` (plus, for the lens, the final norm and unembedding that
-`lens_readout` takes from a local model), so the app, the CLI and tests share them.
+No tuned lens here: a tuned lens (Belrose et al. 2023) needs one trained affine translator per
+layer, and this project trains none, so every read-out below is the plain logit lens. Its known
+bias (early layers read out poorly because their basis differs from the last layer's) applies.
+
+Every function is pure over a `Trace`; the lens decodes through the backend's `readout` (the
+model's own final norm and unembedding, wherever the model lives), so the app, the CLI and tests
+share them, in-process and through the model server.
+
+`trace_completion` makes the one trace every view of a finished generation needs: the residual
+stream at every layer and, when they fit a memory budget, the attention patterns of every layer,
+in a single teacher-forced pass. Views then slice it (a lens window, one layer's heads) without
+running the model again; a layer whose pattern did not fit is traced alone on first use.
 
 Example:
     >>> from probes import Engine
     >>> engine = Engine.from_id("tiny-random:llama")
-    >>> trace = engine.trace("2 + 2 =", capture=resid_sites(engine.handle.arch.n_layers))
-    >>> lens = logit_lens(trace, *lens_readout(engine))
-    >>> lens.top_probs.shape  # [layers, positions]
-    (2, 5)
+    >>> done = trace_completion(engine, "2 + 2 =", [16, 17])
+    >>> lens = logit_lens(done.trace, engine, start=2)
+    >>> lens.top_probs.shape, lens.next_ranks.shape  # [layers, positions 2..]
+    ((2, 5), (2, 5))
+    >>> attention_pattern(done.trace, layer=1, prompt_len=done.prompt_len).weights.shape  # every head
+    (4, 7, 7)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from thoughtscope.errors import BadInputError
 from probes.records import Trace
-from probes.sites import FAMILIES, get_module, parse_site
+from probes.sites import parse_site
+from thoughtscope.errors import BadInputError
+
+# Attention patterns of every layer are kept from the one trace only while they take less than
+# this (seq^2 x heads x layers x 4 bytes); longer traces read one layer at a time, on demand.
+ATTENTION_BUDGET_BYTES = 256 * 2**20
 
 
 def resid_sites(n_layers: int) -> list[str]:
     """`resid_post.L` for every layer: what the logit lens and the residual norms read."""
     return [f"resid_post.{layer}" for layer in range(n_layers)]
+
+
+def attention_sites(n_layers: int) -> list[str]:
+    return [f"attn_pattern.{layer}" for layer in range(n_layers)]
 
 
 def _resid_layers(trace: Trace) -> list[int]:
@@ -43,85 +66,146 @@ def _resid_layers(trace: Trace) -> list[int]:
     return layers
 
 
+def _window(n: int, start: int, stop: int | None) -> tuple[int, int]:
+    stop = n if stop is None else min(n, int(stop))
+    start = max(0, int(start))
+    if start >= stop:
+        raise BadInputError(f"empty position window [{start}, {stop}); the trace has {n} positions")
+    return start, stop
+
+
+# ----------------------------------------------------------------- the one trace of a finished generation
+
+@dataclass
+class CompletionTrace:
+    """The trace of prompt + generated tokens that every view of a generation reads.
+
+    `trace.activations` holds `resid_post.L` for every layer and `attn_pattern.L` for the layers
+    whose patterns fit the budget (`attention_layers`); `pattern_of` fetches any other layer once.
+    """
+
+    trace: Trace
+    prompt_len: int
+    n_layers: int
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return sorted(s.layer for s in map(parse_site, self.trace.activations) if s.kind == "attn_pattern")
+
+    def pattern_of(self, backend: Any, layer: int) -> Trace:
+        """The trace, with `attn_pattern.<layer>` in it (traced alone, once, if the first pass left it out)."""
+        if not 0 <= int(layer) < self.n_layers:
+            raise BadInputError(f"layer {layer} out of range; this model has layers 0..{self.n_layers - 1}")
+        site = f"attn_pattern.{int(layer)}"
+        with self._lock:
+            if site not in self.trace.activations:
+                acts = backend.capture(list(self.trace.token_ids), [site])
+                self.trace.activations[site] = acts[site]
+        return self.trace
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.trace.activations.values())
+
+
+def attention_bytes(n_layers: int, n_heads: int, seq: int) -> int:
+    return n_layers * n_heads * seq * seq * 4
+
+
+def trace_completion(backend: Any, prompt: Any, generated_ids: Sequence[int], chat: bool = False,
+                     attention_budget: int = ATTENTION_BUDGET_BYTES, attention: bool = True) -> CompletionTrace:
+    """One teacher-forced pass over prompt + generated tokens capturing what every view needs."""
+    arch = backend.info()["arch"]
+    prompt_ids = backend.encode(prompt, chat=chat)
+    ids = list(prompt_ids) + [int(i) for i in generated_ids]
+    sites = resid_sites(arch["n_layers"])
+    caps = backend.capabilities()
+    if attention and caps.get("attention", True) and \
+            attention_bytes(arch["n_layers"], arch["n_heads"], len(ids)) <= attention_budget:
+        sites += attention_sites(arch["n_layers"])
+    trace = backend.trace(ids, capture=sites)
+    return CompletionTrace(trace, len(prompt_ids), arch["n_layers"])
+
+
+def trace_with_completion(backend: Any, prompt: Any, generated_ids: Sequence[int], capture: Sequence[str],
+                          chat: bool = False) -> Trace:
+    """A teacher-forced trace of a prompt followed by the tokens a generation produced from it."""
+    prompt_ids = backend.encode(prompt, chat=chat)
+    return backend.trace(list(prompt_ids) + [int(i) for i in generated_ids], capture=list(capture))
+
+
+# ----------------------------------------------------------------- the logit lens
+
 @dataclass
 class LogitLensResult:
-    """Top token and its probability per (layer, position) of a trace."""
+    """Top token and its probability per (layer, position) of a trace, and the next token's p and rank."""
 
     tokens: list[str]  # the input token at each position
     layers: list[int]
     top_ids: np.ndarray  # [layers, positions]
     top_tokens: list[list[str]]  # [layers][positions]
     top_probs: np.ndarray  # [layers, positions]
+    next_probs: np.ndarray | None = None  # [layers, positions]: p(the token that comes next); NaN at the end
+    next_ranks: np.ndarray | None = None  # [layers, positions]: its rank (0 = top); -1 at the end
     start: int = 0  # index of the first position shown (see `window`)
+    next_tokens: list[str] | None = None  # the token that comes next at each position ("" at the end)
+    prompt_len: int | None = None  # tokens of the prompt (the rest was generated)
 
     def window(self, start: int, stop: int) -> "LogitLensResult":
-        """The same lens over positions [start, stop) only (long prompts do not fit one figure)."""
-        start, stop = max(0, start), min(len(self.tokens), stop)
-        if start >= stop:
-            raise BadInputError(f"empty position window [{start}, {stop}); the trace has {len(self.tokens)} positions")
+        """The same lens over positions [start, stop) of this result only."""
+        start, stop = _window(len(self.tokens), start, stop)
+        cut = (lambda a: None if a is None else a[:, start:stop])
         return LogitLensResult(self.tokens[start:stop], list(self.layers), self.top_ids[:, start:stop],
                                [row[start:stop] for row in self.top_tokens], self.top_probs[:, start:stop],
-                               self.start + start)
+                               cut(self.next_probs), cut(self.next_ranks), self.start + start,
+                               None if self.next_tokens is None else self.next_tokens[start:stop], self.prompt_len)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "tokens": list(self.tokens),
             "layers": list(self.layers),
             "positions": list(range(self.start, self.start + len(self.tokens))),
             "top_ids": self.top_ids.tolist(),
             "top_tokens": [list(r) for r in self.top_tokens],
             "top_probs": self.top_probs.tolist(),
+            "prompt_len": self.prompt_len,
         }
+        if self.next_probs is not None:
+            out |= {"next_tokens": list(self.next_tokens or []), "next_probs": self.next_probs.tolist(),
+                    "next_ranks": self.next_ranks.tolist()}
+        return out
 
 
-@torch.no_grad()
-def logit_lens(
-    trace: Trace,
-    final_norm: Callable[[torch.Tensor], torch.Tensor],
-    unembed: torch.Tensor,
-    decode: Callable[[int], str],
-    bias: torch.Tensor | None = None,
-) -> LogitLensResult:
-    """softmax(unembed @ final_norm(resid_post.L)) at every layer and position; keep the top token.
-
-    `unembed` is [vocab, d_model] (an `lm_head.weight`), `decode` maps a token id to its text.
-    """
+def logit_lens(trace: Trace, backend: Any, start: int = 0, stop: int | None = None,
+               prompt_len: int | None = None) -> LogitLensResult:
+    """softmax(unembed @ final_norm(resid_post.L)) at every layer and at positions [start, stop), through
+    `backend.readout`: the top token and its probability, and the probability and rank of the next
+    input token. Only the window is decoded (each row costs a d_model x vocab product)."""
     layers = _resid_layers(trace)
-    ids, probs = [], []
-    for layer in layers:
-        h = trace.activations[f"resid_post.{layer}"].float()
-        normed = final_norm(h.to(unembed.device, unembed.dtype)).float()
-        logits = normed @ unembed.float().T
-        if bias is not None:
-            logits = logits + bias.float()
-        p, i = torch.softmax(logits, dim=-1).max(dim=-1)
-        ids.append(i.cpu())
-        probs.append(p.cpu())
-    top_ids = torch.stack(ids).numpy()
+    n_all = len(trace.token_ids)
+    start, stop = _window(n_all, start, stop)
+    n = stop - start
+    vectors = torch.cat([trace.activations[f"resid_post.{layer}"][start:stop].float().cpu() for layer in layers])
+    ids = list(trace.token_ids)
+    following = [ids[p + 1] if p + 1 < n_all else ids[p] for p in range(start, stop)]  # the last has no next
+    read = backend.readout(vectors, norm=True, top_k=1, token_ids=following * len(layers))
+    top_ids = read.top_ids[:, 0].reshape(len(layers), n).numpy()
+    next_probs = read.token_probs.reshape(len(layers), n).numpy().astype(float)
+    next_ranks = read.token_ranks.reshape(len(layers), n).numpy().astype(int)
+    if stop == n_all:
+        next_probs[:, -1], next_ranks[:, -1] = np.nan, -1
+    names = {int(i): backend.decode([int(i)]) for i in np.unique(top_ids)}
+    next_tokens = [trace.tokens[p + 1] if p + 1 < n_all else "" for p in range(start, stop)]
     return LogitLensResult(
-        tokens=list(trace.tokens),
-        layers=layers,
-        top_ids=top_ids,
-        top_tokens=[[decode(int(t)) for t in row] for row in top_ids],
-        top_probs=torch.stack(probs).numpy(),
+        tokens=list(trace.tokens[start:stop]), layers=layers, top_ids=top_ids,
+        top_tokens=[[names[int(t)] for t in row] for row in top_ids],
+        top_probs=read.top_probs[:, 0].reshape(len(layers), n).numpy().astype(float), next_probs=next_probs,
+        next_ranks=next_ranks, start=start, next_tokens=next_tokens, prompt_len=prompt_len,
     )
 
 
-def lens_readout(backend: Any) -> tuple[Callable, torch.Tensor, Callable[[int], str], torch.Tensor | None]:
-    """(final_norm, unembed, decode, bias) of a model whose weights live in this process.
-
-    A server backend keeps its weights on the server, so its lens cannot be read here.
-    """
-    handle = getattr(backend, "handle", None)
-    if handle is None or getattr(handle, "remote", False):
-        raise BadInputError("the logit lens needs the model's final norm and unembedding in this process; "
-                            "pick the in-process backend in the sidebar to see it")
-    paths = FAMILIES[handle.family]
-    norm = get_module(handle.model, paths["final_norm"])
-    head = handle.model.get_output_embeddings()
-    tok = handle.tokenizer
-    return norm, head.weight, lambda i: tok.decode([i]), getattr(head, "bias", None)
-
+# ----------------------------------------------------------------- residual norms
 
 @dataclass
 class ResidualNorms:
@@ -141,38 +225,56 @@ def residual_norms(trace: Trace) -> ResidualNorms:
     return ResidualNorms(list(trace.tokens), layers, norms.numpy())
 
 
+# ----------------------------------------------------------------- attention
+
 @dataclass
 class AttentionPattern:
-    """Attention weights of one head: rows are query positions, columns key positions."""
+    """Attention weights of one head ([queries, keys]) or of every head ([heads, queries, keys]) of a layer,
+    over the positions [start, start + len(tokens)); `earlier` is the weight each query puts on keys
+    before the window (so no attention mass goes missing from the view)."""
 
     tokens: list[str]
     layer: int
-    head: int
-    weights: np.ndarray  # [queries, keys]
+    head: int | None  # None: every head
+    weights: np.ndarray
+    start: int = 0
+    prompt_len: int | None = None
+    earlier: np.ndarray | None = None  # [queries] or [heads, queries]
+
+    @property
+    def heads(self) -> list[int]:
+        return list(range(self.weights.shape[0])) if self.head is None else [self.head]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tokens": list(self.tokens), "layer": self.layer, "head": self.head,
-                "weights": self.weights.tolist()}
+        return {"tokens": list(self.tokens), "positions": list(range(self.start, self.start + len(self.tokens))),
+                "layer": self.layer, "head": self.head, "heads": self.heads, "prompt_len": self.prompt_len,
+                "weights": self.weights.tolist(),
+                "earlier": None if self.earlier is None else self.earlier.tolist()}
 
 
-def attention_pattern(trace: Trace, layer: int, head: int) -> AttentionPattern:
-    """One head's pattern from a trace that captured `attn_pattern.<layer>` ([seq, heads, kv])."""
+def attention_pattern(trace: Trace, layer: int, head: int | None = None, start: int = 0, stop: int | None = None,
+                      prompt_len: int | None = None) -> AttentionPattern:
+    """One head's pattern (or every head's, `head=None`) over positions [start, stop), from a trace that
+    captured `attn_pattern.<layer>` ([seq, heads, kv])."""
     site = f"attn_pattern.{layer}"
     if site not in trace.activations:
         raise BadInputError(f"the trace holds no {site}; trace with capture=['{site}']")
     pattern = trace.activations[site]
-    if not 0 <= head < pattern.shape[1]:
+    if head is not None and not 0 <= head < pattern.shape[1]:
         raise BadInputError(f"head {head} out of range; layer {layer} has heads 0..{pattern.shape[1] - 1}")
-    return AttentionPattern(list(trace.tokens), layer, head, pattern[:, head].float().cpu().numpy())
+    start, stop = _window(pattern.shape[0], start, stop)
+    rows = pattern[start:stop].float().cpu()  # [q, heads, kv]
+    rows = rows.permute(1, 0, 2)  # [heads, q, kv]
+    if head is not None:
+        rows = rows[head:head + 1]
+    weights = rows[:, :, start:stop]
+    earlier = rows[:, :, :start].sum(-1) if start > 0 else None
+    if head is not None:
+        weights, earlier = weights[0], None if earlier is None else earlier[0]
+    return AttentionPattern(list(trace.tokens[start:stop]), layer, head, weights.numpy(), start, prompt_len,
+                            None if earlier is None else earlier.numpy())
 
 
 def layer_choices(sites: Sequence[dict[str, Any]], kind: str = "resid_post") -> list[int]:
     """Layers that have a site of `kind`, from a backend's `sites()` rows."""
     return sorted(parse_site(r["site"]).layer for r in sites if r["site"].startswith(kind + "."))
-
-
-def trace_with_completion(backend: Any, prompt: Any, generated_ids: Sequence[int], capture: Sequence[str],
-                          chat: bool = False) -> Trace:
-    """A teacher-forced trace of a prompt followed by the tokens a generation produced from it."""
-    prompt_ids = backend.trace(prompt, chat=chat).token_ids
-    return backend.trace(list(prompt_ids) + [int(i) for i in generated_ids], capture=list(capture))

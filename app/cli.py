@@ -2,16 +2,23 @@
 
     thoughtscope app --model tiny-random:llama --port 8501
     thoughtscope export logit_lens --from logit_lens.json --format svg,pdf --out figures/
+
+`thoughtscope app` runs Streamlit as a child process and owns it: SIGINT, SIGTERM and SIGHUP stop
+the child before the command exits, and on Linux the child is also told to stop if its parent
+dies without a word (SIGKILL), so no server is left holding the port and the model.
+`thoughtscope export` rebuilds exactly the figure a page drew from the JSON it exported (with its
+provenance record kept).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -36,17 +43,10 @@ def streamlit_command(port: int = 8501, address: str = "localhost", model: str |
 
 
 def run_streamlit(argv: list[str]) -> None:
-    """`streamlit <argv>`, with the app's pages served through `st.navigation` from the first request.
-
-    Streamlit treats a `pages/` folder beside the main script as an old-style multipage app until
-    the main script has called `st.navigation` once; a first visit straight to /trace_explorer would
-    then run app/pages/trace_explorer.py bare. Our pages are modules, not scripts, so we say up front
-    that this app navigates itself.
-    """
-    from streamlit.runtime.pages_manager import PagesManager
+    """`streamlit <argv>`. The pages are modules in `app/views/` served through `st.navigation`; the folder
+    is not called `pages/`, which Streamlit would treat as an old-style multipage app of bare scripts."""
     from streamlit.web import cli as streamlit_cli
 
-    PagesManager.uses_pages_directory = False
     sys.argv = ["streamlit", *argv]
     streamlit_cli.main()
 
@@ -71,6 +71,51 @@ def _open_when_ready(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) 
     threading.Thread(target=wait_then_open, daemon=True).start()
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, receive SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        except OSError:  # another libc: the signal handlers below still stop the child
+            pass
+
+
+def stop_child(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
+    """Terminate the Streamlit child and wait for it (kill after `timeout_s`); returns its exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def run_app(cmd: list[str], env: dict[str, str], on_start: Any = None) -> int:
+    """Run the Streamlit child until it exits or we are told to stop; the child never outlives us."""
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if os.name == "posix" else None)
+    stopping: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+        stop_child(proc)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
+                if sig is not None}
+    try:
+        if on_start is not None:
+            on_start(proc)
+        code = proc.wait()
+    finally:
+        stop_child(proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if stopping else code
+
+
 def register(cli: typer.Typer) -> None:
     @cli.command("app")
     def app_command(
@@ -83,16 +128,13 @@ def register(cli: typer.Typer) -> None:
         """Open the Streamlit workbench in the browser."""
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         url = f"http://{'localhost' if address in ('0.0.0.0', '::') else address}:{port}"
-        proc = subprocess.Popen(streamlit_command(port, address, model, server), env=env)
-        print(f"thoughtscope: the workbench is at {url} (Ctrl+C stops it)", flush=True)
-        if not headless:
-            _open_when_ready(url, proc)
-        try:
-            code = proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()
-            code = 0
-        raise typer.Exit(code)
+
+        def started(proc: subprocess.Popen) -> None:
+            print(f"thoughtscope: the workbench is at {url} (Ctrl+C stops it)", flush=True)
+            if not headless:
+                _open_when_ready(url, proc)
+
+        raise typer.Exit(run_app(streamlit_command(port, address, model, server), env, started))
 
     @cli.command("export")
     def export_command(
@@ -102,23 +144,23 @@ def register(cli: typer.Typer) -> None:
         formats: str = typer.Option("svg,pdf", "--format", help="comma-separated: png, svg, pdf, csv, json"),
         out: Path = typer.Option(Path("."), "--out", help="folder to write into"),
     ) -> None:
-        """Rebuild a figure from a saved result and write it as PNG/SVG/PDF (and its data as CSV/JSON)."""
-        from app.export import ExportError, figure_registry, parse_formats, save_figure
+        """Rebuild a figure from a saved result and write it as PNG/SVG/PDF (and its data as CSV/JSON).
 
-        figures = figure_registry()
-        if figure not in figures:
-            plain = [name for name in figures if "." not in name]
-            raise ExportError(f"unknown figure {figure!r}; choose one of {', '.join(plain)}")
+        The figure is the one the app drew from the same JSON; the JSON written keeps its provenance."""
+        from app.export import ExportError, build_figure, figure_registry, parse_formats, save_figure
+
+        if figure not in figure_registry():
+            build_figure(figure, {})  # raises the "unknown figure" error with the list of names
         wanted = parse_formats(formats)
         try:
             data = json.loads(source.read_text())
         except (OSError, ValueError) as err:
             raise ExportError(f"could not read {source}: {err}") from err
         try:
-            fig = figures[figure](data)
-        except (KeyError, TypeError, ValueError, IndexError) as err:
+            fig = build_figure(figure, data)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
             raise ExportError(f"{source} does not hold a {figure} result ({type(err).__name__}: {err})") from err
-        for path in save_figure(fig, data, figure.replace(".", "-"), out, wanted):
+        for path in save_figure(fig, data, figure.replace(".", "-"), out, wanted, figure=figure):
             print(path)
 
 

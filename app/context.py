@@ -6,14 +6,16 @@ keys its caches with `ctx.cache_key()`, so two pages asked the same thing share 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from probes.engine import Sampling
-from thoughtscope.errors import BadInputError
+from thoughtscope.errors import BadInputError, ThoughtscopeError
 
 ChatMessages = list[dict[str, str]]
 
@@ -72,6 +74,26 @@ class PageContext:
             "settings": self.settings.to_dict(), "seed": self.seed, **extra,
         }, sort_keys=True)
 
+    def provenance(self, *, interventions: Sequence[Any] = (), settings: dict[str, Any] | None = None,
+                   data: str | None = None, split: str | None = None, prompt: Any = "sidebar",
+                   **extra: Any) -> dict[str, Any]:
+        """The provenance record of a result made on this page (`thoughtscope.provenance`): model and
+        fingerprint, the model input (or `prompt`), seed, generation settings plus `settings`,
+        interventions, data set and split."""
+        from thoughtscope.provenance import provenance
+
+        if prompt == "sidebar":
+            try:
+                prompt = self.model_input()
+            except BadInputError:
+                prompt = self.prompt
+        return provenance(
+            self.backend.info(), prompt=prompt, data=data, split=split, seed=self.seed,
+            settings={"generation": self.settings.to_dict(), "chat": self.chat, "one_shot": self.one_shot,
+                      **(settings or {})},
+            interventions=interventions, command="thoughtscope app",
+            backend=f"server {self.server_url}" if self.server_url else "in-process", **extra)
+
     def generate(self, **kwargs: Any):
         """Stream token records for the current prompt and settings (see `Engine.generate`)."""
         s = self.settings
@@ -103,3 +125,35 @@ class FinishedGenerations:
             self._items.move_to_end(key)
             while len(self._items) > self.max_entries:
                 self._items.popitem(last=False)
+
+
+@dataclass
+class ErrorSpot:
+    """What `shows_errors` caught (None when the block ran through)."""
+
+    error: ThoughtscopeError | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+@contextlib.contextmanager
+def shows_errors(where: Any = None) -> Iterator[ErrorSpot]:
+    """Show a user's mistake (a `ThoughtscopeError`) raised in the block right here, as an st.error in
+    `where` (default: the current container), instead of in place of the whole page: the controls
+    drawn before stay, and the page goes on below.
+
+        with shows_errors() as spot:
+            records = generate(ctx)
+        if spot.failed:
+            return
+    """
+    import streamlit as st
+
+    spot = ErrorSpot()
+    try:
+        yield spot
+    except ThoughtscopeError as err:
+        spot.error = err
+        (where if where is not None else st).error(str(err), icon=":material/error:")

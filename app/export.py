@@ -8,16 +8,26 @@ switched off: it would be fetched from a CDN, and no figure here uses LaTeX.
 
 `export_buttons(fig, data, name)` is the row of download buttons under every figure in the app;
 `save_figure` is what `thoughtscope export` calls.
+
+Every JSON export carries the one provenance record (`thoughtscope.provenance`) under a top-level
+`provenance` key: a page passes its own (`ctx.provenance(...)`), or the frame's record for the page
+being drawn applies (`page_provenance`). Every CSV is a tidy table: the figure module's `TABLES`
+entry for that figure when it has one, else `data_rows`' generic layout. A figure drawn from
+`plain(result)` (what the JSON holds) is rebuilt byte for byte by `thoughtscope export`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import csv
+import hashlib
 import io
 import json
 import math
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterable, Sequence
@@ -26,6 +36,8 @@ from typing import Any
 
 from app.figures.template import EXPORT_SIZE
 from thoughtscope.errors import ThoughtscopeError
+from thoughtscope.provenance import KEY as PROVENANCE_KEY
+from thoughtscope.provenance import with_provenance
 
 IMAGE_FORMATS = ("png", "svg", "pdf")
 DATA_FORMATS = ("csv", "json")
@@ -100,29 +112,41 @@ def figure_bytes(fig: Any, fmt: str, width: int | None = None, height: int | Non
         raise ExportError(f"{fmt!r} is not an image format; use one of {IMAGE_FORMATS}")
     fig_dict = fig.to_dict() if hasattr(fig, "to_dict") else fig
     layout = fig_dict.get("layout", {})
+    meta = layout.get("meta") if isinstance(layout.get("meta"), dict) else {}
     opts = dict(
         format=fmt,
-        width=width or layout.get("width") or EXPORT_SIZE["width"],
-        height=height or layout.get("height") or EXPORT_SIZE["height"],
+        width=width or layout.get("width") or meta.get("export_width") or EXPORT_SIZE["width"],
+        height=height or meta.get("export_height") or layout.get("height") or EXPORT_SIZE["height"],
         scale=scale or (EXPORT_SIZE["scale"] if fmt == "png" else 1),
     )
     with _lock:
         kaleido = _start_kaleido()
         try:
-            return kaleido.calc_fig_sync(fig_dict, opts=opts)
+            out = kaleido.calc_fig_sync(fig_dict, opts=opts)
         except Exception as err:  # kaleido wraps browser failures in several exception types
             raise ExportError(f"rendering the figure as {fmt.upper()} failed in Chromium ({path_note()}): {err}") from err
+    return stable_svg(out, fig_dict) if fmt == "svg" else out
+
+
+_SVG_UID = re.compile(rb'id="defs-([0-9a-f]{4,})"')
+
+
+def stable_svg(svg: bytes, fig_dict: Any) -> bytes:
+    """plotly.js names an SVG's clip paths and legend with a random id per render; replace it by one
+    derived from the figure, so the same figure always exports to the same bytes."""
+    found = _SVG_UID.search(svg)
+    if not found:
+        return svg
+    uid = found.group(1)
+    stable = hashlib.sha256(json.dumps(fig_dict, sort_keys=True, default=str).encode()).hexdigest()[:len(uid)].encode()
+    return svg.replace(uid, stable)  # defs-, clip, legend, gradient ids: 6 random hex digits nothing else has
 
 
 def path_note() -> str:
     return f"browser {chromium_path() or 'not found'}"
 
 
-def figure_registry() -> dict[str, Any]:
-    """Every figure builder the app has: the `FIGURES` dicts of all modules in app/figures/, merged.
-
-    A name two modules both use is also reachable as `<module>.<name>`.
-    """
+def _registry(attribute: str) -> dict[str, Any]:
     import importlib
     import pkgutil
 
@@ -131,10 +155,51 @@ def figure_registry() -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for info in sorted(pkgutil.iter_modules(figures.__path__), key=lambda i: (i.name != "trace", i.name)):
         module = importlib.import_module(f"app.figures.{info.name}")
-        for name, builder in getattr(module, "FIGURES", {}).items():
+        for name, builder in getattr(module, attribute, {}).items():
             merged.setdefault(name, builder)
             merged[f"{info.name}.{name}"] = builder
     return merged
+
+
+def figure_registry() -> dict[str, Any]:
+    """Every figure builder the app has: the `FIGURES` dicts of all modules in app/figures/, merged.
+
+    A name two modules both use is also reachable as `<module>.<name>`.
+    """
+    return _registry("FIGURES")
+
+
+def table_registry() -> dict[str, Any]:
+    """Every tidy-table builder: the `TABLES` dicts of app/figures/ modules (figure name -> rows(data))."""
+    return _registry("TABLES")
+
+
+def build_figure(name: str, data: Any) -> Any:
+    """The figure `name` drawn from `data` exactly as `thoughtscope export name --from data.json` draws it."""
+    figures = figure_registry()
+    if name not in figures:
+        plain_names = [n for n in figures if "." not in n]
+        raise ExportError(f"unknown figure {name!r}; choose one of {', '.join(plain_names)}")
+    return figures[name](plain(data))
+
+
+# ----------------------------------------------------------------- provenance
+
+_page_record: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("page_provenance", default=None)
+
+
+@contextlib.contextmanager
+def page_provenance(record: dict[str, Any] | None):
+    """While a page draws, exports without their own record carry this one (the frame sets it)."""
+    token = _page_record.set(record)
+    try:
+        yield
+    finally:
+        _page_record.reset(token)
+
+
+def current_provenance() -> dict[str, Any] | None:
+    return _page_record.get()
 
 
 # ----------------------------------------------------------------- data
@@ -152,8 +217,19 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def data_json(data: Any) -> str:
-    return json.dumps(_clean(data.to_dict() if hasattr(data, "to_dict") else data), indent=1, ensure_ascii=False)
+def plain(data: Any) -> Any:
+    """A result as the JSON export holds it (dicts, lists, finite floats or None): what figures are drawn
+    from, so the page's figure and the one `thoughtscope export` rebuilds are the same."""
+    return _clean(data.to_dict() if hasattr(data, "to_dict") else data)
+
+
+def data_json(data: Any, provenance: dict[str, Any] | None = None) -> str:
+    """The result as JSON; with a provenance record (given, or the page's) under `provenance`."""
+    payload = plain(data)
+    record = provenance if provenance is not None else current_provenance()
+    if record is not None:
+        payload = with_provenance(payload if isinstance(payload, dict) else {"data": payload}, record)
+    return json.dumps(payload, indent=1, ensure_ascii=False)
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -179,13 +255,33 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return None
 
 
+WIDE_MAX = 10  # a matrix this narrow whose columns match no list is one row per index, columns name_1..name_k
+LONG_TEXT = 60  # scalar texts longer than this stay in the JSON and out of the CSV rows
+
+
 def data_rows(data: Any) -> list[dict[str, Any]]:
-    """A result as table rows: long format (one row per cell) over its largest matrix, else one row
-    per index of its lists. Lists that match a matrix axis become columns of that axis."""
-    flat = _flatten(_clean(data.to_dict() if hasattr(data, "to_dict") else data))
+    """A result as tidy table rows when its figure module has no `TABLES` entry.
+
+    Narrow matrices whose width matches no list (top-k alternatives, 2-D coordinates) become columns
+    (`name_1`, `name_2`, ...) of one row per index; over the largest remaining matrix, one row per
+    cell (long format) with the lists that match its axes as columns; otherwise one row per index
+    of the lists. Short scalars are repeated as columns; long texts and the provenance record stay
+    in the JSON only.
+    """
+    source = plain(data)
+    if isinstance(source, dict):
+        source = {k: v for k, v in source.items() if k != PROVENANCE_KEY}
+    flat = _flatten(source if isinstance(source, dict) else {"value": source})
     shapes = {k: _shape(v) for k, v in flat.items()}
-    scalars = {k: flat[k] for k, s in shapes.items() if s == ()}
+    scalars = {k: flat[k] for k, s in shapes.items()
+               if s == () and not (isinstance(flat[k], str) and len(flat[k]) > LONG_TEXT)}
     vectors = {k: flat[k] for k, s in shapes.items() if s is not None and len(s) == 1}
+    lengths = {len(v) for v in vectors.values()}
+    for k, s in list(shapes.items()):
+        if s is not None and len(s) == 2 and s[1] <= WIDE_MAX and s[1] not in lengths:
+            for j in range(s[1]):
+                vectors[f"{k}_{j + 1}"] = [row[j] for row in flat[k]]
+            shapes[k] = None
     matrices = {k: s for k, s in shapes.items() if s is not None and len(s) == 2}
     if matrices:
         rows_n, cols_n = max(matrices.values(), key=lambda s: s[0] * s[1])
@@ -208,8 +304,16 @@ def data_rows(data: Any) -> list[dict[str, Any]]:
             for i in range(n)]
 
 
-def data_csv(data: Any) -> str:
-    rows = data_rows(data)
+def table_rows(data: Any, name: str | None = None) -> list[dict[str, Any]]:
+    """The tidy rows of a figure's data: its module's `TABLES[name]`, else `data_rows`."""
+    tables = table_registry() if name else {}
+    if name in tables:
+        return tables[name](plain(data))
+    return data_rows(data)
+
+
+def data_csv(data: Any, name: str | None = None) -> str:
+    rows = table_rows(data, name)
     buf = io.StringIO()
     fields: list[str] = []
     for row in rows:
@@ -220,49 +324,63 @@ def data_csv(data: Any) -> str:
     return buf.getvalue()
 
 
-def export_bytes(fig: Any, data: Any, fmt: str) -> bytes:
-    """One export in any of FORMATS, as bytes."""
+def export_bytes(fig: Any, data: Any, fmt: str, name: str | None = None,
+                 provenance: dict[str, Any] | None = None) -> bytes:
+    """One export in any of FORMATS, as bytes (`name` picks the figure's tidy table for CSV)."""
     if fmt == "csv":
-        return data_csv(data).encode()
+        return data_csv(data, name).encode()
     if fmt == "json":
-        return data_json(data).encode()
+        return data_json(data, provenance).encode()
     return figure_bytes(fig, fmt)
 
 
-def save_figure(fig: Any, data: Any, name: str, out_dir: str | Path, formats: Sequence[str]) -> list[Path]:
-    """Write `name.<fmt>` for every format into `out_dir`; returns the paths written."""
+def save_figure(fig: Any, data: Any, name: str, out_dir: str | Path, formats: Sequence[str],
+                figure: str | None = None, provenance: dict[str, Any] | None = None) -> list[Path]:
+    """Write `name.<fmt>` for every format into `out_dir`; returns the paths written. `figure` names
+    the builder (for its tidy table; default `name`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for fmt in parse_formats(formats):
         path = out / f"{name}.{fmt}"
-        path.write_bytes(export_bytes(fig, data, fmt))
+        path.write_bytes(export_bytes(fig, data, fmt, figure or name, provenance))
         written.append(path)
     return written
 
 
 # ----------------------------------------------------------------- the Streamlit component
 
-def export_buttons(fig: Any, data: Any, name: str) -> None:
+def export_buttons(fig: Any, data: Any, name: str, provenance: dict[str, Any] | None = None,
+                   figure: str | None = None) -> None:
     """PNG / SVG / PDF / CSV / JSON download buttons under a figure. Files are made on click
-    (deferred), so drawing a page never waits for Chromium."""
+    (deferred), so drawing a page never waits for Chromium. The JSON carries `provenance` (or the
+    page's record, read now: the click comes after the page has drawn)."""
     import streamlit as st
 
     images = static_export_available()
+    record = provenance if provenance is not None else current_provenance()
+    table = figure or name
     row = st.container(horizontal=True, key=f"export-{name}")
     for fmt in FORMATS:
         needs_browser = fmt in IMAGE_FORMATS and not images
         row.download_button(
-            fmt.upper(), data=lambda fmt=fmt: export_bytes(fig, data, fmt), file_name=f"{name}.{fmt}",
+            fmt.upper(), data=lambda fmt=fmt: export_bytes(fig, data, fmt, table, record), file_name=f"{name}.{fmt}",
             mime=MIME[fmt], key=f"export-{name}-{fmt}", on_click="ignore", icon=":material/download:",
             type="tertiary", disabled=needs_browser,
             help="needs Chromium (apt-get install chromium) or BROWSER_PATH" if needs_browser else None,
         )
 
 
-def show_figure(fig: Any, data: Any, name: str) -> None:
-    """A figure in the page (drawn with our template, not Streamlit's theme) and its export buttons."""
+def show_figure(fig: Any, data: Any, name: str, provenance: dict[str, Any] | None = None,
+                figure: str | None = None) -> None:
+    """A figure in the page (drawn with our template, not Streamlit's theme) and its export buttons.
+
+    `fig=None` draws the registered figure `figure or name` from `plain(data)`, which is what makes
+    `thoughtscope export` rebuild it byte for byte from the JSON export."""
     import streamlit as st
 
+    if fig is None:
+        data = plain(data)
+        fig = build_figure(figure or name, data)
     st.plotly_chart(fig, theme=None, key=f"figure-{name}", config={"displaylogo": False})
-    export_buttons(fig, data, name)
+    export_buttons(fig, data, name, provenance, figure)

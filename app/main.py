@@ -1,4 +1,4 @@
-"""The Streamlit entry point: the shared sidebar, then navigation over Home and every page in app/pages/.
+"""The Streamlit entry point: the shared sidebar, then navigation over Home and every page in app/views/.
 
 Launch with `thoughtscope app [--model ID] [--server URL] [--port 8501]`, or directly with
 `streamlit run app/main.py -- --model tiny-random:llama`. The launch options become the sidebar's
@@ -20,8 +20,10 @@ if str(ROOT) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the 
 import streamlit as st  # noqa: E402
 
 from app.context import PageContext  # noqa: E402
+from app.export import page_provenance  # noqa: E402
 from app.registry import discover_pages  # noqa: E402
 from app.sidebar import MODEL_ENV, SERVER_ENV, sidebar_context  # noqa: E402
+from probes.backend import require  # noqa: E402
 from thoughtscope.errors import ThoughtscopeError  # noqa: E402
 
 
@@ -37,20 +39,45 @@ def apply_launch_args(argv: list[str]) -> None:
         os.environ[SERVER_ENV] = args.server
 
 
+@st.cache_resource
+def page_icon():
+    """The tab icon, drawn here and served by the app itself: a `:material/...:` icon would make the
+    browser fetch an SVG from fonts.gstatic.com, and this app works offline."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGBA", (64, 64), (0, 0, 0, 0))
+    draw = ImageDraw.Draw(img)
+    draw.ellipse((6, 6, 46, 46), outline=(0, 114, 178, 255), width=7)  # a lens...
+    draw.line((40, 40, 58, 58), fill=(0, 114, 178, 255), width=9)  # ...with its handle
+    for i, h in enumerate((10, 18, 13)):  # and a few bars of a read-out inside it
+        draw.rectangle((16 + 7 * i, 34 - h, 20 + 7 * i, 34), fill=(230, 159, 0, 255))
+    return img
+
+
 def run_page(module, ctx: PageContext | None) -> None:
-    """Render one page; a user's mistake becomes an st.error with its message, not a traceback."""
+    """Render one page; a user's mistake becomes an st.error with its message, not a traceback.
+
+    Pages catch their own errors next to the control that caused them (`app.context.shows_errors`);
+    this is the last resort. While the page draws, its exports carry the page's provenance record."""
     if ctx is None:
         st.warning("No model is loaded: pick another model or backend in the sidebar (the error is shown there).")
         return
     try:
-        module.render(ctx)
+        require(ctx.backend, *module.PAGE.requires)
+    except ThoughtscopeError as err:
+        st.info(f"{module.PAGE.title} is not available here: {err}")
+        return
+    name = module.__name__.rsplit(".", 1)[-1]
+    try:
+        with page_provenance(ctx.provenance(page=name)):
+            module.render(ctx)
     except ThoughtscopeError as err:
         st.error(str(err))
 
 
 def main(only: str | None = None) -> None:
     """Draw the app; `only` restricts the navigation to one page module (used by the tests)."""
-    st.set_page_config(page_title="thoughtscope", page_icon=":material/psychology:", layout="wide")
+    st.set_page_config(page_title="thoughtscope", page_icon=page_icon(), layout="wide")
     if sys.argv and Path(sys.argv[0]).resolve() == Path(__file__).resolve():
         apply_launch_args(sys.argv[1:])
     ctx = sidebar_context()
@@ -62,7 +89,7 @@ def main(only: str | None = None) -> None:
         pages.append(st.Page(partial(run_page, module, ctx), title=spec.title, icon=spec.icon, url_path=name,
                              default=not pages))
     if not pages:
-        st.error(f"no page named {only!r} in app/pages/")
+        st.error(f"no page named {only!r} in app/views/")
         return
     st.navigation(pages).run()
 

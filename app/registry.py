@@ -1,4 +1,4 @@
-"""The page registry: a page is one module in `app/pages/` that defines `PAGE` and `render(ctx)`.
+"""The page registry: a page is one module in `app/views/` that defines `PAGE` and `render(ctx)`.
 
 Adding an analysis page means adding one module; a page whose module is absent does not appear.
 """
@@ -12,18 +12,22 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PageSpec:
+    """A page's title, icon, place in the navigation (Home 0, the trace explorer 10), and the backend
+    capabilities it needs (`Backend.capabilities()`): the frame checks them, the page never probes."""
+
     title: str
     icon: str = ":material/analytics:"
-    order: int = 50  # position in the navigation; Home is 0, the trace explorer 10
+    order: int = 50
+    requires: tuple[str, ...] = ()
 
 
 def discover_pages() -> list[tuple[PageSpec, object]]:
-    """(spec, module) for every module in app.pages that defines PAGE and render, in `order`."""
-    import app.pages as pages
+    """(spec, module) for every module in app.views that defines PAGE and render, in `order`."""
+    import app.views as views
 
     found = []
-    for info in pkgutil.iter_modules(pages.__path__):
-        module = importlib.import_module(f"app.pages.{info.name}")
+    for info in pkgutil.iter_modules(views.__path__):
+        module = importlib.import_module(f"app.views.{info.name}")
         if hasattr(module, "PAGE") and hasattr(module, "render"):
             found.append((module.PAGE, module))
     return sorted(found, key=lambda item: (item[0].order, item[0].title))

@@ -1,7 +1,8 @@
-"""`python -m benchmarks`: every performance ratio of the project, one JSON object per line.
+"""`python -m benchmarks [GROUP ...]`: every performance ratio of the project, one JSON object per line.
 
-The same measurements as the `thoughtscope bench ...` commands, in one run; see README for the
-figures measured on a 2-core CPU machine.
+The groups are discovered as `thoughtscope bench` discovers them (probes.bench and each method
+package's bench.py); each runs in its own process, so a model loaded for one group does not slow
+the next. See README for the figures measured on a 2-core CPU machine.
 """
 
 from __future__ import annotations
@@ -10,16 +11,15 @@ import os
 import subprocess
 import sys
 
-GROUPS = ["hooks", "server", "cot", "rise"]
-
 
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    groups = sys.argv[1:] or GROUPS
+    from thoughtscope.cli import benchmark_groups
+
+    groups = sys.argv[1:] or sorted(benchmark_groups())
     failed = 0
     for group in groups:
-        # one process per group: a model loaded for one group does not slow the next
-        failed |= subprocess.call([sys.executable, "-m", "probes.cli", "bench", group, "--json"])
+        failed |= subprocess.call([sys.executable, "-m", "thoughtscope", "bench", group, "--json"])
     return failed
 
 

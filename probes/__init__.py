@@ -2,11 +2,14 @@
 
 from probes.engine import Engine, GenerationStream, PrefixState, Sampling
 from thoughtscope.errors import BadInputError, ThoughtscopeError, UnknownModelError, UnknownSiteError
-from probes.interventions import AddVector, HeadAblation, MaskAttention, ProjectionRescale, load_vector
+from probes.backend import Backend, open_backend, require
+from probes.interventions import KINDS, AddVector, HeadAblation, MaskAttention, ProjectionRescale, load_vector
+from probes.kv_policy import HeadBudget, KeepAll, KVPolicy, SinkRecent
 from probes.records import TokenRecord, Trace
 from probes.zoo import ModelHandle, load_model
 
 __all__ = [
+    "KINDS", "Backend", "HeadBudget", "KVPolicy", "KeepAll", "SinkRecent", "open_backend", "require",
     "AddVector", "BadInputError", "Engine", "GenerationStream", "HeadAblation", "MaskAttention",
     "ModelHandle", "PrefixState", "ProjectionRescale", "Sampling", "ThoughtscopeError", "TokenRecord",
     "Trace", "UnknownModelError", "UnknownSiteError", "load_model", "load_vector",

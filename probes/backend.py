@@ -1,7 +1,23 @@
 """The Backend protocol: what a page or an analysis may ask of a model, wherever it lives.
 
 Two implementations: `probes.engine.Engine` (in-process) and `probes.client.RemoteBackend`
-(HTTP to `thoughtscope serve`). Pages and analyses take a `Backend` and never check which.
+(HTTP to `thoughtscope serve`). Pages and analyses take a `Backend` and never check which one
+they have; a page states what it needs with `require(backend, ...)` against `capabilities()`
+(an `ndif:` engine, for instance, traces but cannot fork or steer).
+
+Prefix states (`prefill`/`fork`/`free`) are opaque handles with `.id`, `.ids` (the tokens) and
+`.fingerprint` (the model): in-process they hold the KV cache, through the server they name a
+state the server holds (bounded in number and bytes, with a time-to-live). A fork never changes
+its state.
+
+Example:
+    >>> from probes import Engine
+    >>> backend: Backend = Engine.from_id("tiny-random:llama")
+    >>> require(backend, "fork")
+    >>> state = backend.prefill("2 + 2 =")
+    >>> [r.token_id for r in backend.fork(state, " The answer is", max_new_tokens=2)] == \\
+    ...     [r.token_id for r in backend.fork(state, " The answer is", max_new_tokens=2)]
+    True
 """
 
 from __future__ import annotations
@@ -9,16 +25,41 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from probes.records import TokenRecord, Trace
+import torch
+
+from probes.records import Readout, TokenRecord, Trace
+from thoughtscope.errors import BadInputError
 
 
 @runtime_checkable
 class Backend(Protocol):
+    # ----- the model -----
+
     def info(self) -> dict[str, Any]:
         """Model id, fingerprint, device, dtype, family, `arch` facts (see `ModelHandle.info`)."""
 
     def sites(self) -> list[dict[str, Any]]:
         """Every hook site of the model: rows of site, shape, tl_hook, doc."""
+
+    def capabilities(self) -> dict[str, bool]:
+        """What this backend can do: generate, trace, interventions, fork, capture_batch, readout,
+        grad, attention, kv_policy, router, vision (see `probes.engine.CAPABILITIES`)."""
+
+    # ----- tokens -----
+
+    def encode(self, prompt: Any, chat: bool = False, add_special_tokens: bool = True) -> list[int]:
+        """Text, chat messages or token ids -> token ids, with every prompt check (see `probes.tokens`)."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Per-token texts that concatenate to the decoded text."""
+
+    def eos_ids(self) -> list[int]: ...
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+
+    # ----- running the model -----
 
     def generate(self, prompt: Any = None, *, prompts: Sequence[Any] | None = None, n_samples: int = 1,
                  max_new_tokens: int = 64, sampling: Any = None, seed: int = 0, capture: Sequence[str] = (),
@@ -29,3 +70,65 @@ class Backend(Protocol):
     def trace(self, text: Any, capture: Sequence[str] = (), interventions: Sequence[Any] = (),
               chat: bool = False) -> Trace:
         """One teacher-forced pass (see `Engine.trace`)."""
+
+    def capture(self, text: Any, capture: Sequence[str], interventions: Sequence[Any] = (),
+                chat: bool = False) -> dict[str, torch.Tensor]:
+        """One forward, the named sites out: {site: [seq, ...]}."""
+
+    def capture_batch(self, sequences: Sequence[list[int]], capture: Sequence[str], prefix: Any = None,
+                      stop_after_last_site: bool = True,
+                      positions: Sequence[Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+        """Batched teacher-forced capture, optionally reusing a prefix state and keeping only `positions`."""
+
+    def head_means(self, texts: Sequence[str], layer: int) -> torch.Tensor:
+        """Mean per-head attention output at `z.layer` [n_heads, head_dim] (for mean ablation)."""
+
+    def readout(self, vectors: torch.Tensor, *, norm: bool = True, top_k: int = 10, bottom_k: int = 0,
+                token_ids: Sequence[int] | None = None) -> Readout:
+        """Vectors decoded through the unembedding (the logit lens with `norm`, feature words without)."""
+
+    def minimize_entropy(self, sequences: Sequence[Sequence[int]], starts: Sequence[int], site: str,
+                         basis: torch.Tensor, *, iterations: int = 30, lr: float = 0.01, batch_size: int = 8,
+                         seed: int = 0, on_step: Any = None) -> Any:
+        """Coefficients over `basis` that lower next-token entropy (see `probes.optimize`)."""
+
+    def input_x_gradient(self, text: Any, *, target: str = "logprob", positions: Sequence[int] | None = None,
+                         token: int | None = None, foil: int | None = None, sites: Sequence[str] = (),
+                         interventions: Sequence[Any] = (), chat: bool = False) -> Any:
+        """Input x gradient of one output (`probes.gradients.GradientAttribution`)."""
+
+    # ----- prefix states -----
+
+    def prefill(self, prompt: Any, chat: bool = False, base: Any = None) -> Any:
+        """Run a prefix once (extending `base` when given) and keep its state for forks."""
+
+    def fork(self, state: Any, suffix: str | list[int], max_new_tokens: int = 16, capture: Sequence[str] = (),
+             top_k: int = 5, stop: Sequence[str] = (), at: int | None = None) -> list[TokenRecord]:
+        """Greedy continuation of `state` (or of its first `at` tokens) plus `suffix`."""
+
+    def free(self, state: Any) -> None:
+        """Release a prefix state."""
+
+
+def require(backend: Any, *needed: str) -> None:
+    """Raise a `BadInputError` naming what is missing when `backend` lacks a capability."""
+    have = backend.capabilities()
+    missing = [name for name in needed if not have.get(name, False)]
+    if missing:
+        model = backend.info().get("model_id", "this model")
+        raise BadInputError(f"{model} cannot do {', '.join(missing)} on this backend "
+                            f"(it can: {', '.join(k for k, v in have.items() if v)})")
+
+
+def open_backend(model: str | None = None, server: str | None = None, token: str | None = None,
+                 timeout: float = 600.0, **load_kwargs: Any) -> Any:
+    """The backend a CLI or script asked for: a model server at `server`, else `model` in this process."""
+    if server:
+        from probes.client import RemoteBackend
+
+        backend = RemoteBackend(server, token=token, timeout=timeout)
+        backend.info()  # fail now, with the server's message, if it is not there or not ready
+        return backend
+    from probes.engine import Engine
+
+    return Engine.from_id(model or "smollm2-135m", **load_kwargs)

@@ -20,9 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import typer
-
-bench_cli = typer.Typer(add_completion=False, no_args_is_help=True, help="Performance ratios, measured side by side.")
 
 STORY = "Write a long, detailed story about a dragon who learns to count. Begin with the dragon's childhood."
 
@@ -130,48 +127,11 @@ def run_hooks(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
             bench_fork_probe(engine)]
 
 
-def _emit(rows: list[dict[str, Any]], as_json: bool) -> None:
-    device = "cuda" if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads"
-    for row in rows:
-        row.setdefault("device", device)
-        if as_json:
-            print(json.dumps(row), flush=True)
-        else:
-            print(f"{row['bench']:>18}: ratio {row['ratio']:.3f} (target <= {row.get('target', '-')})  {row}")
+def run_server(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
+    from probes.server_bench import bench_server, bench_server_fork_probe
+
+    return [bench_server(model_id), bench_server_fork_probe(model_id)]
 
 
-@bench_cli.command("hooks")
-def hooks_cmd(model: str = typer.Option("smollm2-135m"), as_json: bool = typer.Option(False, "--json")) -> None:
-    """Hook, streaming, steering and fork overheads on one model."""
-    _emit(run_hooks(model), as_json)
-
-
-@bench_cli.command("server")
-def server_cmd(model: str = typer.Option("smollm2-135m"), as_json: bool = typer.Option(False, "--json")) -> None:
-    """Tokens/s streamed in-process / through the HTTP server (loopback)."""
-    from probes.server_bench import bench_server
-
-    _emit([bench_server(model)], as_json)
-
-
-@bench_cli.command("cot")
-def cot_cmd(model: str = typer.Option("smollm2-135m"), as_json: bool = typer.Option(False, "--json")) -> None:
-    """CUSUM + entropy bookkeeping / plain streaming generation."""
-    from analyses.cot_entropy import bench_cusum_overhead
-    from probes.engine import Engine
-
-    _emit([bench_cusum_overhead(Engine.from_id(model))], as_json)
-
-
-@bench_cli.command("rise")
-def rise_cmd(model: str = typer.Option("smollm2-135m"), n: int = typer.Option(16),
-             as_json: bool = typer.Option(False, "--json")) -> None:
-    """RISE harvest cost / generation cost, and SAE training throughput."""
-    from analyses.rise_cli import bench_harvest, bench_sae_throughput
-    from probes.engine import Engine
-
-    _emit([bench_harvest(Engine.from_id(model), n), bench_sae_throughput()], as_json)
-
-
-def register(cli: typer.Typer) -> None:
-    cli.add_typer(bench_cli, name="bench")
+# Groups for `thoughtscope bench GROUP` (discovered by the entry point, as each method's bench.py is).
+BENCHMARKS = {"hooks": run_hooks, "server": run_server}

@@ -1,36 +1,25 @@
-"""The `thoughtscope` command line: models, sites, generate, bench, plus sub-commands other modules add.
+"""The probes' own sub-commands of `thoughtscope`: models, sites, generate.
 
-Each optional module in `SUBCOMMAND_MODULES` defines `register(cli: typer.Typer) -> None`; a module
-not written yet is skipped, so the CLI grows one line per capability.
+`register(cli)` adds them; the entry point (thoughtscope.cli) sits above every package and calls it
+as it calls each method package's `cli.register`.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from thoughtscope.errors import ThoughtscopeError
 
-cli = typer.Typer(add_completion=False, no_args_is_help=True, help="thoughtscope: look inside models while they reason.")
-console = Console(stderr=True)
-
-SUBCOMMAND_MODULES = [
-    "probes.bench",
-    "probes.server_cli",
-    "app.cli",
-    "analyses.cot_entropy_cli",
-    "analyses.rise_cli",
-]
+def register(cli: typer.Typer) -> None:
+    cli.command()(models)
+    cli.command()(sites)
+    cli.command()(generate)
 
 
-@cli.command()
 def models(as_json: bool = typer.Option(False, "--json", help="one JSON object per model")) -> None:
     """List the model zoo (and hf: models found in the local Hugging Face cache)."""
     from probes.zoo import list_models
@@ -46,7 +35,6 @@ def models(as_json: bool = typer.Option(False, "--json", help="one JSON object p
     Console().print(table)
 
 
-@cli.command()
 def sites(
     model: str = typer.Option("smollm2-135m", help="model id"),
     as_json: bool = typer.Option(False, "--json"),
@@ -68,7 +56,6 @@ def sites(
     Console().print(table)
 
 
-@cli.command()
 def generate(
     prompt: str = typer.Option(..., help="prompt text"),
     model: str = typer.Option("smollm2-135m", help="model id"),
@@ -99,28 +86,3 @@ def generate(
             out.print(f"[{shade}]{rec.text}[/{shade}]", end="")
     if not as_json:
         out.print("\n[dim](colour = entropy: green < 0.5 nats < yellow < 1.5 nats < red)[/dim]")
-
-
-def _register_subcommands() -> None:
-    for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name == name:
-                continue
-            raise
-        module.register(cli)
-
-
-def main() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _register_subcommands()
-    try:
-        cli()
-    except ThoughtscopeError as err:
-        console.print(f"[red]error:[/red] {err}")
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,9 @@
 
 A page or an analysis takes a `Backend` and cannot tell this from the in-process `Engine`:
 `generate` yields the same `TokenRecord`s (activations decoded from safetensors to tensors) as
-the server makes them, `trace` returns the same `Trace`. Error responses become the project's
+the server makes them, `trace` returns the same `Trace`, prefix states are `RemotePrefix` handles
+naming states the server holds. Tokenizer operations run here, on the tokenizer files the server
+hands out once (the same `TokenizerOps` the engine uses). Error responses become the project's
 errors with the server's message; a full queue is a `ServerBusyError` with `retry_after`.
 
 Example:
@@ -14,25 +16,44 @@ Example:
 
 from __future__ import annotations
 
+import base64
+import threading
 import uuid
-from contextlib import ExitStack, contextmanager
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import torch
 
-from thoughtscope.errors import ThoughtscopeError
-from probes.records import TokenRecord, Trace
+from probes.optimize import EntropyFit
+from probes.records import Readout, TokenRecord, Trace
+from probes.tokens import TokenizerOps, tokenizer_from_files
 from probes.wire import (
     ServerBusyError,
     ServerError,
+    b64_to_tensors,
     error_from_body,
     intervention_to_spec,
     parse_sse,
     record_from_json,
     sampling_to_spec,
+    tensors_to_b64,
     trace_from_json,
 )
+from thoughtscope.errors import BadInputError, ThoughtscopeError
+
+
+@dataclass
+class RemotePrefix:
+    """A prefix state the model server holds: its id, its tokens, the model that made it."""
+
+    id: str
+    ids: list[int]
+    fingerprint: str
+    n_bytes: int = 0
+    url: str = field(default="", repr=False)
 
 
 class RemoteStream(Iterator[TokenRecord]):
@@ -95,6 +116,9 @@ class RemoteBackend:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout))
+        self._ops: TokenizerOps | None = None
+        self._ops_lock = threading.Lock()
+        self._info: dict[str, Any] | None = None
 
     def close(self) -> None:
         self._http.close()
@@ -108,10 +132,41 @@ class RemoteBackend:
     # ----- the Backend protocol -----
 
     def info(self) -> dict[str, Any]:
-        return self._call("GET", "/info")
+        self._info = self._call("GET", "/info")
+        return self._info
 
     def sites(self) -> list[dict[str, Any]]:
         return self._call("GET", "/sites")
+
+    def capabilities(self) -> dict[str, bool]:
+        return self._call("GET", "/capabilities")
+
+    # ----- tokens: encoded here, with the server's tokenizer (fetched once) -----
+
+    @property
+    def ops(self) -> TokenizerOps:
+        with self._ops_lock:
+            if self._ops is None:
+                body = self._call("GET", "/tokenizer")
+                files = {name: base64.b64decode(data) for name, data in body["files"].items()}
+                self._ops = TokenizerOps(tokenizer_from_files(files), body["context_length"], body["vocab_size"],
+                                         body["eos_ids"])
+            return self._ops
+
+    def encode(self, prompt: Any, chat: bool = False, add_special_tokens: bool = True) -> list[int]:
+        return self.ops.encode(prompt, chat=chat, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.ops.decode(ids, skip_special_tokens)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        return self.ops.token_texts(ids)
+
+    def eos_ids(self) -> list[int]:
+        return self.ops.eos_ids()
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.ops.render_chat(messages, add_generation_prompt)
 
     def ready(self) -> dict[str, Any]:
         """Readiness and limits (busy, waiting, max_queue, max_new_tokens_cap); raises while loading."""
@@ -139,17 +194,101 @@ class RemoteBackend:
                 "interventions": [intervention_to_spec(iv) for iv in interventions], "chat": chat}
         return trace_from_json(self._call("POST", "/trace", json=body))
 
+    def capture(self, text: Any, capture: Sequence[str], interventions: Sequence[Any] = (),
+                chat: bool = False) -> dict[str, torch.Tensor]:
+        return self.trace(text, capture=capture, interventions=interventions, chat=chat).activations
+
+    def capture_batch(self, sequences: Sequence[list[int]], capture: Sequence[str], prefix: Any = None,
+                      stop_after_last_site: bool = True,
+                      positions: Sequence[Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+        body = {"sequences": [[int(t) for t in seq] for seq in sequences], "capture": list(capture),
+                "prefix": self._state_id(prefix) if prefix is not None else None,
+                "stop_after_last_site": stop_after_last_site,
+                "positions": None if positions is None else [[int(p) for p in pos] for pos in positions]}
+        return b64_to_tensors(self._call("POST", "/capture_batch", json=body)["activations"])
+
+    def head_means(self, texts: Sequence[str], layer: int) -> torch.Tensor:
+        body = {"texts": list(texts), "layer": layer}
+        return b64_to_tensors(self._call("POST", "/head_means", json=body)["means"])["means"]
+
+    def readout(self, vectors: torch.Tensor, *, norm: bool = True, top_k: int = 10, bottom_k: int = 0,
+                token_ids: Sequence[int] | None = None) -> Readout:
+        x = torch.as_tensor(vectors).detach().float().cpu()
+        body = {"vectors": tensors_to_b64({"vectors": x.view(1, -1) if x.ndim == 1 else x}), "norm": norm,
+                "top_k": top_k, "bottom_k": bottom_k,
+                "token_ids": None if token_ids is None else [int(t) for t in token_ids]}
+        return Readout(**b64_to_tensors(self._call("POST", "/readout", json=body)["readout"]))
+
+    def minimize_entropy(self, sequences: Sequence[Sequence[int]], starts: Sequence[int], site: str,
+                         basis: torch.Tensor, *, iterations: int = 30, lr: float = 0.01, batch_size: int = 8,
+                         seed: int = 0, on_step: Any = None) -> EntropyFit:
+        """The fit runs on the server in one call; `on_step` is called once per iteration afterwards."""
+        body = {"sequences": [[int(t) for t in seq] for seq in sequences], "starts": [int(s) for s in starts],
+                "site": site, "basis": tensors_to_b64({"basis": torch.as_tensor(basis).detach().float().cpu()}),
+                "iterations": iterations, "lr": float(lr), "batch_size": batch_size, "seed": seed}
+        out = self._call("POST", "/minimize_entropy", json=body)
+        fit = EntropyFit(b64_to_tensors(out["coefficients"])["coefficients"], list(out["history"]), out["settings"])
+        if on_step:
+            for i, value in enumerate(fit.history):
+                on_step(i + 1, value)
+        return fit
+
+    def input_x_gradient(self, text: Any, *, target: str = "logprob", positions: Sequence[int] | None = None,
+                         token: int | None = None, foil: int | None = None, sites: Sequence[str] = (),
+                         interventions: Sequence[Any] = (), chat: bool = False) -> Any:
+        from probes.gradients import GradientAttribution
+
+        body = {"text": text, "target": target, "positions": None if positions is None else list(positions),
+                "token": token, "foil": foil, "sites": list(sites),
+                "interventions": [intervention_to_spec(iv) for iv in interventions], "chat": chat}
+        out = self._call("POST", "/input_x_gradient", json=body)
+        tensors = b64_to_tensors(out.pop("tensors"))
+        sites_out = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("site/")}
+        return GradientAttribution(out["token_ids"], out["target"], out["positions"], tensors["scores"],
+                                   out["target_value"], out["baseline_value"], sites_out)
+
+    # ----- prefix states, held by the server -----
+
+    def prefill(self, prompt: Any, chat: bool = False, base: Any = None) -> RemotePrefix:
+        body = {"prompt": prompt, "chat": chat, "base": self._state_id(base) if base is not None else None}
+        out = self._call("POST", "/prefill", retry=False, json=body)
+        return RemotePrefix(out["state_id"], list(out["ids"]), out["fingerprint"], out["n_bytes"], self.url)
+
+    def fork(self, state: Any, suffix: str | list[int], max_new_tokens: int = 16, capture: Sequence[str] = (),
+             top_k: int = 5, stop: Sequence[str] = (), at: int | None = None) -> list[TokenRecord]:
+        body = {"state": self._state_id(state), "suffix": suffix if isinstance(suffix, str) else [int(t) for t in suffix],
+                "max_new_tokens": max_new_tokens, "capture": list(capture), "top_k": top_k, "stop": list(stop),
+                "at": at}
+        return [record_from_json(row) for row in self._call("POST", "/fork", json=body)["records"]]
+
+    def free(self, state: Any) -> None:
+        self._call("POST", f"/free/{self._state_id(state)}")
+
+    def _state_id(self, state: Any) -> str:
+        if not isinstance(state, RemotePrefix):
+            raise BadInputError(f"{type(state).__name__} is not a prefix state of this server; make one with prefill()")
+        if state.url and state.url != self.url:
+            raise BadInputError(f"prefix state {state.id} belongs to the server at {state.url}, not {self.url}")
+        return state.id
+
     def cancel(self, request_id: str) -> bool:
         """Ask the server to stop a generation at its next token; False if it is not queued or running."""
         return bool(self._call("POST", f"/cancel/{request_id}")["cancelled"])
 
     # ----- plumbing -----
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as err:
-            raise self._unreachable(err) from err
+    def _call(self, method: str, path: str, retry: bool = True, **kwargs: Any) -> Any:
+        """One request; a connection the server dropped (a reset, a closed keep-alive) is retried once
+        when `retry` (every operation but `prefill` is idempotent: repeating it changes nothing)."""
+        for attempt in (0, 1):
+            try:
+                response = self._http.request(method, path, **kwargs)
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
+                if attempt or not retry:
+                    raise self._unreachable(err) from err
+            except httpx.HTTPError as err:
+                raise self._unreachable(err) from err
         if response.status_code >= 400:
             raise _error_of(response)
         return response.json()

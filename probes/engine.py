@@ -5,7 +5,13 @@
 activations at the new position, interventions applied). The prefix is never re-run: each step
 feeds only the new token. `Engine.trace` is one teacher-forced pass over all positions.
 `Engine.prefill` + `Engine.fork` continue from a saved KV state, so a probe that appends a short
-suffix to a long prefix costs only the suffix.
+suffix to a long prefix costs only the suffix; a fork never changes the state it starts from (it
+reads a view of the cache), and `prefill(..., base=state)` extends a state by computing only the
+new tokens.
+
+The engine is the in-process `Backend` (probes.backend): everything a method needs, from
+tokenizer operations to readouts and gradient fits, is a method here and an endpoint of the model
+server, so an analysis never reaches into the model.
 
 Example:
     >>> from probes import Engine
@@ -17,25 +23,31 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from thoughtscope.errors import BadInputError
 from probes.hooks import HookRunner
 from probes.interventions import Intervention, MaskAttention
-from probes.records import TokenRecord, Trace
-from probes.sites import Site, get_module, list_sites, validate_site
+from probes.records import Readout, TokenRecord, Trace
+from probes.sites import FAMILIES, Site, get_module, list_sites, validate_site
+from probes.tokens import MAX_PROMPT_CHARS, Prompt, TokenizerOps  # noqa: F401  (MAX_PROMPT_CHARS re-exported)
 from probes.zoo import ModelHandle, load_model
+from thoughtscope.errors import BadInputError
 
-Prompt = str | list[dict[str, str]] | list[int]
 MAX_NEW_TOKENS_LIMIT = 8192
-MAX_PROMPT_CHARS = 200_000
+MAX_READOUT_ROWS = 65_536
+
+# What a backend can do (`capabilities()`): a page declares what it needs from this list.
+CAPABILITIES = ("generate", "trace", "interventions", "fork", "capture_batch", "readout", "grad", "attention",
+                "kv_policy", "router", "vision")
 
 
 @dataclass(frozen=True)
@@ -64,14 +76,45 @@ class Sampling:
 
 @dataclass
 class PrefixState:
-    """A sequence whose first `cache.get_seq_length()` tokens are already in the KV cache."""
+    """A sequence whose first `cache_len` tokens are already in the KV cache (an in-process prefix state).
+
+    Methods use only `ids` and hand the state back to `fork`/`prefill(base=)`/`free`; the model
+    server keeps these under `id` and a client holds a `RemotePrefix` with the same fields.
+    """
 
     ids: list[int]
-    cache: Any
+    cache: Any = field(repr=False)
+    fingerprint: str = ""
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def cache_len(self) -> int:
+        if self.cache is None:
+            raise BadInputError(f"prefix state {self.id} was freed; prefill again")
         return self.cache.get_seq_length()
+
+    @property
+    def n_bytes(self) -> int:
+        """Bytes the cached keys and values hold (what a server's state budget counts)."""
+        if self.cache is None:
+            return 0
+        total = 0
+        for layer in getattr(self.cache, "layers", []):
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
+    def describe(self) -> dict[str, Any]:
+        return {"state_id": self.id, "ids": list(self.ids), "fingerprint": self.fingerprint,
+                "n_tokens": len(self.ids), "n_bytes": self.n_bytes}
+
+
+def check_seed(seed: Any) -> int:
+    """A seed torch accepts: an integer in 0..2**63 - 1."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise BadInputError(f"the seed must be an integer in 0..{2**63 - 1}, got {seed!r}")
+    return seed
 
 
 @dataclass
@@ -119,8 +162,9 @@ class Engine:
         self.handle = handle
         self.model = handle.model
         self.tok = handle.tokenizer
+        self.ops = TokenizerOps.of(handle)
+        self._eos = set(self.ops.eos_ids())
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        self.eos_ids = self._eos_ids()
         # One model, many callers (browser tabs run in threads): hooks are registered on the shared
         # module, so calls must not interleave. Re-entrant, so a fork inside a live generation works.
         self.lock = threading.RLock()
@@ -137,41 +181,51 @@ class Engine:
     def sites(self) -> list[dict[str, Any]]:
         return list_sites(self.handle.arch)
 
-    # ----- input checks: all of them run before any model work -----
+    def capabilities(self) -> dict[str, bool]:
+        """What this backend can do; a page declares what it needs instead of probing with hasattr."""
+        local = not self.handle.remote
+        have = {name: local for name in CAPABILITIES}
+        have["trace"] = True
+        have["router"] = local and self.handle.arch.is_moe
+        have["vision"] = local and bool(getattr(self.handle, "is_vlm", False))
+        return have
 
-    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """Prompt -> token ids. A string is raw text unless `chat`; a list of dicts is chat messages."""
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        elif isinstance(prompt, list):
-            text = self.handle.render_chat(prompt)
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, str):
-            if not prompt.strip():
-                raise BadInputError("the prompt is empty; type a question or pick an example")
-            if len(prompt) > MAX_PROMPT_CHARS:
-                raise BadInputError(f"the prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
-            if chat:
-                text = self.handle.render_chat([{"role": "user", "content": prompt}])
-                ids = self.tok(text, add_special_tokens=False)["input_ids"]
-            else:
-                ids = self.tok(prompt)["input_ids"]
-        else:
-            raise BadInputError(f"a prompt is text, chat messages or token ids, not {type(prompt).__name__}")
-        if not ids:
-            raise BadInputError("the prompt encodes to no tokens")
-        ctx = self.handle.arch.context_length
-        if len(ids) >= ctx:
-            raise BadInputError(f"the prompt has {len(ids)} tokens; this model's context is {ctx}: shorten it")
-        return ids
+    # ----- tokenizer operations (probes.tokens; the same code runs in RemoteBackend) -----
+
+    def encode(self, prompt: Prompt, chat: bool = False, add_special_tokens: bool = True) -> list[int]:
+        """Prompt -> token ids. A string is raw text unless `chat`; a list of dicts is chat messages;
+        token ids are checked against the vocabulary. Every check runs before any model work."""
+        return self.ops.encode(prompt, chat=chat, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.ops.decode(ids, skip_special_tokens)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Per-token texts that concatenate to the decoded text."""
+        return self.ops.token_texts(ids)
+
+    def eos_ids(self) -> list[int]:
+        return self.ops.eos_ids()
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.ops.render_chat(messages, add_generation_prompt)
 
     def _check_sites(self, capture: Sequence[str]) -> list[Site]:
         return [validate_site(name, self.handle.arch) for name in capture]
 
     def _split_interventions(self, interventions: Sequence[Any]) -> tuple[list[Intervention], list[MaskAttention]]:
+        """(hooks on sites, everything else: attention masks and at most one KV policy), all validated."""
+        from probes.kv_policy import KVPolicy, check_model
+
         hooks, masks = [], []
         for iv in interventions:
             if isinstance(iv, MaskAttention):
+                iv.validate(self.handle.arch)
+                masks.append(iv)
+            elif isinstance(iv, KVPolicy):
+                if any(isinstance(m, KVPolicy) for m in masks):
+                    raise BadInputError("pass at most one KV policy; combine rules in one KVPolicy subclass")
+                check_model(self.handle)
                 iv.validate(self.handle.arch)
                 masks.append(iv)
             elif isinstance(iv, Intervention):
@@ -209,6 +263,9 @@ class Engine:
         if not batch_prompts or n_samples < 1:
             raise BadInputError("nothing to generate: give at least one prompt and n_samples >= 1")
         ids = [self.encode(p, chat=chat) for p in batch_prompts for _ in range(n_samples)]
+        check_seed(seed)
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise BadInputError("stop strings must be non-empty text (an empty one would end every generation at once)")
         if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise BadInputError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, got {max_new_tokens}")
         max_new_tokens = min(max_new_tokens, self.handle.arch.context_length - max(map(len, ids)))
@@ -226,15 +283,37 @@ class Engine:
 
     @torch.no_grad()
     def _generate_unlocked(self, stream, ids, max_new, sampling, seed, sites, hooks, masks, top_k, stop):
+        import contextlib
+
+        from probes.attention_masks import AttentionMasker
+        from probes.kv_policy import KVPolicy, compressed_attention, kv_bytes_per_sequence
+
         device = self.handle.device
         gen = torch.Generator(device="cpu").manual_seed(int(seed))
         described = [iv.describe() for iv in [*hooks, *masks]]
+        policy = next((m for m in masks if isinstance(m, KVPolicy)), None)
+        masks = [m for m in masks if isinstance(m, MaskAttention)]
+        if any(m.queries is not None for m in masks):
+            raise BadInputError("in generate() MaskAttention masks the generated tokens; queries= applies to "
+                                "teacher-forced trace/capture")
         input_ids, mask, masked_cols = self._left_pad(ids, masks)
+        if policy is not None and policy.max_entries() is not None and policy.max_entries() >= input_ids.shape[1] + max_new:
+            import warnings
+
+            warnings.warn(f"{policy.describe()} keeps up to {policy.max_entries()} entries per head, more than this "
+                          f"generation's {input_ids.shape[1] + max_new} tokens: nothing will be dropped", stacklevel=2)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        pads = [input_ids.shape[1] - len(row) for row in ids]
         step = _Step([list(x) for x in ids], mask, positions, [False] * len(ids), [""] * len(ids))
         stream.step = step
-        cache = self._new_cache()
-        with HookRunner(self.handle, sites, hooks) as runner:
+        cache = self._new_cache(policy)
+        with contextlib.ExitStack() as scope:
+            runner = scope.enter_context(HookRunner(self.handle, sites, hooks))
+            if policy is not None:
+                scope.enter_context(compressed_attention(self.model, cache, want_weights=runner.needs_eager))
+            # MaskAttention in chosen layers: hooks on those layers (queries from the last prompt token on).
+            scope.enter_context(AttentionMasker(self.handle, [m for m in masks if m.layers is not None],
+                                                first_query=input_ids.shape[1] - 1))
             runner.ctx.batch, runner.ctx.last_only = len(ids), True
             # With attention masking, the last prompt token is fed as a decode step so that it,
             # too, sees the mask (it predicts the first generated token).
@@ -253,12 +332,14 @@ class Engine:
             stream.cache = cache
             for t in range(max_new):
                 next_ids, recs = self._step_records(logits, sampling, gen, top_k, step, t, runner, described)
+                kv_bytes = kv_bytes_per_sequence(cache, pads)
                 done_now = t == max_new - 1
                 for rec in recs:
                     b = rec.batch_index
+                    rec.kv_bytes = kv_bytes[b]
                     step.ids[b].append(rec.token_id)
                     step.texts[b] += rec.text
-                    rec.finished = done_now or rec.token_id in self.eos_ids or any(s in step.texts[b] for s in stop)
+                    rec.finished = done_now or rec.token_id in self._eos or any(s in step.texts[b] for s in stop)
                     step.finished[b] = rec.finished
                 for rec in recs:
                     yield rec
@@ -275,6 +356,9 @@ class Engine:
 
     def _step_records(self, logits, sampling, gen, top_k, step, t, runner, described):
         """Choose the next tokens and build one record per unfinished sequence."""
+        if not torch.isfinite(logits).all():
+            raise BadInputError("the model's next-token scores became NaN or infinite"
+                                + (f" under {', '.join(described)}: use a smaller scale" if described else ""))
         logp = torch.log_softmax(logits.float(), dim=-1)
         entropy = -(logp.exp() * logp).sum(-1)
         next_ids = self._choose(logits, logp, sampling, gen)
@@ -312,11 +396,7 @@ class Engine:
         return torch.multinomial(probs, 1, generator=gen).view(-1).to(logits.device)
 
     def _piece(self, ids: list[int], new_id: int) -> str:
-        """Text the new token adds; decoding a short window keeps multi-byte characters whole."""
-        window = ids[-6:]
-        before = self.tok.decode(window, skip_special_tokens=False)
-        after = self.tok.decode(window + [new_id], skip_special_tokens=False)
-        return after[len(before):] if after.startswith(before) else self.tok.decode([new_id])
+        return self.ops.piece(ids, new_id)
 
     # ----- teacher-forced passes -----
 
@@ -327,9 +407,8 @@ class Engine:
         ids = self.encode(text, chat=chat)
         sites = self._check_sites(capture)
         hooks, masks = self._split_interventions(interventions)
-        if masks:
-            raise BadInputError("MaskAttention applies to generated tokens; use it with generate()")
-        acts, logits = self._capture_forward(ids, sites, hooks)
+        self._check_teacher_forced(masks, [len(ids)])
+        acts, logits = self._capture_forward(ids, sites, hooks, masks)
         input_ids = torch.tensor([ids], device=logits.device)
         logp = torch.log_softmax(logits.float(), dim=-1)
         entropies = -(logp.exp() * logp).sum(-1)
@@ -344,21 +423,39 @@ class Engine:
 
     @torch.no_grad()
     def capture_batch(self, sequences: Sequence[list[int]], capture: Sequence[str],
-                      prefix: PrefixState | None = None, stop_after_last_site: bool = True) -> dict[str, torch.Tensor]:
+                      prefix: PrefixState | None = None, stop_after_last_site: bool = True,
+                      positions: Sequence[Sequence[int]] | None = None,
+                      interventions: Sequence[Any] = ()) -> dict[str, torch.Tensor]:
         """Teacher-forced pass over a batch of token sequences: {site: [batch, width, ...]}.
 
         Every sequence must start with `prefix.ids` when a prefix is given: its KV cache is reused
-        and only the tails run (right-padded to `width`, the longest tail). With
+        (never changed) and only the tails run (right-padded to `width`, the longest tail). With
         `stop_after_last_site` the forward ends after the deepest captured layer and no logits
-        are computed, which is what harvesting step vectors needs.
+        are computed, which is what harvesting step vectors needs. With `positions` (absolute
+        token indices, one list per sequence, each past the prefix) only those rows come back,
+        concatenated: {site: [sum of len(positions[b]), ...]} — what a server should ship.
+        `interventions` apply to every sequence (MaskAttention positions are absolute token indices).
         """
         self._local_only("capture_batch")
         if not sequences:
             raise BadInputError("capture_batch needs at least one sequence")
+        sequences = [self.encode(list(seq)) for seq in sequences]
         sites = self._check_sites(capture)
+        hooks, masks = self._split_interventions(interventions)
+        self._check_teacher_forced(masks, [len(seq) for seq in sequences])
+        if prefix is not None:
+            self._check_state(prefix)
         shared = len(prefix.ids) if prefix is not None else 0
         if prefix is not None and any(list(seq[:shared]) != prefix.ids for seq in sequences):
             raise BadInputError("every sequence must start with the prefix's tokens")
+        if positions is not None:
+            if len(positions) != len(sequences):
+                raise BadInputError(f"positions has {len(positions)} lists for {len(sequences)} sequences")
+            for seq, pos in zip(sequences, positions):
+                bad = [p for p in pos if not (isinstance(p, int) and shared <= p < len(seq))]
+                if bad:
+                    raise BadInputError(f"positions {bad[:5]} are outside {shared}..{len(seq) - 1} "
+                                        "(after the prefix, inside the sequence)")
         dev = self.handle.device
         width = max(len(seq) for seq in sequences) - shared
         if width < 1:
@@ -373,17 +470,18 @@ class Engine:
         kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask, logits_to_keep=1,
                                       position_ids=torch.arange(shared, shared + width, device=dev).expand(len(sequences), -1))
         if prefix is not None:
-            import copy
-
-            cache = copy.deepcopy(prefix.cache)
-            _rollback(cache, shared)
+            cache = _cache_view(prefix.cache, shared)
+            if cache is None or cache.get_seq_length() != shared:
+                raise BadInputError("this model's sliding-window cache cannot be shared by a batch; pass no prefix")
             cache.batch_repeat_interleave(len(sequences))
             kwargs.update(use_cache=True, **{self._cache_kw: cache})
         else:
             kwargs["use_cache"] = False
         deepest = max((s.layer for s in sites if s.layer is not None), default=None)
         stop_early = stop_after_last_site and deepest is not None and all(s.layer is not None for s in sites)
-        with self.lock, HookRunner(self.handle, sites, []) as runner:
+        from probes.attention_masks import AttentionMasker
+
+        with self.lock, HookRunner(self.handle, sites, hooks) as runner, AttentionMasker(self.handle, masks):
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = len(sequences), width, "trace"
             stopper = None
             if stop_early:
@@ -396,7 +494,11 @@ class Engine:
             finally:
                 if stopper is not None:
                     stopper.remove()
-            return dict(runner.captured)
+            captured = dict(runner.captured)
+        if positions is None:
+            return captured
+        return {name: torch.cat([v[b, [p - shared for p in pos]] for b, pos in enumerate(positions)])
+                for name, v in captured.items()}
 
     @torch.no_grad()
     def capture(self, text: Prompt, capture: Sequence[str], interventions: Sequence[Any] = (),
@@ -410,16 +512,18 @@ class Engine:
         ids = self.encode(text, chat=chat)
         sites = self._check_sites(capture)
         hooks, masks = self._split_interventions(interventions)
-        if masks:
-            raise BadInputError("MaskAttention applies to generated tokens; use it with generate()")
-        return self._capture_forward(ids, sites, hooks)[0]
+        self._check_teacher_forced(masks, [len(ids)])
+        return self._capture_forward(ids, sites, hooks, masks)[0]
 
-    def _capture_forward(self, ids: list[int], sites: list[Site], hooks: list[Intervention]):
+    def _capture_forward(self, ids: list[int], sites: list[Site], hooks: list[Intervention],
+                         masks: Sequence[MaskAttention] = ()):
         """(activations {site: [seq, ...]}, logits [seq, vocab]) of one teacher-forced forward."""
+        from probes.attention_masks import AttentionMasker
+
         if self.handle.remote:
-            return self._remote_trace(ids, sites, hooks)
+            return self._remote_trace(ids, sites, [*hooks, *masks])
         input_ids = torch.tensor([ids], device=self.handle.device)
-        with self.lock, HookRunner(self.handle, sites, hooks) as runner:
+        with self.lock, HookRunner(self.handle, sites, hooks) as runner, AttentionMasker(self.handle, masks):
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
             logits = self.model(input_ids=input_ids, use_cache=False).logits[0]
         return {name: v[0] for name, v in runner.captured.items()}, logits
@@ -450,62 +554,179 @@ class Engine:
     # ----- KV-state forks -----
 
     @torch.no_grad()
-    def prefill(self, prompt: Prompt, chat: bool = False) -> PrefixState:
-        """Run a prefix once and keep its KV cache for any number of `fork`s."""
+    def prefill(self, prompt: Prompt, chat: bool = False, base: PrefixState | None = None) -> PrefixState:
+        """Run a prefix once and keep its KV cache for any number of `fork`s.
+
+        With `base`, the tokens `prompt` shares with `base` are not recomputed (a live trace can be
+        extended step by step at the cost of the new tokens only); `base` itself is left as it was.
+        """
         self._local_only("prefill")
         ids = self.encode(prompt, chat=chat)
-        cache = self._new_cache()
-        t = torch.tensor([ids], device=self.handle.device)
+        shared = 0
+        if base is not None:
+            self._check_state(base)
+            shared = _common_prefix(ids, base.ids[:base.cache_len])
+            if shared == len(ids):  # nothing new: keep one position to feed, the cache holds the rest
+                shared -= 1
+        cache = (_cache_view(base.cache, shared) if base is not None and shared > 0 else None) or self._new_cache()
+        shared = cache.get_seq_length()
+        t = torch.tensor([ids[shared:]], device=self.handle.device)
         with self.lock:
-            self._forward(t, torch.ones_like(t), torch.arange(len(ids), device=t.device).view(1, -1), cache)
-        return PrefixState(ids, cache)
+            self._forward(t, torch.ones(1, len(ids), dtype=torch.long, device=t.device),
+                          torch.arange(shared, len(ids), device=t.device).view(1, -1), cache)
+        return PrefixState(ids, cache, self.handle.fingerprint)
 
     @torch.no_grad()
     def fork(self, state: PrefixState, suffix: str | list[int], max_new_tokens: int = 16,
-             capture: Sequence[str] = (), top_k: int = 5, stop: Sequence[str] = ()) -> list[TokenRecord]:
-        """Append `suffix` to a saved state and decode greedily; the state is left as it was.
+             capture: Sequence[str] = (), top_k: int = 5, stop: Sequence[str] = (),
+             at: int | None = None) -> list[TokenRecord]:
+        """Append `suffix` to a saved state (or to its first `at` tokens) and decode greedily.
 
-        Costs the tokens not yet in the cache plus the suffix plus the decoded tokens, never the prefix.
+        Costs the tokens not yet in the cache plus the suffix plus the decoded tokens, never the
+        prefix. The state is read through a view of its cache, so it is never changed.
         """
-        suffix_ids = suffix if isinstance(suffix, list) else self.tok(suffix, add_special_tokens=False)["input_ids"]
+        self._check_state(state)
+        if isinstance(suffix, str):
+            if not suffix:
+                raise BadInputError("fork needs a non-empty suffix")
+            suffix_ids = self.encode(suffix, add_special_tokens=False)
+        else:
+            suffix_ids = self.encode(list(suffix)) if suffix else []
+        at = len(state.ids) if at is None else at
+        if not isinstance(at, int) or not 1 <= at <= len(state.ids):
+            raise BadInputError(f"at={at!r}: fork from the first 1..{len(state.ids)} tokens of the state")
         sites = self._check_sites(capture)
-        base_len = state.cache_len
-        todo = state.ids[base_len:] + list(suffix_ids)
-        if not todo:
-            raise BadInputError("fork needs a non-empty suffix")
-        max_new_tokens = min(max_new_tokens, self.handle.arch.context_length - len(state.ids) - len(suffix_ids))
+        if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise BadInputError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, got {max_new_tokens}")
+        prefix_ids = list(state.ids[:at])
+        max_new_tokens = min(max_new_tokens, self.handle.arch.context_length - len(prefix_ids) - len(suffix_ids))
         if max_new_tokens < 1:
             raise BadInputError("the prefix and suffix already fill the model's context")
-        cache, dev = _forkable(state.cache), self.handle.device
-        seq = list(state.ids) + list(suffix_ids)
+        cached = min(at, state.cache_len)
+        if cached == at and not suffix_ids:
+            cached -= 1  # the last token must be fed to predict the next one
+        cache, dev = _cache_view(state.cache, cached) or self._new_cache(), self.handle.device
+        cached = cache.get_seq_length()
+        todo = prefix_ids[cached:] + list(suffix_ids)
+        if not todo:
+            raise BadInputError("fork needs a non-empty suffix")
+        seq = prefix_ids + list(suffix_ids)
         step = _Step([seq], torch.ones(1, len(seq), dtype=torch.long, device=dev), None, [False], [""])
         records: list[TokenRecord] = []
-        try:
-            with self.lock, HookRunner(self.handle, sites, []) as runner:
-                runner.ctx.last_only, runner.ctx.phase = True, "decode"
-                feed = torch.tensor([todo], device=dev)
-                pos = torch.arange(base_len, len(seq), device=dev).view(1, -1)
-                logits = self._forward(feed, step.mask, pos, cache)
-                for t in range(max_new_tokens):
-                    next_ids, recs = self._step_records(logits, Sampling(), None, top_k, step, t, runner, [])
-                    rec = recs[0]
-                    seq.append(rec.token_id)
-                    step.texts[0] += rec.text
-                    rec.finished = (t == max_new_tokens - 1 or rec.token_id in self.eos_ids
-                                    or any(s in step.texts[0] for s in stop))
-                    records.append(rec)
-                    if rec.finished:
-                        break
-                    step.mask = torch.ones(1, len(seq), dtype=torch.long, device=dev)
-                    logits = self._forward(next_ids.view(1, 1), step.mask,
-                                           torch.tensor([[len(seq) - 1]], device=dev), cache)
-        finally:
-            _rollback(cache, base_len)
+        with self.lock, HookRunner(self.handle, sites, []) as runner:
+            runner.ctx.last_only, runner.ctx.phase = True, "decode"
+            feed = torch.tensor([todo], device=dev)
+            pos = torch.arange(cached, len(seq), device=dev).view(1, -1)
+            logits = self._forward(feed, step.mask, pos, cache)
+            for t in range(max_new_tokens):
+                next_ids, recs = self._step_records(logits, Sampling(), None, top_k, step, t, runner, [])
+                rec = recs[0]
+                seq.append(rec.token_id)
+                step.texts[0] += rec.text
+                rec.finished = (t == max_new_tokens - 1 or rec.token_id in self._eos
+                                or any(s in step.texts[0] for s in stop))
+                records.append(rec)
+                if rec.finished:
+                    break
+                step.mask = torch.ones(1, len(seq), dtype=torch.long, device=dev)
+                logits = self._forward(next_ids.view(1, 1), step.mask, torch.tensor([[len(seq) - 1]], device=dev), cache)
         return records
+
+    def free(self, state: PrefixState) -> None:
+        """Drop a state's cache (its memory is released once nothing else holds it)."""
+        state.cache = None
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, PrefixState):
+            raise BadInputError(f"{type(state).__name__} is not a prefix state of this engine; make one with prefill()")
+        if state.fingerprint and state.fingerprint != self.handle.fingerprint:
+            raise BadInputError(f"prefix state {state.id} was made by another model ({state.fingerprint}); "
+                                f"this engine runs {self.handle.model_id} ({self.handle.fingerprint})")
+        state.cache_len  # raises when freed
+        if type(state.cache).__name__ == "CompressedCache":
+            raise BadInputError("this state holds a compressed KV cache (a KV-cache policy dropped entries); forks "
+                                "need the full cache: prefill the same tokens without a policy")
+
+    # ----- gradient fits -----
+
+    def minimize_entropy(self, sequences: Sequence[Sequence[int]], starts: Sequence[int], site: str,
+                         basis: torch.Tensor, *, iterations: int = 30, lr: float = 0.01, batch_size: int = 8,
+                         seed: int = 0, on_step: Any = None) -> Any:
+        """Coefficients over `basis` rows that minimise next-token entropy on generated tokens when
+        their combination is added at `site` (RISE confidence vectors; see `probes.optimize`)."""
+        from probes.optimize import minimize_entropy
+
+        self._local_only("minimize_entropy")
+        sequences = [self.encode(list(seq)) for seq in sequences]
+        with self.lock:
+            return minimize_entropy(self.handle, sequences, starts, site, basis, iterations=iterations, lr=lr,
+                                    batch_size=batch_size, seed=seed, pad_id=self.tok.pad_token_id or 0,
+                                    on_step=on_step)
+
+    # ----- readouts -----
+
+    @torch.no_grad()
+    def readout(self, vectors: torch.Tensor, *, norm: bool = True, top_k: int = 10, bottom_k: int = 0,
+                token_ids: Sequence[int] | None = None) -> Readout:
+        """Decode residual-stream vectors [n, d_model] through the model's own unembedding.
+
+        `norm=True` applies the final norm first (the logit lens); `norm=False` reads a direction
+        as written into the residual stream (an SAE decoder row, a steering vector). Returns the
+        `top_k` (and `bottom_k`) tokens per row with their logits and probabilities and, for
+        `token_ids` (one per row), that token's probability and rank.
+        """
+        self._local_only("readout")
+        x = torch.as_tensor(vectors)
+        if x.ndim == 1:
+            x = x.view(1, -1)
+        d = self.handle.arch.d_model
+        if x.ndim != 2 or x.shape[1] != d or x.shape[0] < 1:
+            raise BadInputError(f"readout takes vectors of shape [n, {d}] (d_model); got {tuple(x.shape)}")
+        if x.shape[0] > MAX_READOUT_ROWS:
+            raise BadInputError(f"readout takes at most {MAX_READOUT_ROWS} vectors per call; got {x.shape[0]}")
+        if not torch.isfinite(x).all():
+            raise BadInputError("the vectors to read out contain NaN or infinite values")
+        vocab = self.handle.arch.vocab_size
+        if not isinstance(top_k, int) or not isinstance(bottom_k, int) or not 0 <= top_k <= 100 or not 0 <= bottom_k <= 100:
+            raise BadInputError("top_k and bottom_k must be integers in 0..100")
+        if token_ids is not None:
+            token_ids = [int(t) for t in token_ids]
+            if len(token_ids) != x.shape[0] or any(not 0 <= t < vocab for t in token_ids):
+                raise BadInputError(f"token_ids needs one id in 0..{vocab - 1} per vector ({x.shape[0]})")
+        head = self.model.get_output_embeddings()
+        final_norm = get_module(self.model, FAMILIES[self.handle.family]["final_norm"]) if norm else None
+        out = {k: [] for k in ("top_ids", "top_logits", "top_probs", "bottom_ids", "bottom_logits", "token_probs",
+                               "token_ranks")}
+        with self.lock:
+            for lo in range(0, x.shape[0], 256):
+                rows = x[lo:lo + 256].to(head.weight.device, head.weight.dtype)
+                if final_norm is not None:
+                    rows = final_norm(rows)
+                logits = head(rows).float()
+                probs = logits.softmax(-1)
+                tv, ti = logits.topk(top_k, dim=-1)
+                out["top_ids"].append(ti.cpu())
+                out["top_logits"].append(tv.cpu())
+                out["top_probs"].append(probs.gather(-1, ti).cpu())
+                bv, bi = (-logits).topk(bottom_k, dim=-1)
+                out["bottom_ids"].append(bi.cpu())
+                out["bottom_logits"].append((-bv).cpu())
+                if token_ids is not None:
+                    tid = torch.tensor(token_ids[lo:lo + 256], device=logits.device).view(-1, 1)
+                    chosen = logits.gather(-1, tid)
+                    out["token_probs"].append(probs.gather(-1, tid).view(-1).cpu())
+                    out["token_ranks"].append((logits > chosen).sum(-1).cpu())
+        cat = {k: torch.cat(v) if v else None for k, v in out.items()}
+        return Readout(**cat)
 
     # ----- plumbing -----
 
-    def _new_cache(self) -> Any:
+    def _new_cache(self, policy: Any = None) -> Any:
+        """A plain transformers cache, or with a KV policy a `CompressedCache` that keeps only what it says."""
+        if policy is not None:
+            from probes.kv_policy import new_cache
+
+            return new_cache(self.handle, policy)
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
@@ -533,33 +754,79 @@ class Engine:
         if masks:
             if len({len(r) for r in ids}) != 1:
                 raise BadInputError("MaskAttention needs prompts of equal length in a batch")
-            cols = sorted({p for m in masks for p in m.positions})
+            cols = sorted({p for m in masks if m.layers is None for p in m.positions})  # others: AttentionMasker
         return input_ids, mask, cols
 
-    def _eos_ids(self) -> set[int]:
-        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tok.eos_token_id is not None:
-            ids.add(self.tok.eos_token_id)
-        return ids
+    # ----- slots: masked traces, KV policies, gradients -----
+
+    def _check_teacher_forced(self, masks: Sequence[Any], lengths: Sequence[int]) -> None:
+        """Attention masks in a teacher-forced pass: positions inside the longest sequence, no query left with
+        nothing to read; KV policies belong to generation. Runs before any model work."""
+        from probes.attention_masks import MASKABLE_IMPLEMENTATIONS, check_rows
+        from probes.kv_policy import KVPolicy
+
+        if any(isinstance(m, KVPolicy) for m in masks):
+            raise BadInputError("a KV policy shapes the cache during generation; pass it to generate()")
+        if not masks:
+            return
+        if self.handle.remote:
+            raise BadInputError("MaskAttention on ndif: models is not supported; load the model locally with hf:")
+        impl = self.model.config._attn_implementation
+        if impl not in MASKABLE_IMPLEMENTATIONS:
+            raise BadInputError(f"MaskAttention in a teacher-forced pass edits 4D attention masks, which {impl!r} "
+                                "attention does not take; load the model with attn_implementation 'sdpa' or 'eager'")
+        check_rows(masks, max(lengths), self.handle.arch.n_layers)  # past a shorter sequence's end: padding
+
+    def input_x_gradient(self, text: Prompt, *, target: str = "logprob", positions: Sequence[int] | None = None,
+                         token: int | None = None, foil: int | None = None, sites: Sequence[str] = (),
+                         interventions: Sequence[Any] = (), chat: bool = False) -> Any:
+        """Input x gradient of one output (see `probes.gradients`): per-token scores [seq], F(x), F(0),
+        and activation x gradient at residual `sites`. Interventions (steering, MaskAttention) apply.
+
+        >>> att = Engine.from_id("tiny-random:llama").input_x_gradient("a b c", target="logit", token=5)
+        >>> att.positions, att.scores.shape
+        ([3], torch.Size([3]))
+        """
+        from probes.attention_masks import AttentionMasker
+        from probes.gradients import check_sites, check_target, input_x_gradient
+
+        self._local_only("input_x_gradient")
+        ids = self.encode(text, chat=chat)
+        site_list = self._check_sites(sites)
+        check_sites(site_list)
+        positions = check_target(target, len(ids), self.handle.arch.vocab_size, positions, token, foil)
+        hooks, masks = self._split_interventions(interventions)
+        self._check_teacher_forced(masks, [len(ids)])
+        with self.lock, HookRunner(self.handle, [], hooks) as runner, AttentionMasker(self.handle, masks):
+            runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
+            return input_x_gradient(self.handle, ids, target=target, positions=positions, token=token, foil=foil,
+                                    sites=site_list)
 
 
-def _forkable(cache: Any) -> Any:
-    """The cache itself when it can be rolled back after a fork, else a copy (sliding-window layers
-    drop old states, so their rollback is impossible)."""
-    import copy
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _cache_view(cache: Any, length: int) -> Any | None:
+    """A cache holding the first `length` positions of `cache` that can grow without changing it.
+
+    Cache layers grow by concatenation into new tensors, so a shallow copy whose layers hold
+    slices of the original tensors is enough: `cache` never sees what the view appends. A
+    sliding-window layer may already have dropped old positions and cannot be cut back: then the
+    view is a deep copy when `length` is the whole cache, and None otherwise (recompute).
+    """
     layers = getattr(cache, "layers", [])
-    if any("Sliding" in type(layer).__name__ for layer in layers):
-        return copy.deepcopy(cache)
-    return cache
-
-
-def _rollback(cache: Any, length: int) -> None:
-    """Drop every cached position at or beyond `length` (transformers 5 wants a negative count)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+    if any(getattr(layer, "is_sliding", False) for layer in layers):
+        return copy.deepcopy(cache) if length >= cache.get_seq_length() else None
+    view = copy.copy(cache)
+    view.layers = [copy.copy(layer) for layer in layers]
+    for layer in view.layers:
+        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.shape[-2] > length:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+    return view
 
 
 class _EnoughLayers(Exception):

@@ -8,7 +8,8 @@ record and a figure can report it. They compose: the engine applies them in the 
 - `ProjectionRescale`: h - alpha * w (w.h) with unit w; alpha = 1 removes the component along w,
   alpha = -1 doubles it (RISE, Zhang et al. 2025).
 - `HeadAblation`: zero- or mean-ablate chosen heads at the per-head attention output `z.L`.
-- `MaskAttention`: generated tokens may not attend to the given prompt positions (all layers).
+- `MaskAttention`: chosen queries (by default the generated tokens) may not attend to the given
+  key positions, in every layer or chosen layers.
 
 Example:
     >>> import torch
@@ -81,13 +82,18 @@ def kind_of(name: str) -> type[Registered]:
     return KINDS[name]
 
 
+MAX_SCALE = 1e6  # beyond this any activation overflows float32 arithmetic downstream
+
+
 def _finite(value: float, what: str) -> float:
+    if isinstance(value, bool):
+        raise BadInputError(f"{what} must be a number, got {value!r}")
     try:
         value = float(value)
     except (TypeError, ValueError) as err:
         raise BadInputError(f"{what} must be a number, got {value!r}") from err
-    if not math.isfinite(value):
-        raise BadInputError(f"{what} must be finite, got {value}")
+    if not math.isfinite(value) or abs(value) > MAX_SCALE:
+        raise BadInputError(f"{what} must be a finite number of magnitude at most {MAX_SCALE:g}, got {value}")
     return value
 
 
@@ -217,6 +223,8 @@ class HeadAblation(Intervention):
             self.means = torch.as_tensor(self.means, dtype=torch.float32)
             if tuple(self.means.shape) != (arch.n_heads, arch.head_dim):
                 raise BadInputError(f"means has shape {tuple(self.means.shape)}, expected ({arch.n_heads}, {arch.head_dim})")
+            if not torch.isfinite(self.means).all():
+                raise BadInputError("the mean-ablation means contain NaN or infinite values")
 
     def edit(self, x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
@@ -233,28 +241,50 @@ class HeadAblation(Intervention):
 
 @dataclass
 class MaskAttention(Registered):
-    """Generated tokens (and the last prompt token, which predicts the first of them) may not
-    attend to `positions` (indices into the prompt), in every layer. Applied through the
-    attention mask, so it works with any attention implementation."""
+    """Queries may not attend to the key `positions`, in every layer or in the chosen `layers`.
+
+    In `generate`, the queries are the generated tokens (and the last prompt token, which predicts
+    the first of them) and `positions` index the prompt; without `layers` this goes through the
+    2D attention mask, so it works with any attention implementation. In a teacher-forced
+    `trace`/`capture`/`capture_batch`, `queries` names the query positions (default: every
+    position that is not itself masked), and a pre-hook on each chosen layer's attention edits the
+    4D mask (eager or sdpa attention; see `probes.attention_masks`). Positions are token indices
+    of the whole sequence.
+    """
 
     kind: ClassVar[str] = "mask_attention"
     positions: list[int]
-    site: str = "attention_mask"
-    where: str = "generated"
-
-    @classmethod
-    def parameters(cls) -> list[str]:
-        return ["positions"]
+    queries: list[int] | None = None
+    layers: list[int] | None = None
+    site: ClassVar[str] = "attention_mask"
+    where: ClassVar[str] = "generated"
 
     def validate(self, arch: Any) -> None:
-        if not isinstance(self.positions, list) or not self.positions:
-            raise BadInputError("MaskAttention needs at least one position")
-        if any((not isinstance(p, int)) or p < 0 for p in self.positions):
-            raise BadInputError("MaskAttention positions must be non-negative token indices")
+        for name, values in (("positions", self.positions), ("queries", self.queries)):
+            if values is None and name == "queries":
+                continue
+            if not isinstance(values, list) or not values:
+                raise BadInputError(f"MaskAttention needs a non-empty list of {name}")
+            if any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in values):
+                raise BadInputError(f"MaskAttention {name} must be non-negative token indices")
+        if self.layers is not None:
+            if not isinstance(self.layers, list) or not self.layers:
+                raise BadInputError("MaskAttention layers must be a non-empty list (or None for every layer)")
+            bad = [x for x in self.layers if isinstance(x, bool) or not isinstance(x, int)
+                   or not 0 <= x < arch.n_layers]
+            if bad:
+                raise BadInputError(f"MaskAttention layers {bad} out of range; this model has layers 0..{arch.n_layers - 1}")
 
     def describe(self) -> str:
-        shown = self.positions if len(self.positions) <= 8 else f"{self.positions[:8]}..."
-        return f"mask attention to {len(self.positions)} positions {shown}"
+        def show(xs: list[int]) -> str:
+            return str(xs) if len(xs) <= 8 else f"{xs[:8]}..."
+
+        text = f"mask attention to {len(self.positions)} positions {show(self.positions)}"
+        if self.queries is not None:
+            text += f" from {len(self.queries)} queries {show(self.queries)}"
+        if self.layers is not None:
+            text += f" in layers {show(self.layers)}"
+        return text
 
 
 def load_vector(path: str | Path, key: str | None = None) -> torch.Tensor:

@@ -33,6 +33,7 @@ class TokenRecord:
     activations: dict[str, torch.Tensor] = field(default_factory=dict)
     interventions: list[str] = field(default_factory=list)  # descriptions of what was applied
     finished: bool = False  # True on the token that ends this sequence (EOS or max_new_tokens)
+    kv_bytes: int | None = None  # bytes of keys + values the KV cache held for this sequence when the token was chosen
 
     def to_dict(self, with_activations: bool = False) -> dict[str, Any]:
         out = {
@@ -47,6 +48,7 @@ class TokenRecord:
             "top_probs": list(self.top_probs),
             "interventions": list(self.interventions),
             "finished": self.finished,
+            "kv_bytes": self.kv_bytes,
         }
         if with_activations:
             out["activations"] = {k: v.tolist() for k, v in self.activations.items()}
@@ -77,3 +79,24 @@ class Trace:
             "entropies": self.entropies.tolist(),
             "sites": sorted(self.activations),
         }
+
+
+@dataclass
+class Readout:
+    """Vectors decoded through a model's unembedding (`Backend.readout`), one row per vector.
+
+    `top_*` [n, top_k] and `bottom_*` [n, bottom_k]: token ids and logits (probabilities for the
+    top); `token_probs`/`token_ranks` [n]: probability and rank (0 = top) of one asked-for token per
+    row, None when no tokens were asked for.
+    """
+
+    top_ids: torch.Tensor
+    top_logits: torch.Tensor
+    top_probs: torch.Tensor
+    bottom_ids: torch.Tensor
+    bottom_logits: torch.Tensor
+    token_probs: torch.Tensor | None = None
+    token_ranks: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}

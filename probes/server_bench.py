@@ -20,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from probes.wire import ServerError
@@ -149,6 +150,67 @@ def bench_server(model_id: str = "smollm2-135m", tokens: int = 128, rounds: int 
         "capture": list(capture),
         "torch_threads": torch_threads or threads_before,
     }
+
+
+@contextmanager
+def served(model_id: str, device: str = "cpu", torch_threads: int | None = 1) -> Iterator[tuple[Any, Any]]:
+    """(engine in this process, RemoteBackend to a server subprocess) over the same model, for side-by-side runs.
+
+    Both sides run torch with `torch_threads` intra-op threads, so neither gets the other's cores.
+    """
+    import torch
+
+    from probes.client import RemoteBackend
+    from probes.engine import Engine
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(model_id, port, device=device, torch_threads=torch_threads)
+    threads_before = torch.get_num_threads()
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    try:
+        engine = Engine.from_id(model_id, device=device)  # loads while the server loads
+        wait_ready(proc, url)
+        with RemoteBackend(url, timeout=600.0) as remote:
+            yield engine, remote
+    finally:
+        stop_server(proc)
+        torch.set_num_threads(threads_before)
+
+
+def alternate(sides: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each side per round, run in alternation in a worker thread (as the server runs them)."""
+    times: dict[str, list[float]] = {name: [] for name in sides}
+
+    def run() -> None:
+        for fn in sides.values():  # warm-up
+            fn()
+        for _ in range(rounds):
+            for name, fn in sides.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(run).result()
+    return times
+
+
+def bench_server_fork_probe(model_id: str = "smollm2-135m", prefix_tokens: int = 512, probe_tokens: int = 16,
+                            rounds: int = 15, device: str = "cpu") -> dict[str, Any]:
+    """A `probe_tokens` probe forked from a `prefix_tokens` prefix: through the server / in-process (target <= 1.3)."""
+    with served(model_id, device) as (engine, remote):
+        base = engine.encode(BENCH_PROMPT)
+        prefix = (base * (prefix_tokens // len(base) + 1))[:prefix_tokens]
+        probe = (base * 2)[:probe_tokens]
+        local_state, remote_state = engine.prefill(prefix), remote.prefill(prefix)
+        times = alternate({"inproc": lambda: engine.fork(local_state, probe, max_new_tokens=1),
+                           "server": lambda: remote.fork(remote_state, probe, max_new_tokens=1)}, rounds)
+    inproc, server = statistics.median(times["inproc"]), statistics.median(times["server"])
+    return {"bench": "server_fork_probe", "ratio": round(server / inproc, 3), "target": 1.3, "model": model_id,
+            "prefix_tokens": prefix_tokens, "probe_tokens": probe_tokens, "inproc_s": round(inproc, 4),
+            "server_s": round(server, 4), "rounds": rounds}
 
 
 if __name__ == "__main__":

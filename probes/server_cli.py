@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from probes.server import DEFAULT_HOST, DEFAULT_PORT, serve
+from probes.server import DEFAULT_HOST, DEFAULT_PORT, ServerLimits, serve
+from probes.states import DEFAULT_MAX_STATE_BYTES, DEFAULT_MAX_STATES, DEFAULT_STATE_TTL_S
 from probes.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_NEW_TOKENS_CAP
 
 
@@ -26,6 +27,17 @@ def register(cli: typer.Typer) -> None:
         max_queue: int = typer.Option(8, help="requests that may wait for the model; beyond it: 503 + Retry-After"),
         max_new_tokens_cap: int = typer.Option(DEFAULT_MAX_NEW_TOKENS_CAP, help="largest max_new_tokens accepted"),
         max_body_bytes: int = typer.Option(DEFAULT_MAX_BODY_BYTES, help="largest request body accepted (413 beyond)"),
+        max_states: int = typer.Option(DEFAULT_MAX_STATES, help="prefix states (KV caches) held for forks; LRU beyond"),
+        max_state_bytes: int = typer.Option(DEFAULT_MAX_STATE_BYTES, help="bytes all prefix states may hold together"),
+        state_ttl_s: float = typer.Option(DEFAULT_STATE_TTL_S, help="a prefix state unused this long expires"),
+        send_timeout_s: float = typer.Option(ServerLimits.send_timeout_s,
+                                             help="a stream whose client takes no data this long is cut off"),
+        max_stream_s: float = typer.Option(ServerLimits.max_stream_s, help="longest a generation may hold the model"),
+        queue_timeout_s: float = typer.Option(ServerLimits.queue_timeout_s,
+                                              help="longest a request waits for the model before a 503"),
+        max_sequences: int = typer.Option(ServerLimits.max_sequences, help="prompts x samples per request"),
+        max_batch_tokens: int = typer.Option(ServerLimits.max_batch_tokens,
+                                             help="prompts x samples x max_new_tokens per request"),
         log_level: str = typer.Option("info", help="uvicorn log level"),
         trust_remote_code: bool = typer.Option(
             False, "--trust-remote-code", help="let an hf: model folder run its own modeling code (only if you trust it)"),
@@ -34,4 +46,8 @@ def register(cli: typer.Typer) -> None:
         `RemoteBackend(url, token)`."""
         serve(model, host=host, port=port, token=token, max_queue=max_queue, max_body_bytes=max_body_bytes,
               max_new_tokens_cap=max_new_tokens_cap, device=device, dtype=dtype, device_map=device_map,
-              log_level=log_level, trust_remote_code=trust_remote_code)
+              log_level=log_level, trust_remote_code=trust_remote_code, max_states=max_states,
+              max_state_bytes=max_state_bytes, state_ttl_s=state_ttl_s,
+              limits=ServerLimits(send_timeout_s=send_timeout_s, max_stream_s=max_stream_s,
+                                  queue_timeout_s=queue_timeout_s, max_sequences=max_sequences,
+                                  max_batch_tokens=max_batch_tokens))

@@ -23,6 +23,7 @@ import base64
 import binascii
 import dataclasses
 import json
+import math
 from typing import Annotated, Any, Union
 
 import torch
@@ -102,6 +103,8 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+SiteName = Annotated[str, Field(max_length=64)]
+
 Prompt = Union[str, list[dict[str, str]], list[int]]
 
 
@@ -120,7 +123,7 @@ class GenerateRequest(_Body):
     max_new_tokens: int = Field(64, ge=1)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     seed: int = Field(0, ge=0, le=2**63 - 1)
-    capture: list[str] = Field(default_factory=list, max_length=512)
+    capture: list[SiteName] = Field(default_factory=list, max_length=512)
     interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     top_k: int = Field(5, ge=0, le=100)
     stop: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=32)
@@ -132,9 +135,93 @@ class TraceRequest(_Body):
     """POST /trace. Mirrors `Engine.trace`."""
 
     text: Prompt
-    capture: list[str] = Field(default_factory=list, max_length=512)
+    capture: list[SiteName] = Field(default_factory=list, max_length=512)
     interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     chat: bool = False
+
+
+MAX_SEQUENCES = 256  # sequences per capture_batch / entropy-fit request
+
+
+class PrefillRequest(_Body):
+    """POST /prefill. Mirrors `Engine.prefill`; `base` is a state id the server holds."""
+
+    prompt: Prompt
+    chat: bool = False
+    base: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+
+
+class ForkRequest(_Body):
+    """POST /fork. Mirrors `Engine.fork` on the state named `state`."""
+
+    state: str = Field(pattern=REQUEST_ID_PATTERN)
+    suffix: str | list[int]
+    max_new_tokens: int = Field(16, ge=1)
+    capture: list[SiteName] = Field(default_factory=list, max_length=512)
+    top_k: int = Field(5, ge=0, le=100)
+    stop: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=32)
+    at: int | None = Field(None, ge=1)
+
+
+class CaptureBatchRequest(_Body):
+    """POST /capture_batch. Mirrors `Engine.capture_batch`; `prefix` is a state id."""
+
+    sequences: list[list[int]] = Field(min_length=1, max_length=MAX_SEQUENCES)
+    capture: list[SiteName] = Field(max_length=512)
+    prefix: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+    stop_after_last_site: bool = True
+    positions: list[list[int]] | None = Field(None, max_length=MAX_SEQUENCES)
+
+
+class HeadMeansRequest(_Body):
+    """POST /head_means. Mirrors `Engine.head_means`."""
+
+    texts: list[str] = Field(min_length=1, max_length=MAX_SEQUENCES)
+    layer: int = Field(ge=0)
+
+
+class ReadoutRequest(_Body):
+    """POST /readout. Mirrors `Engine.readout`; `vectors` is base64 safetensors of one [n, d] tensor."""
+
+    vectors: str
+    norm: bool = True
+    top_k: int = Field(10, ge=0, le=100)
+    bottom_k: int = Field(0, ge=0, le=100)
+    token_ids: list[int] | None = None
+
+
+class EntropyFitRequest(_Body):
+    """POST /minimize_entropy. Mirrors `Engine.minimize_entropy`; `basis` is base64 safetensors."""
+
+    sequences: list[list[int]] = Field(min_length=1, max_length=MAX_SEQUENCES)
+    starts: list[int] = Field(min_length=1, max_length=MAX_SEQUENCES)
+    site: str = Field(max_length=64)
+    basis: str
+    iterations: int = Field(30, ge=1, le=100_000)
+    lr: float = Field(0.01, gt=0)
+    batch_size: int = Field(8, ge=1, le=1024)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+
+
+class GradientRequest(_Body):
+    """POST /input_x_gradient. Mirrors `Engine.input_x_gradient`."""
+
+    text: Prompt
+    target: str = Field("logprob", max_length=32)
+    positions: list[int] | None = Field(None, max_length=100_000)
+    token: int | None = None
+    foil: int | None = None
+    sites: list[SiteName] = Field(default_factory=list, max_length=512)
+    interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    chat: bool = False
+
+
+def one_tensor(text: str, what: str) -> torch.Tensor:
+    """The single tensor of a base64 safetensors payload."""
+    tensors = b64_to_tensors(text, what)
+    if len(tensors) != 1:
+        raise BadInputError(f"{what} must hold exactly one tensor, not {sorted(tensors)}")
+    return next(iter(tensors.values()))
 
 
 # ----- interventions: any registered kind <-> JSON spec -----
@@ -204,6 +291,10 @@ def record_to_json(rec: TokenRecord) -> dict[str, Any]:
     return row
 
 
+def records_to_json(records: list[TokenRecord]) -> list[dict[str, Any]]:
+    return [record_to_json(r) for r in records]
+
+
 def record_from_json(row: dict[str, Any]) -> TokenRecord:
     row = dict(row)
     blob = row.pop("activations", None)
@@ -232,9 +323,28 @@ def trace_from_json(body: dict[str, Any]) -> Trace:
 # ----- Server-Sent Events -----
 
 
+def strict_json(data: Any) -> Any:
+    """`data` with every non-finite float (NaN, +-inf) replaced by None: strict JSON, as every parser reads it.
+
+    The server's JSON never holds NaN or Infinity (documented in docs/server.md); where a value is
+    undefined (the log-prob of a trace's first token) it travels inside a tensor payload instead.
+    """
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: strict_json(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [strict_json(v) for v in data]
+    return data
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(strict_json(data), separators=(",", ":"), allow_nan=False)
+
+
 def sse_event(event: str, data: dict[str, Any]) -> bytes:
-    """One SSE event. JSON allows no NaN, but Python's reader does, and a log-prob may be -inf."""
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+    """One SSE event with strict JSON (non-finite numbers become null)."""
+    return f"event: {event}\ndata: {dumps(data)}\n\n".encode()
 
 
 def parse_sse(lines: Any) -> Any:

@@ -1,5 +1,6 @@
 """The Streamlit workbench: every page under AppTest on tiny-random:llama, the trace read-outs by hand,
-and figure export (SVG that parses, a PDF that starts with %PDF, CSV/JSON, the `export` command)."""
+and figure export (SVG that parses, a PDF that starts with %PDF, tidy CSV, JSON with provenance, the
+`export` command)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,13 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from tests import apptest_helpers as helpers  # noqa: E402
 
-from analyses.logit_lens import (attention_pattern, lens_readout, logit_lens, resid_sites,  # noqa: E402
-                                 residual_norms)
+from analyses.logit_lens import attention_pattern, logit_lens, resid_sites, residual_norms  # noqa: E402
 from analyses.steering import diff_of_means_direction, steered_comparison  # noqa: E402
 from app.export import data_csv, data_json, data_rows, figure_bytes, figure_registry  # noqa: E402
 from app.figures.trace import FIGURES, entropy_figure, records_data, tokens_html  # noqa: E402
 from app.registry import discover_pages  # noqa: E402
 from thoughtscope.errors import BadInputError  # noqa: E402
-from probes.records import Trace  # noqa: E402
+from probes.records import Readout, Trace  # noqa: E402
 
 MODEL = "tiny-random:llama"
 
@@ -57,10 +57,14 @@ def test_every_page_runs_without_an_exception(name):
     assert not at.error, [e.value for e in at.error]
 
 
-def test_home_names_the_model_and_the_prompt():
+def test_home_names_the_model_in_full_and_links_the_docs():
     at = open_page("home")
-    assert MODEL in [m.value for m in at.metric]
+    model_line = next(m.value for m in at.markdown if m.value.startswith("**Model**"))
+    assert f"`{MODEL}`" in model_line  # the whole id, never cut like a metric would
     assert "tiny-random:llama" in at.sidebar.caption[0].value
+    pages = " ".join(m.value for m in at.markdown)
+    assert "METHODS.md" not in pages  # a file outside the repository
+    assert "docs/app.md" in [e.label for e in at.expander]
 
 
 def test_trace_explorer_streams_tokens_then_draws_every_figure():
@@ -69,12 +73,34 @@ def test_trace_explorer_streams_tokens_then_draws_every_figure():
     at.button(key="generate").click().run()
     assert_clean(at)
     html = at.html[0].proto.body
-    assert html.count('class="ts-tok"') == 8
-    assert "top alternatives" in html  # the hover text of every token
+    assert html.count('class="ts-tok"') + html.count('class="ts-tok ts-special"') == 8
+    assert html.count('class="ts-tip"') == 8 and "top alternatives" in html  # a tooltip on every token
+    assert "title=" not in html  # real tooltips, not the browser's plain title text
     titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
     assert [t.split(":")[0].split(",")[0] for t in titles] == [
         "Entropy per generated token", "Logit lens", "Residual stream norm per layer", "Attention pattern"]
     assert len(at.get("download_button")) == 4 * 5  # PNG SVG PDF CSV JSON under each figure
+
+
+def test_the_lens_writes_a_token_in_every_cell_at_the_default_size():
+    """30 layers x 32 positions (the embedded model's default view) still carries its labels."""
+    from app.figures.trace import logit_lens_figure, logit_lens_next_figure
+
+    layers, n = list(range(30)), 32
+    data = {"tokens": [f"t{j}" for j in range(n)], "layers": layers, "positions": list(range(100, 100 + n)),
+            "top_ids": [[1] * n for _ in layers], "top_tokens": [[" answer"] * n for _ in layers],
+            "top_probs": [[0.5] * n for _ in layers], "prompt_len": 110, "next_tokens": ["x"] * n,
+            "next_probs": [[0.25] * n for _ in layers], "next_ranks": [[2] * n for _ in layers]}
+    fig = logit_lens_figure(data)
+    heat = fig.data[0]
+    assert heat.texttemplate == "%{text}" and heat.textfont.size >= 10
+    assert heat.text[0][0] == " ans\u2026"  # cut to fit a cell (the hover has the whole token)
+    assert list(fig.layout.xaxis.ticktext[:2]) == ["t0", "t1"]
+    assert fig.layout.template.layout.xaxis.automargin  # titles make room below rotated ticks
+    assert fig.layout.meta["export_width"] >= 40 * n  # the export is wide enough for the labels
+    assert [s.x0 for s in fig.layout.shapes] == [109.5]  # the prompt | generation boundary
+    nxt = logit_lens_next_figure(data).data[0]
+    assert nxt.text[0][0] == "3" and nxt.z[0][0] == 0.25  # rank (1-based) and probability of the next token
 
 
 def test_trace_explorer_widgets_change_what_is_shown():
@@ -91,6 +117,12 @@ def test_trace_explorer_widgets_change_what_is_shown():
     at.selectbox(key="attn_head").set_value(2).run()
     assert_clean(at)
     assert attention_spec() != before and "head 2" in attention_spec()
+    spec = json.loads(attention_spec())
+    assert len(spec["layout"]["xaxis"]["ticktext"]) == len(spec["data"][0]["x"])  # a token label on every key
+    at.selectbox(key="attn_head").set_value("all heads").run()
+    assert_clean(at)
+    grid = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Every head of layer" in c.proto.spec))
+    assert len(grid["data"]) == 4  # tiny-random:llama has 4 heads: one small pattern each
 
     lens = next(s for s in at.slider if s.key.startswith("lens_window_"))
     n = lens.max
@@ -107,11 +139,13 @@ def test_reopening_the_trace_explorer_shows_the_finished_generation_at_once():
     assert len(again.get("plotly_chart")) == 4
 
 
-def test_a_user_error_is_an_st_error_not_a_traceback():
+def test_a_user_error_shows_next_to_its_control_and_keeps_the_page():
     at = open_page("trace_explorer")
     at.text_area(key="prompt").set_value("   ").run()
     assert_clean(at)
     assert "prompt is empty" in at.error[0].value
+    assert at.button(key="generate")  # the Generate button is still there, above the message
+    assert at.radio(key="colour_by")
 
 
 def test_an_unknown_model_is_reported_in_the_sidebar(monkeypatch):
@@ -124,14 +158,28 @@ def test_an_unknown_model_is_reported_in_the_sidebar(monkeypatch):
 def test_steering_scale_slider_changes_the_steered_text():
     at = open_page("steering", max_new_tokens=12)
     assert_clean(at)
-    unsteered, steered = (t.value for t in at.text)
-    at.slider(key="steer_scale").set_value(-12.0).run()
+    slider = at.slider(key="steer_scale")
+    assert "\u00d7 mean \u2016resid_post.1\u2016" in slider.label  # the unit is stated on the slider
+    unsteered, steered = (t.value for t in at.text[:2])
+    slider.set_value(-2.0).run()
     assert_clean(at)
-    unsteered_after, steered_after = (t.value for t in at.text)
+    unsteered_after, steered_after = (t.value for t in at.text[:2])
     assert unsteered_after == unsteered, "the baseline does not depend on the slider"
-    assert steered_after != steered
+    assert steered_after != steered and steered_after.strip()
     at.slider(key="steer_scale").set_value(0.0).run()
     assert at.text[1].value == unsteered, "scale 0 is no steering"
+
+
+def test_a_steering_sweep_renders_every_scale_with_its_perplexity():
+    at = open_page("steering", max_new_tokens=6)
+    at.multiselect(key="steer_sweep_scales").set_value([-1.0, 0.5, 1.0]).run()
+    at.button(key="steer_sweep_run").click().run()
+    assert_clean(at)
+    spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Steering sweep" in c.proto.spec))
+    assert spec["data"][0]["x"] == [-1.0, 0.5, 1.0]
+    assert all(p > 1.0 for p in spec["data"][0]["y"])  # a perplexity under the unsteered model per scale
+    boxes = [t.value for t in at.text[2:]]
+    assert len(boxes) == 3 and all(b.strip() for b in boxes)  # the three steered texts, side by side
 
 
 def test_steering_direction_at_another_layer_and_reduction():
@@ -140,6 +188,9 @@ def test_steering_direction_at_another_layer_and_reduction():
     at.radio(key="steer_reduce").set_value("last").run()
     assert_clean(at)
     assert at.caption[0].value != caption  # another direction, another norm
+    at.selectbox(key="steer_layer").set_value(0).run()
+    assert_clean(at)
+    assert "resid_post.0" in at.slider(key="steer_scale").label
 
 
 # ----------------------------------------------------------------- read-outs by hand
@@ -150,9 +201,27 @@ def _hand_trace() -> Trace:
     return Trace("ab", [0, 1], ["a", "b"], acts, torch.tensor([math.nan, -1.0]), torch.tensor([0.5, 0.5]))
 
 
+class HandBackend:
+    """A backend whose final norm and unembedding are given by hand (readout as `Engine.readout` does it)."""
+
+    def __init__(self, norm, unembed, words):
+        self.norm, self.unembed, self.words = norm, unembed, words
+
+    def readout(self, vectors, *, norm=True, top_k=10, bottom_k=0, token_ids=None):
+        logits = (self.norm(vectors) if norm else vectors) @ self.unembed.T
+        probs = logits.softmax(-1)
+        tv, ti = logits.topk(top_k, dim=-1)
+        chosen = logits.gather(-1, torch.tensor(token_ids).view(-1, 1))
+        return Readout(ti, tv, probs.gather(-1, ti), ti[:, :0], tv[:, :0],
+                       probs.gather(-1, torch.tensor(token_ids).view(-1, 1)).view(-1), (logits > chosen).sum(-1))
+
+    def decode(self, ids):
+        return "".join(self.words[i] for i in ids)
+
+
 def test_logit_lens_against_a_hand_computation():
     unembed = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]])  # vocab of 3, d_model 2
-    lens = logit_lens(_hand_trace(), lambda h: 2 * h, unembed, decode=lambda i: "xyz"[i])
+    lens = logit_lens(_hand_trace(), HandBackend(lambda h: 2 * h, unembed, "xyz"))
     # layer 0: [2,0] -> logits [2,0,-2] (x); [0,4] -> [0,4,-4] (y)
     # layer 1: [0,2] -> logits [0,2,-2] (y); [6,0] -> [6,0,-6] (x)
     assert lens.layers == [0, 1]
@@ -163,15 +232,21 @@ def test_logit_lens_against_a_hand_computation():
         return math.exp(a) / (math.exp(a) + 1 + math.exp(-a))
 
     assert lens.top_probs.flatten().tolist() == pytest.approx([top(2), top(4), top(2), top(6)], rel=1e-6)
+    # the next token after position 0 is "b" (id 1): rank 1 at layer 0 (x wins), rank 0 at layer 1
+    assert lens.next_ranks[:, 0].tolist() == [1, 0] and lens.next_ranks[:, 1].tolist() == [-1, -1]
+    assert lens.next_probs[1, 0] == pytest.approx(top(2), rel=1e-6) and math.isnan(lens.next_probs[0, 1])
     assert lens.window(1, 2).to_dict()["positions"] == [1]
 
 
 def test_logit_lens_at_the_last_layer_is_the_models_own_prediction(engine):
     trace = engine.trace("Sara has 9 pencils.", capture=resid_sites(2) + ["logits"])
-    lens = logit_lens(trace, *lens_readout(engine))
+    lens = logit_lens(trace, engine)
     probs = torch.softmax(trace.activations["logits"].float(), dim=-1)
     assert lens.top_ids[-1].tolist() == probs.argmax(-1).tolist()
     assert lens.top_probs[-1] == pytest.approx(probs.max(-1).values.numpy(), abs=1e-5)
+    following = torch.tensor(trace.token_ids[1:])
+    assert lens.next_probs[-1, :-1] == pytest.approx(probs[:-1].gather(-1, following.view(-1, 1)).view(-1).numpy(),
+                                                     abs=1e-5)
 
 
 def test_residual_norms_and_attention_pattern_by_hand():
@@ -182,6 +257,10 @@ def test_residual_norms_and_attention_pattern_by_hand():
     assert attention_pattern(trace, 0, 1).weights.tolist() == [[1.0, 0.0], [0.5, 0.5]]
     with pytest.raises(BadInputError, match="head 5 out of range"):
         attention_pattern(trace, 0, 5)
+    # a window from position 1: every head, the weight on keys before the window kept as `earlier`
+    tail = attention_pattern(trace, 0, None, start=1, prompt_len=1)
+    assert tail.weights.tolist() == [[[0.75]], [[0.5]]] and tail.earlier.tolist() == [[0.25], [0.5]]
+    assert tail.to_dict()["positions"] == [1] and tail.heads == [0, 1]
 
 
 def test_diff_of_means_steering_changes_the_greedy_text(engine):
@@ -203,19 +282,39 @@ def _records(engine, n=5):
     return records_data(list(engine.generate("Sara has 9 pencils.", max_new_tokens=n)))
 
 
-def test_tokens_html_has_one_span_per_token_with_its_alternatives(engine):
-    data = _records(engine)
-    html = tokens_html([{"text": t, "entropy": e, "logprob": lp, "top_tokens": tt, "top_probs": tp}
-                        for t, e, lp, tt, tp in zip(*data.values())])
-    assert html.count("<span") == 5 and html.count("title=") == 5
+def test_tokens_html_has_one_span_per_token_with_a_tooltip_and_hides_special_tokens(engine):
+    records = [r.to_dict() for r in engine.generate("Sara has 9 pencils.", max_new_tokens=5)]
+    records[-1] = {**records[-1], "text": "<|im_end|>", "token_id": 7}
+    html = tokens_html(records, special=[7])
+    assert html.count('class="ts-tok"') == 4 and html.count('class="ts-tok ts-special"') == 1
+    assert html.count('role="tooltip"') == 5 and "title=" not in html
+    assert "&lt;|im_end|&gt;" not in html.split("ts-special")[1].split("ts-tip")[0]  # not printed as text
     assert "<script" not in html and "http" not in html  # no CDN, nothing to fetch
 
 
-def test_every_figure_rebuilds_from_its_exported_json(engine):
+def test_display_text_hides_special_tokens_and_never_shows_an_empty_box():
+    from app.figures.trace import display_text
+
+    assert display_text(["Hi", " there", "<|im_end|>"], [1, 2, 3], special=[3]) == "Hi there"
+    blank = display_text(["\n", "\n", " "], [5, 5, 6])
+    assert blank.strip() and "\u21b5" in blank and "3 tokens, whitespace only" in blank
+
+
+def _results(engine) -> dict:
+    from analyses.steering import steering_sweep
+
     trace = engine.trace("Sara has 9 pencils.", capture=resid_sites(2) + ["attn_pattern.1"])
     cmp = steered_comparison(engine, "Today", "resid_post.0", torch.ones(64), scale=2.0, max_new_tokens=3)
-    results = {"entropy": _records(engine), "logit_lens": logit_lens(trace, *lens_readout(engine)),
-               "attention": attention_pattern(trace, 1, 0), "residual_norms": residual_norms(trace), "steering": cmp}
+    sweep = steering_sweep(engine, "Today", "resid_post.0", torch.ones(64), [-1.0, 1.0], max_new_tokens=3)
+    lens = logit_lens(trace, engine, prompt_len=3)
+    return {"entropy": _records(engine), "logit_lens": lens, "logit_lens_next": lens,
+            "attention": {**attention_pattern(trace, 1, 0, start=2).to_dict(), "scale": "linear"},
+            "attention_heads": attention_pattern(trace, 1, None, prompt_len=4).to_dict(),
+            "residual_norms": residual_norms(trace), "steering": cmp, "steering_sweep": sweep}
+
+
+def test_every_figure_rebuilds_from_its_exported_json(engine):
+    results = _results(engine)
     assert set(results) == set(FIGURES)
     assert set(FIGURES) <= set(figure_registry()), "`thoughtscope export` knows every figure"
     for name, result in results.items():
@@ -224,10 +323,30 @@ def test_every_figure_rebuilds_from_its_exported_json(engine):
         assert data_rows(result), name
 
 
-def test_data_csv_is_long_format_over_the_largest_matrix_and_json_has_no_nan():
-    lens = logit_lens(_hand_trace(), lambda h: h, torch.eye(2), decode=lambda i: "xy"[i])
-    header, *rows = data_csv(lens).strip().splitlines()
-    assert header.split(",")[:2] == ["row", "col"] and "top_tokens" in header and len(rows) == 4
+def test_every_csv_is_tidy_one_row_per_observation(engine):
+    """No value repeated per top-k alternative, no text repeated per row, one column per variable."""
+    import csv
+    import io
+
+    results = _results(engine)
+    tables = {name: list(csv.DictReader(io.StringIO(data_csv(result, name)))) for name, result in results.items()}
+    entropy = tables["entropy"]
+    assert len(entropy) == 5 and {"alt1_token", "alt1_prob", "alt5_prob"} <= set(entropy[0])  # one row per token
+    lens = tables["logit_lens"]
+    assert len(lens) == 2 * len(results["logit_lens"].tokens) and {"layer", "position", "top_token", "next_rank"} \
+        <= set(lens[0])
+    steering = tables["steering"]
+    assert len(steering) == 2 * 3 and "text" not in steering[0]  # one row per (generation, step)
+    sweep = tables["steering_sweep"]
+    assert [float(r["scale"]) for r in sweep] == [-1.0, 1.0] and float(sweep[0]["perplexity"]) > 1
+    heads = tables["attention_heads"]
+    n = len(results["attention_heads"]["tokens"])
+    assert len(heads) == 4 * n * (n + 1) // 2  # every head, causal (query, key) pairs
+    # the generic layout (figures without a TABLES entry): 2-D points are one row, long texts stay out
+    rows = data_rows({"coords": [[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]], "labels": ["a", "b", "c"],
+                      "text": "x" * 200, "site": "resid_post.1"})
+    assert rows == [{"index": i, "labels": lab, "coords_1": x, "coords_2": y, "site": "resid_post.1"}
+                    for i, (lab, x, y) in enumerate([("a", 0.1, 0.2), ("b", 0.3, 0.4), ("c", 0.5, 0.6)])]
     assert json.loads(data_json({"logprobs": [math.nan, -1.0]})) == {"logprobs": [None, -1.0]}
 
 
@@ -248,13 +367,13 @@ def test_export_command_rebuilds_a_figure_from_result_json(engine, tmp_path):
     cli = typer.Typer()
     register(cli)
     trace = engine.trace("2 + 2 =", capture=resid_sites(2))
-    (tmp_path / "lens.json").write_text(data_json(logit_lens(trace, *lens_readout(engine))))
+    (tmp_path / "lens.json").write_text(data_json(logit_lens(trace, engine)))
     result = CliRunner().invoke(cli, ["export", "logit_lens", "--from", str(tmp_path / "lens.json"),
                                       "--format", "svg,pdf,csv", "--out", str(tmp_path / "figs")])
     assert result.exit_code == 0, result.output
     assert ET.parse(tmp_path / "figs" / "logit_lens.svg").getroot().tag.endswith("svg")
     assert (tmp_path / "figs" / "logit_lens.pdf").read_bytes()[:4] == b"%PDF"
-    assert (tmp_path / "figs" / "logit_lens.csv").read_text().startswith("row,col")
+    assert (tmp_path / "figs" / "logit_lens.csv").read_text().startswith("layer,position,input_token")
 
 
 # ----------------------------------------------------------------- the other backend, the SAE source
@@ -272,7 +391,7 @@ def model_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", "from probes.cli import main; main()", "serve", "--model", MODEL,
+    proc = subprocess.Popen([sys.executable, "-c", "from thoughtscope.cli import main; main()", "serve", "--model", MODEL,
                              "--port", str(port), "--log-level", "warning"],
                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -300,11 +419,40 @@ def test_pages_run_against_the_model_server(model_server, monkeypatch):
     at.button(key="generate").click().run()
     assert_clean(at)
     assert at.html[0].proto.body.count('class="ts-tok"') == 8
-    assert "in-process backend" in at.info[0].value  # the lens needs weights the server keeps
-    assert len(at.get("plotly_chart")) == 3  # entropy, residual norms, attention
+    assert not at.info  # the logit lens reads out on the server: nothing is refused
+    assert len(at.get("plotly_chart")) == 4  # entropy, logit lens, residual norms, attention
     steer = open_page("steering", max_new_tokens=6)
     assert_clean(steer)
     assert len(steer.text) == 2
+
+
+def test_the_method_pages_run_against_the_model_server(model_server, monkeypatch, tmp_path):
+    """CoT entropy and RISE through `thoughtscope serve`: no page refuses the server backend."""
+    import app.views.cot_entropy as cot_page
+    import app.views.rise as rise_page
+
+    monkeypatch.setenv("THOUGHTSCOPE_SERVER", model_server)
+    monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    cot_page.results.clear()
+    rise_page.results.clear()
+    cot = open_page("cot_entropy", max_new_tokens=8)
+    cot.slider(key="cot_n_cal").set_value(2).run()
+    cot.button(key="cot_calibrate").click().run()
+    assert_clean(cot)
+    assert "Calibration densities" in helpers.chart_titles(cot)
+    cot.button(key="cot_generate").click().run()
+    assert_clean(cot)
+    assert "CUSUM statistic" in " ".join(helpers.chart_titles(cot))
+
+    rise = open_page("rise", max_new_tokens=12)
+    rise.number_input(key="rise_n").set_value(4)
+    rise.number_input(key="rise_sae_steps").set_value(20)
+    rise.multiselect(key="rise_layers").set_value([1])
+    rise.radio(key="rise_projection").set_value("pca")
+    rise.run()
+    rise.button(key="rise_run").click().run()
+    assert_clean(rise)
+    assert int(helpers.metric(rise, "Traces")) == 4 and "Decoder columns" in " ".join(helpers.chart_titles(rise))
 
 
 def test_a_server_that_does_not_answer_is_an_error_in_the_sidebar(monkeypatch):

@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from tests import apptest_helpers as helpers  # noqa: E402
 
-import app.pages.cot_entropy as page  # noqa: E402
+import app.views.cot_entropy as page  # noqa: E402
 from analyses.cot_entropy import CalibrationTrace, CusumDetector  # noqa: E402
 
 MODEL = "tiny-random:llama"
@@ -52,10 +52,16 @@ def test_calibration_with_a_tiny_n_draws_the_densities():
     assert_clean(at)
     assert "Calibration densities" in chart_titles(at)
     spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Calibration densities" in c.proto.spec))
-    assert [t["name"].split(" (")[0] for t in spec["data"]] == ["f0 uncertainty", "f1 confidence", "log f1/f0"]
+    # the default KDE: each class's calibration steps as bars under its density curve, then log f1/f0
+    assert [t["name"].split(" (")[0] for t in spec["data"]] == ["f0 uncertainty", "f0 KDE", "f1 confidence", "f1 KDE",
+                                                                "log f1/f0"]
     assert int(metric(at, "Uncertain steps (f0)")) + int(metric(at, "Confident steps (f1)")) > 0
     # random weights never settle on an answer: every step is "uncertain", and the page says f1 is flat
     assert any("flat" in w.value for w in at.warning)
+    # the delimiter is shown as code (as a metric, the regex [.!?](?=\s) rendered as a Markdown link)
+    assert not any(m.label == "Step delimiter" for m in at.metric)
+    assert any("Step delimiter: `" in c.value and "calibration split" in c.value for c in at.caption)
+    assert "KDE" in spec["data"][1]["name"] and spec["layout"]["title"]["subtitle"]["text"].endswith("calibration split")
 
     at.text_input(key="cot_target").set_value("20").run()  # the sidebar's example question
     at.button(key="cot_generate").click().run()
@@ -108,16 +114,35 @@ def test_generate_then_the_h_slider_moves_the_exit_without_regenerating(monkeypa
     assert metric(at, "Redundant tail") == "0 tokens"
     spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "CUSUM statistic" in c.proto.spec))
     assert any(a.get("text") == "h = 10" for a in spec["layout"].get("annotations", []))
+    # a few probes are narrow bars on an axis of at least 5 steps, not one bar across the plot
+    assert spec["layout"]["xaxis"]["range"] == [0.4, max(5, steps) + 0.6] and spec["data"][0]["width"] == 0.5
+    strip = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Intermediate answers" in c.proto.spec))
+    legend = [t["name"] for t in strip["data"] if t.get("showlegend", True)]
+    assert strip["layout"]["showlegend"] and {"correct", "wrong", "answer at the alarm"} <= set(legend)
     assert len(runs) == 1, "moving h must not regenerate"
 
 
 def test_the_evaluations_draw_the_pareto_plot_and_the_voting_bars():
     at = open_page(max_new_tokens=6)
     at.slider(key="cot_n_cal").set_value(2).run()
-    at.slider(key="cot_eval_n").set_value(2).run()
+    for key in ("cot_eval_ncal", "cot_eval_ndev", "cot_eval_n"):
+        at.slider(key=key).set_value(2)
+    at.multiselect(key="cot_eval_h").set_value([1.0, 4.0])
+    at.run()
     at.button(key="cot_eval_run").click().run()
     assert_clean(at)
-    assert any(t.startswith("Accuracy vs tokens") for t in chart_titles(at))
+    spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Accuracy vs tokens" in c.proto.spec))
+    assert "evaluation split, n=2; 95% intervals" in spec["layout"]["title"]["text"]
+    assert [t["name"].split(" (")[0] for t in spec["data"]] == ["vanilla", "cusum", "deer", "dynasor"]
+    assert all("error_y" in t and "error_x" in t for t in spec["data"])  # intervals on both axes
+    low, high = spec["layout"]["yaxis"]["range"]
+    assert 0.0 <= low < high <= 1.0  # the accuracy axis never runs below 0% (it ran to -50%)
+    methods = at.dataframe[0].value
+    assert list(methods["method"]) == ["vanilla", "cusum", "deer", "dynasor"]
+    assert all(v.startswith("n = 2 cannot tell these apart") for v in methods["accuracy vs vanilla"][1:])
+    dev = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "development split" in c.proto.spec))
+    assert [t["name"] for t in dev["data"]][:3] == ["cusum", "deer", "dynasor"]
+    assert dev["data"][0]["text"] == ["1.0", "4.0"]  # the h grid asked for, each tried on development
     at.slider(key="cot_vote_samples").set_value(2).run()
     at.slider(key="cot_vote_n").set_value(1).run()
     at.button(key="cot_vote_run").click().run()

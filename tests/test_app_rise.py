@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from tests import apptest_helpers as helpers  # noqa: E402
 
-import app.pages.rise as page  # noqa: E402
+import app.views.rise as page  # noqa: E402
 
 MODEL = "tiny-random:llama"
 
@@ -39,6 +39,7 @@ def harvested() -> AppTest:
     at = open_page()
     at.number_input(key="rise_n").set_value(4)
     at.number_input(key="rise_sae_steps").set_value(20)
+    at.number_input(key="rise_d_sae").set_value(32)
     at.multiselect(key="rise_layers").set_value([0, 1])
     at.radio(key="rise_projection").set_value("pca")
     at.run()
@@ -64,12 +65,22 @@ def test_the_page_draws_and_waits_for_the_harvest():
 def test_harvest_train_shows_stats_geometry_follows_the_layer_and_alpha_steers():
     at = harvested()
     assert int(metric(at, "Traces")) == 4
-    assert float(metric(at, "Explained variance")) <= 1.0
-    assert float(metric(at, "L0")) >= 0
-    assert int(metric(at, "Dead latents")) >= 0
     stats = at.dataframe[0].value  # the SAE stats table comes first
     assert list(stats["site"]) == ["resid_post.0", "resid_post.1"]
+    assert list(stats["d_sae"]) == [32, 32]  # the d_sae control reached the SAEs
+    # the metrics are the held-out numbers of the table (one of the 4 traces is held out of training)
+    assert any("quality measured on the 1 held-out traces" in c.value for c in at.caption)
+    best = at.selectbox(key="rise_geometry_site").value  # the page opens the geometry at the best layer
+    row = stats[stats["site"] == best].iloc[0]
+    assert float(metric(at, "Explained variance (held-out)")) == pytest.approx(row["EV held-out"], abs=1e-3)
+    assert float(metric(at, "L0 (held-out)")) == pytest.approx(row["L0 held-out"], abs=1e-2)
+    assert int(metric(at, "Dead latents")) == row["dead latents"]
+    # a random model's step vectors are noise: the SAEs reconstruct held-out steps poorly, and the page says so
+    poor = [w.value for w in at.warning if "of the variance of held-out steps" in w.value]
+    assert len(poor) == sum(ev < 0.5 for ev in stats["EV held-out"]) and poor
+    assert any("resid_post.0" in c.value for c in at.code)  # where the SAEs were saved
     titles = chart_titles(at)
+    assert "SAE explained variance: training vs held-out steps" in titles
     assert any(t.startswith("Steps of ") for t in titles)
     assert "Behaviour separation per layer" in titles
     assert any(t.startswith("Latent ") for t in titles)
@@ -82,6 +93,8 @@ def test_harvest_train_shows_stats_geometry_follows_the_layer_and_alpha_steers()
     other = "resid_post.0" if first == "resid_post.1" else "resid_post.1"
     assert first in map_title()
     spec_before = next(c.proto.spec for c in at.get("plotly_chart") if "Decoder columns at" in c.proto.spec)
+    layout = json.loads(spec_before)["layout"]
+    assert (layout["xaxis"]["title"]["text"], layout["yaxis"]["title"]["text"]) == ("PC 1", "PC 2")
     at.selectbox(key="rise_geometry_site").set_value(other).run()
     assert_clean(at)
     assert other in map_title()
@@ -97,6 +110,10 @@ def test_harvest_train_shows_stats_geometry_follows_the_layer_and_alpha_steers()
     at.slider(key="rise_alpha").set_value(1.5).run()
     assert_clean(at)
     assert steered_text(at) != vanilla
+    spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Behaviour counts" in c.proto.spec))
+    # reflection, backtracking and all steps per alpha: never an empty chart (the step bars are there)
+    assert [t["name"] for t in spec["data"]] == ["reflection", "backtracking", "all steps"]
+    assert spec["data"][2]["x"] == ["0", "1.5"] and min(spec["data"][2]["y"]) > 0
 
     # the behaviour vector (templated steps give the labeller reflection/backtracking to find) and confidence
     at.radio(key="rise_steer_source").set_value(page.FROM_BEHAVIOUR).run()

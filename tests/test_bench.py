@@ -24,8 +24,10 @@ def test_each_hook_benchmark_reports_a_positive_ratio(llama):
 
 
 def test_bench_cli_prints_one_json_object_per_line(monkeypatch, llama):
-    monkeypatch.setattr(bench, "run_hooks", lambda model: [bench.bench_capture_forward(llama, repeats=1, tokens=16)])
-    result = CliRunner().invoke(bench.bench_cli, ["hooks", "--model", "tiny-random:llama", "--json"])
+    from thoughtscope import cli
+
+    monkeypatch.setitem(bench.BENCHMARKS, "hooks", lambda model: [bench.bench_capture_forward(llama, repeats=1, tokens=16)])
+    result = CliRunner().invoke(cli.build(), ["bench", "hooks", "--model", "tiny-random:llama", "--json"])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.output.splitlines()]
     assert rows[0]["bench"] == "capture_forward" and "device" in rows[0]

@@ -7,15 +7,22 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from probes import cli as cli_module
+from thoughtscope import cli as cli_module
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def app():
-    cli_module._register_subcommands()
-    return cli_module.cli
+    return cli_module.build()
+
+
+def test_the_entry_point_discovers_every_method_package(app):
+    """Sub-commands and benchmark groups come from the packages; no central list names them."""
+    names = {c.name or c.callback.__name__ for c in app.registered_commands} | {g.name for g in app.registered_groups}
+    assert {"models", "sites", "generate", "serve", "app", "export", "bench", "eval", "rise"} <= names
+    assert {"analyses.cot_entropy", "analyses.rise"} <= set(cli_module.method_packages())
+    assert {"hooks", "server", "cot", "rise"} <= set(cli_module.benchmark_groups())
 
 
 def test_models_lists_the_zoo(app):

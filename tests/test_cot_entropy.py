@@ -16,7 +16,6 @@ import typer
 from typer.testing import CliRunner
 
 from analyses.cot_entropy import (
-    COT_FAMILIES,
     CalibrationTrace,
     CusumDetector,
     CusumStop,
@@ -24,11 +23,8 @@ from analyses.cot_entropy import (
     DynasorStop,
     Probe,
     ProbedTrace,
-    StepEnd,
     StoppingRule,
     analyze_trace,
-    bench_cusum_overhead,
-    cot_family_for,
     cusum_path,
     cusum_weighted_vote,
     entropy_thirds,
@@ -42,9 +38,13 @@ from analyses.cot_entropy import (
     probe_traces,
     replay,
     run_with_rule,
-    segment_steps,
 )
-from analyses.cot_entropy_cli import parse_thresholds, register
+from analyses.cot_entropy.bench import bench_cusum_overhead
+from analyses.cot_entropy.cli import parse_thresholds, register
+from analyses.families import FAMILIES as COT_FAMILIES
+from analyses.families import family_for as cot_family_for
+from analyses.steps import StepEnd
+from analyses.steps import step_ends as segment_steps
 from analyses.tasks import load_task, one_shot_messages
 from thoughtscope.errors import BadInputError
 from probes.records import TokenRecord
@@ -65,7 +65,7 @@ def _hand_detector(threshold: float) -> CusumDetector:
     With one pseudo-count per bin f0 = (2/6, 4/6), f1 = (4/6, 2/6), so Z = +log 2 below 1, -log 2 above."""
     settles_late = CalibrationTrace([1.5, 1.5, 1.5, 0.5], ["1", "2", "3", "9"], final_answer="9")
     settles_early = CalibrationTrace([0.5, 0.5, 0.5, 1.5], ["7", "9", "9", "9"], final_answer="9")
-    return CusumDetector(threshold=threshold, bins=2, smoothing=1.0, value_range=(0.0, 2.0)).fit(
+    return CusumDetector(threshold=threshold, density="histogram", bins=2, smoothing=1.0, value_range=(0.0, 2.0)).fit(
         [settles_late, settles_early])
 
 
@@ -123,6 +123,44 @@ def test_fitted_densities_recover_the_change_point_within_one_step():
     assert hits / 200 >= 0.95
 
 
+def test_the_kde_does_not_quantise_the_log_likelihood_ratio():
+    """The paper's 10-bin histogram makes Z piecewise constant (issue 11: h = 1 and h = 2 could give the
+    same alarms for that reason alone); the KDE gives each entropy its own Z, smooth between the classes."""
+    rng = np.random.default_rng(1)
+    calibration = [_two_regime(rng, int(rng.integers(2, 9))) for _ in range(50)]
+    histogram = CusumDetector(density="histogram", bins=10).fit(calibration)
+    kde = CusumDetector(density="kde").fit(calibration)
+    x = np.linspace(0.0, 1.6, 33)
+    assert len(set(np.round(histogram.log_likelihood_ratio(x), 9))) <= 10
+    assert len(set(np.round(kde.log_likelihood_ratio(x), 9))) == 33
+    # Silverman's rule per class: the confident steps (sd 0.1) get a narrower kernel than the uncertain (sd 0.2)
+    assert kde.bandwidths_[1] < kde.bandwidths_[0] < 0.2
+    # confident entropies favour f1, uncertain ones f0, and Z crosses zero once in between
+    z = kde.log_likelihood_ratio(x)
+    assert z[x <= 0.4].min() > 2 and z[(x >= 1.0) & (x <= 1.4)].max() < -2
+    assert np.count_nonzero(np.diff(np.sign(z[(x > 0.2) & (x < 1.2)]))) == 1
+    # far outside the calibration range Z stays finite (the uniform floor), and the fit is scored per class
+    assert np.isfinite(kde.log_likelihood_ratio([-5.0, 50.0])).all()
+    assert kde.score(calibration) > CusumDetector(density="kde", bandwidth=2.0).fit(calibration).score(calibration)
+
+
+def test_the_bandwidth_is_chosen_on_development_steps():
+    from analyses.cot_entropy import choose_density
+
+    rng = np.random.default_rng(2)
+    calibration = [_two_regime(rng, int(rng.integers(2, 9))) for _ in range(40)]
+    development = [_two_regime(rng, int(rng.integers(2, 9))) for _ in range(40)]
+    choice = choose_density(calibration, development, bandwidths=[0.002, 0.05, 0.1, 3.0])
+    rows = choice.to_dict()["grid"]
+    assert [r["setting"] for r in rows] == [0.002, 0.05, 0.1, 3.0]
+    loglik = [r["dev_log_likelihood"] for r in rows]
+    assert choice.chosen in (0.05, 0.1) and loglik[choice.index] == max(loglik)
+    assert loglik[0] < loglik[choice.index] and loglik[3] < loglik[choice.index]  # too narrow and too wide lose
+    assert rows[0]["dev_steps"] == sum(len(t.entropies) for t in development)
+    default = choose_density(calibration, development)  # 1/4..4 x Silverman's bandwidth of the pooled steps
+    assert len(default.grid) == 5 and default.grid == sorted(default.grid)
+
+
 def test_detector_refuses_bad_use():
     with pytest.raises(BadInputError, match="threshold"):
         CusumDetector(threshold=0)
@@ -130,6 +168,10 @@ def test_detector_refuses_bad_use():
         CusumDetector().update(0.5)
     with pytest.raises(BadInputError, match="no probe entropies"):
         CusumDetector().fit([CalibrationTrace([], [], "1")])
+    with pytest.raises(BadInputError, match="density"):
+        CusumDetector(density="gaussian")
+    with pytest.raises(BadInputError, match="bandwidth"):
+        CusumDetector(bandwidth=0)
 
 
 # --------------------------------------------------------------------------- curves and steps
@@ -250,11 +292,11 @@ def test_probes_via_fork_equal_probes_from_scratch(tiny):
     prompt_ids = tiny.encode(messages, chat=True)
     token_ids = [r.token_id for r in tiny.generate(messages, max_new_tokens=10, top_k=0)]
     probes = probe_positions(tiny, prompt_ids, token_ids, [3, 7, 10], family)
-    suffix_ids = tiny.tok(family.answer_suffix, add_special_tokens=False)["input_ids"]
+    suffix_ids = tiny.encode(family.answer_suffix, add_special_tokens=False)
     for b, probe in probes.items():
         scratch = list(tiny.generate(prompt_ids + token_ids[:b] + suffix_ids, max_new_tokens=family.answer_max_tokens,
                                      stop=family.answer_stop, top_k=0))
-        expected = Probe.from_records(scratch, b, len(suffix_ids), tiny.eos_ids)
+        expected = Probe.from_records(scratch, b, len(suffix_ids), tiny.eos_ids())
         assert probe.answer_text == expected.answer_text
         assert probe.entropies == pytest.approx(expected.entropies, abs=1e-4)
         assert probe.tokens_computed == len(suffix_ids) + len(scratch)  # the prefix is never recomputed
@@ -264,7 +306,7 @@ def test_live_exits_equal_replayed_exits(tiny):
     family = cot_family_for(tiny)
     problems = load_task("arith", 1, seed=5)
     rules = [CusumStop(detector=_hand_detector(0.5)), DeerStop(threshold=0.3), DynasorStop(probe_every=4, agree=2)]
-    traces = probe_traces(tiny, problems[:1], family, rules, max_new_tokens=12, progress=False)
+    traces = probe_traces(tiny, problems[:1], family, rules, max_new_tokens=12)
     for rule in rules:
         live = run_with_rule(tiny, problems[0], rule, family=family, max_new_tokens=12)
         replayed = replay(traces[0], rule)
@@ -296,21 +338,48 @@ def _cli() -> typer.Typer:
 
 
 @pytest.mark.filterwarnings("ignore:calibration gave")  # random weights never settle on an answer
-def test_cot_exit_command_end_to_end_on_tiny_model():
+def test_cot_exit_command_chooses_on_development_and_runs_once_on_evaluation():
     result = CliRunner().invoke(_cli(), ["eval", "cot-exit", "--model", "tiny-random:llama", "--n", "4",
-                                         "--n-calibration", "2", "--h", "0.5,2", "--max-new-tokens", "8", "--json"])
+                                         "--n-calibration", "2", "--n-dev", "3", "--h", "0.5,2", "--deer", "0.5,0.9",
+                                         "--dynasor", "4:2,8:2", "--max-new-tokens", "8", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    names = [m["name"] for m in report["methods"]]
-    assert names == ["vanilla", "cusum h=0.5", "cusum h=2", "deer", "dynasor"]
-    vanilla = report["methods"][0]
-    assert vanilla["mean_probe_tokens"] == 0 and vanilla["exit_rate"] == 0
+    assert [m["name"] for m in report["methods"]] == ["vanilla", "cusum", "deer", "dynasor"]
+    # the splits are disjoint and of the sizes asked for
+    ids = report["splits"]["ids"]
+    assert {k: len(v) for k, v in ids.items()} == {"calibration": 2, "development": 3, "evaluation": 4}
+    assert not set(ids["calibration"]) & set(ids["development"]) and not set(ids["development"]) & set(ids["evaluation"])
+    # every grid is measured on development, and the evaluation runs each method at its chosen setting
+    choices = report["choices"]
+    assert [r["setting"] for r in choices["cusum"]["grid"]] == [0.5, 2.0]
+    assert [r["setting"] for r in choices["deer"]["grid"]] == [0.5, 0.9]
+    assert [r["setting"] for r in choices["dynasor"]["grid"]] == [[4, 2], [8, 2]]
+    assert all(row["n"] == 3 for c in ("cusum", "deer", "dynasor") for row in choices[c]["grid"])
+    assert choices["density"]["name"] == "bandwidth" and len(choices["density"]["grid"]) == 5
+    methods = {m["name"]: m for m in report["methods"]}
+    assert methods["cusum"]["params"]["h"] == choices["cusum"]["chosen"]
+    assert methods["deer"]["params"]["threshold"] == choices["deer"]["chosen"]
+    assert [methods["dynasor"]["params"][k] for k in ("every", "agree")] == choices["dynasor"]["chosen"]
+    vanilla = methods["vanilla"]
+    assert vanilla["mean_probe_tokens"] == 0 and vanilla["exit_rate"] == 0 and vanilla["vs_vanilla"] is None
+    by_id = {row["id"]: row for row in vanilla["per_problem"]}
+    assert list(by_id) == ids["evaluation"]
     for m in report["methods"]:
-        assert 0 <= m["accuracy"] <= 1 and m["n"] == 4
-        assert m["mean_tokens_with_probes"] >= m["mean_generated_tokens"] <= vanilla["mean_generated_tokens"]
-    eval_ids = {row["id"] for row in vanilla["per_problem"]}
-    assert len(eval_ids) == 4 and not eval_ids & set(report["settings"]["calibration_ids"])
-    assert set(report["pareto"]) == {"cusum h=0.5", "cusum h=2"}
+        ci = m["accuracy_ci"]
+        assert ci["n"] == 4 and ci["estimate"] == m["accuracy"] == np.mean([r["correct"] for r in m["per_problem"]])
+        assert ci["low"] <= ci["estimate"] <= ci["high"]
+        assert m["generated_tokens_ci"]["estimate"] == pytest.approx(m["mean_generated_tokens"])
+        for row in m["per_problem"]:  # an exit only truncates the same greedy trace
+            assert row["generated"] <= by_id[row["id"]]["generated"]
+        if m["name"] != "vanilla":
+            test = m["vs_vanilla"]["accuracy"]
+            discordant = sum(r["correct"] != by_id[r["id"]]["correct"] for r in m["per_problem"])
+            assert test["test"] == "exact McNemar" and test["gains"] + test["losses"] == discordant
+            assert test["verdict"].startswith("n = 4 cannot tell these apart")
+            shorter = sum(r["generated"] < by_id[r["id"]]["generated"] for r in m["per_problem"])
+            assert m["vs_vanilla"]["tokens"]["generated"][0]["gains"] == shorter
+    assert report["provenance"]["model"] == "tiny-random:llama" and report["provenance"]["seed"] == 0
+    assert report["provenance"]["command"] == "eval cot-exit"
     from app.figures.cot_entropy import pareto_figure
 
     assert len(pareto_figure(report, measure="with_probes").data) == 4
@@ -324,20 +393,33 @@ def test_cot_vote_command_end_to_end_on_tiny_model():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["samples"] == 3 and len(report["per_problem"]) == 2
     assert all(len(row["answers"]) == len(row["weights"]) == 3 for row in report["per_problem"])
+    majority = [row["majority"] for row in report["per_problem"]]
+    assert report["intervals"]["majority"]["estimate"] == report["majority_accuracy"]
+    assert report["weighted_vs_majority"]["test"] == "exact McNemar" and report["provenance"]["command"] == "eval cot-vote"
+    assert all(m is None or any(m == a for a in row["answers"]) for m, row in zip(majority, report["per_problem"]))
     from app.figures.cot_entropy import voting_figure
 
     assert voting_figure(report).data
 
 
 def test_threshold_option_parsing():
+    from analyses.cot_entropy.cli import parse_dynasor
+
     assert parse_thresholds(["1,2", "4"]) == [1.0, 2.0, 4.0]
     with pytest.raises(BadInputError):
         parse_thresholds(["one"])
+    assert parse_dynasor(["8:2,16:3", "4:2"]) == [(8, 2), (16, 3), (4, 2)]
+    with pytest.raises(BadInputError, match="k:m"):
+        parse_dynasor(["8"])
 
 
 def test_bench_cusum_overhead_runs(tiny):
     row = bench_cusum_overhead(tiny, max_new_tokens=8, repeats=1)
-    assert row["bench"] == "cusum_overhead" and row["ratio"] > 0 and row["probe_tokens"] >= 0
+    assert row["bench"] == "cusum_overhead"
+    assert row["ratio"] == pytest.approx(row["instrumented_s_per_token"] / row["plain_s_per_token"])
+    # one probe per step end of an 8-token trace: each probe costs its suffix and its (at most 3) answer tokens
+    suffix = len(tiny.encode(cot_family_for(tiny).answer_suffix, add_special_tokens=False))
+    assert row["probes"] * (suffix + 1) <= row["probe_tokens"] <= row["probes"] * (suffix + 3)
 
 
 # --------------------------------------------------------------------------- the embedded model
@@ -346,12 +428,13 @@ def test_bench_cusum_overhead_runs(tiny):
 @pytest.mark.model
 def test_cot_exit_on_the_embedded_model():
     result = CliRunner().invoke(_cli(), ["eval", "cot-exit", "--model", "smollm2-135m", "--n", "4",
-                                         "--n-calibration", "4", "--h", "1,2", "--max-new-tokens", "64", "--json"])
+                                         "--n-calibration", "4", "--n-dev", "4", "--h", "1,2", "--max-new-tokens", "64",
+                                         "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
     vanilla = report["methods"][0]
     # The one-shot prompt makes SmolLM2 end with "The answer is N.": a short trace with a numeric answer.
-    assert 10 <= vanilla["mean_generated_tokens"] <= 64
+    assert 10 <= vanilla["mean_generated_tokens"] < 64
     assert all(row["answer"] is not None for row in vanilla["per_problem"])
     assert report["detector"]["n_uncertain"] + report["detector"]["n_confident"] > 0
 
@@ -367,9 +450,64 @@ def test_embedded_model_probes_read_numbers():
     assert all(p.answer is not None and p.answer.lstrip("-").isdigit() for p in analysis.step_probes)
 
 
-def test_fit_detector_reports_progress_per_batch_and_matches_one_call():
-    """A page's progress callback sees every batch; the fitted densities equal those of one call."""
-    from analyses.cot_entropy import calibration_summary, cot_family_for, fit_detector
+# --------------------------------------------------------------------------- the organism's settling step
+
+
+def test_settling_delay_by_hand():
+    from analyses.cot_entropy.settling import SettlingRow, settling_row, summarise_delays
+
+    detector = _hand_detector(threshold=1.3)  # Z = +log 2 below 1 nat, -log 2 above
+    # S = 0, 0, l, 2l = 1.39 >= 1.3 at step 3; the trace settles at step 2: one step late
+    row = settling_row("p", [1.5, 1.5, 0.5, 0.5, 0.5], settle_step=2, detector=detector)
+    assert row.alarm_step == 3 and row.delay == 1 and row.statistic == pytest.approx([0, 0, 0.6931, 1.3863, 2.0794],
+                                                                                      abs=1e-4)
+    # a NaN probe (nothing decoded) leaves the statistic where it was
+    assert settling_row("q", [0.5, float("nan"), 0.5], 0, detector).statistic == pytest.approx([0.6931, 0.6931, 1.3863],
+                                                                                            abs=1e-4)
+    rows = [SettlingRow("a", 2, 5, 2, []), SettlingRow("b", 2, 5, 5, []), SettlingRow("c", 3, 5, 1, []),
+            SettlingRow("d", 1, 3, None, [])]
+    s = summarise_delays(rows, bound=2)
+    # delays 0, 3, -2, none: one on time (0..2), one false alarm, one miss
+    assert s["delay_counts"] == {"-2": 1, "0": 1, "3": 1} and s["no_alarm"] == 1
+    assert (s["within_bound"]["estimate"], s["false_alarm_rate"]["estimate"], s["miss_rate"]["estimate"]) == (
+        0.25, 0.25, 0.25)
+    assert s["mean_delay_when_not_early"]["estimate"] == 1.5
+
+
+@pytest.fixture(scope="module")
+def organism():
+    import torch
+
+    from probes.engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a width-64 model gains nothing from a second thread on a busy machine
+    try:
+        yield Engine.from_id("toy-reasoner:small")  # trained once (under a minute) and cached on first use
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.model
+def test_the_cusum_alarm_lands_near_the_organisms_settling_step(organism):
+    from analyses.cot_entropy.settling import evaluate_settling
+
+    report = evaluate_settling(organism, None, n=40, n_calibration=30, n_dev=30, bound=2)
+    s = report.summary
+    assert report.task == "toy-reasoner:small" and s["n"] == 40
+    # planted traces, teacher-forced: the probes before the settling step are unsure, after it sure
+    assert s["within_bound"]["estimate"] >= 0.5, s  # most alarms land 0-2 steps after the settling step
+    assert s["false_alarm_rate"]["estimate"] <= 0.2, s
+    delays = [r.delay for r in report.rows if r.delay is not None]
+    assert sorted(set(delays))[0] >= -2 and max(delays) <= 4
+    d = report.to_dict()
+    assert [row["setting"] for row in d["choices"]["cusum"]["grid"]] == [0.5, 1.0, 2.0, 4.0, 8.0]
+    assert d["provenance"]["command"] == "eval cot-settling"
+
+
+def test_fit_detector_reports_progress_per_trace_and_matches_one_call():
+    """A page's progress callback sees every trace; the fitted densities do not depend on it."""
+    from analyses.cot_entropy import calibration_summary, fit_detector
     from analyses.tasks import load_task
     from probes import Engine
 
@@ -377,10 +515,11 @@ def test_fit_detector_reports_progress_per_batch_and_matches_one_call():
     problems = load_task("arith", 5, seed=3)
     family = cot_family_for(engine)
     seen: list[tuple[int, int]] = []
-    batched, traces = fit_detector(engine, problems, family, max_new_tokens=12, batch_size=2, progress=False,
+    batched, traces = fit_detector(engine, problems, family, max_new_tokens=12, batch_size=2,
                                    on_progress=lambda done, total: seen.append((done, total)))
-    whole, _ = fit_detector(engine, problems, family, max_new_tokens=12, batch_size=2, progress=False)
-    assert seen == [(2, 5), (4, 5), (5, 5)]
+    whole, _ = fit_detector(engine, problems, family, max_new_tokens=12, batch_size=2)
+    assert seen == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
     assert batched.to_dict() == whole.to_dict()
     summary = calibration_summary(traces)
-    assert summary["steps"] == sum(len(t.calibration().entropies) for t in traces) and 0 <= summary["accuracy"] <= 1
+    assert summary["steps"] == sum(len(t.calibration().entropies) for t in traces)
+    assert summary["accuracy"] == np.mean([t.final_answer == p.answer for t, p in zip(traces, problems)])

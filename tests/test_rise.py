@@ -1,12 +1,14 @@
-"""RISE (analyses/rise.py): steps, labels, step vectors, column association, steering, the pipeline.
+"""RISE (analyses/rise/): steps, labels, step vectors, column association, held-out quality, steering, the pipeline.
 
-Unit tests use `tiny-random:llama`; the `model` test runs the embedded SmolLM2 end to end.
+Unit tests use `tiny-random:llama`; the `model` tests run RISE on the `toy-reasoner:small` organism,
+whose planted behaviours give the ground truth (issue 11).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from analyses.rise import (  # noqa: E402
     decoder_geometry,
     label_step,
     locate_step_tokens,
-    segment_steps,
+    split_steps,
 )
 from analyses.tasks import arithmetic_problems  # noqa: E402
 from thoughtscope.errors import BadInputError  # noqa: E402
@@ -41,7 +43,7 @@ def test_sentence_steps_and_their_closing_tokens():
     pieces = ["Tom", " has", " 4", ".", " He", " buys", " 2.", "5", " more", "!", " So", " 6", ".5", ". The", " end"]
     text = "".join(pieces)
     assert text == "Tom has 4. He buys 2.5 more! So 6.5. The end"
-    steps = locate_step_tokens(pieces, segment_steps(text, "sentence"))
+    steps = locate_step_tokens(pieces, split_steps(text, "sentence"))
     assert [s.text for s in steps] == ["Tom has 4.", "He buys 2.5 more!", "So 6.5.", "The end"]
     # The token holding each step's last character: ".", "!", ". The" (which also opens the next step), " end".
     assert [s.token for s in steps] == [3, 9, 13, 14]
@@ -51,16 +53,18 @@ def test_sentence_steps_and_their_closing_tokens():
 
 def test_paragraph_steps_close_on_the_blank_line_token():
     pieces = ["First", " we", " add", ".\n\n", "Wait", ",", " check", ".", "\n", "\n", "\n\n", "Done", "."]
-    steps = locate_step_tokens(pieces, segment_steps("".join(pieces), "\n\n"))
+    steps = locate_step_tokens(pieces, split_steps("".join(pieces), "\n\n"))
     assert [s.text for s in steps] == ["First we add.", "Wait, check.", "Done."]
     assert [s.token for s in steps] == [3, 9, 12]  # ".\n\n", the second "\n", then the tail's "."
     assert steps[-1].closed is False
 
 
 def test_delimiter_resolution():
-    assert rise.resolve_delimiter("auto", "smollm2-135m") == "sentence"
-    assert rise.resolve_delimiter("auto", "hf:deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B") == "\n\n"
-    assert rise.resolve_delimiter("\\n\\n") == "\n\n"
+    from analyses.steps import PARAGRAPH, SENTENCE
+
+    assert rise.resolve_delimiter("auto", "smollm2-135m") == SENTENCE == rise.resolve_delimiter("sentence")
+    assert rise.resolve_delimiter("auto", "hf:deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B") == PARAGRAPH
+    assert rise.resolve_delimiter("\\n\\n") == "\\n\\n"  # a regex: it matches a blank line
     with pytest.raises(BadInputError):
         rise.resolve_delimiter("")
 
@@ -156,10 +160,10 @@ def test_pipeline_end_to_end_on_a_tiny_model(tiny, tmp_path, monkeypatch):
 
     store = ActivationStore(tmp_path / "store")
     problems = arithmetic_problems(12, seed=0)
-    settings = HarvestSettings(layers=(0, 1), max_new_tokens=10, batch_size=6, augment="templated")
+    settings = HarvestSettings(layers=(0, 1), max_new_tokens=10, batch_size=6, augment="templated", delimiter="sentence")
 
     # Interrupted after the first batch: what was done is stored, a rerun only does the rest.
-    real = rise.step_residuals
+    real = sys.modules["analyses.rise.harvest"].step_residuals
     calls = []
 
     def crash_on_second(*args, **kwargs):
@@ -168,13 +172,14 @@ def test_pipeline_end_to_end_on_a_tiny_model(tiny, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rise, "step_residuals", crash_on_second)
+    harvest_module = sys.modules["analyses.rise.harvest"]
+    monkeypatch.setattr(harvest_module, "step_residuals", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
-        rise.harvest(tiny, problems, settings, store=store, progress=False)
-    monkeypatch.setattr(rise, "step_residuals", real)
-    harvest = rise.harvest(tiny, problems, settings, store=store, progress=False)
+        rise.harvest(tiny, problems, settings, store=store)
+    monkeypatch.setattr(harvest_module, "step_residuals", real)
+    harvest = rise.harvest(tiny, problems, settings, store=store)
     assert harvest.n_from_cache == 6
-    again = rise.harvest(tiny, problems, settings, store=store, progress=False)
+    again = rise.harvest(tiny, problems, settings, store=store)
     assert again.n_from_cache == 12 and torch.equal(again.acts["resid_post.1"], harvest.acts["resid_post.1"])
 
     n_steps = len(harvest.step_rows)
@@ -192,18 +197,19 @@ def test_pipeline_end_to_end_on_a_tiny_model(tiny, tmp_path, monkeypatch):
     assert layer.coords.shape == (saes[layer.site].cfg.d_sae, 2)
 
     latent = int(layer.top_latents[0, 0])
-    unembed, decode = rise.engine_unembedding(tiny)
-    board = rise.feature_dashboard(harvest, saes[layer.site], layer.site, latent, unembed, decode)
+    board = rise.feature_dashboard(harvest, saes[layer.site], layer.site, latent, tiny)
+    unembed = tiny.model.get_output_embeddings().weight.detach()
+    want = (unembed @ saes[layer.site].W_dec[latent].detach()).topk(10).indices.tolist()
+    assert [word for word, _ in board.promoted_tokens] == [tiny.decode([i]) for i in want]
     assert len(board.promoted_tokens) == 10 and sum(board.histogram_counts) == round(board.density * n_steps)
     json.dumps(board.to_dict())
 
     direction = saes[layer.site].W_dec[latent].detach()
     steering = rise.steer(tiny, arithmetic_problems(15, seed=0)[12:], direction, layer.site, alphas=(0.0, 1.0),
-                          settings=settings, progress=False)
+                          settings=settings)
     assert [r.alpha for r in steering.rows] == [0.0, 1.0] and steering.rows[0].n == 3
 
-    confidence = rise.confidence_vectors(tiny, harvest, saes[layer.site], layer.site, iterations=3, batch_size=2,
-                                         progress=False)
+    confidence = rise.confidence_vectors(tiny, harvest, saes[layer.site], layer.site, iterations=3, batch_size=2)
     assert len(confidence.entropy_history) == 3 and len(confidence.top_columns) == 10
     assert confidence.vector(saes[layer.site].W_dec).shape == (64,)
 
@@ -217,12 +223,14 @@ def test_cli_stages_print_json(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from analyses import rise_cli
+    from analyses.rise import cli as rise_cli
 
     app = typer.Typer()
     rise_cli.register(app)
     app.callback()(lambda: None)
+    # Random models' family cuts at every word (analyses.families); sentences keep one templated step per trace.
     common = ["--model", "tiny-random:llama", "--n", "6", "--max-new-tokens", "8", "--augment", "templated",
+              "--delimiter", "sentence",
               "--store", str(tmp_path / "store"), "--quiet", "--json"]
     out = CliRunner().invoke(app, ["rise", "harvest", "--layers", "0", "1", *common])  # a list after the flag
     assert out.exit_code == 0, out.output
@@ -239,25 +247,108 @@ def test_cli_stages_print_json(tmp_path):
 
 def test_bad_settings_raise_project_errors(tiny):
     with pytest.raises(BadInputError, match="out of range"):
-        rise.harvest(tiny, arithmetic_problems(1), HarvestSettings(layers=(7,)), progress=False)
+        rise.harvest(tiny, arithmetic_problems(1), HarvestSettings(layers=(7,)))
     with pytest.raises(BadInputError, match="no problems"):
-        rise.harvest(tiny, [], HarvestSettings(layers=(0,)), progress=False)
+        rise.harvest(tiny, [], HarvestSettings(layers=(0,)))
 
 
-# --------------------------------------------------------------------------- the embedded model
+# --------------------------------------------------------------------------- held-out quality
+
+
+def test_sae_quality_is_saelens_explained_variance_and_l0():
+    from analyses.rise import sae_quality
+    from saes.train import SAETrainSettings, train_sae
+
+    gen = torch.Generator().manual_seed(0)
+    acts = torch.randn(400, 16, generator=gen) @ torch.randn(16, 16, generator=gen) + 3.0
+    sae, _ = train_sae(acts[:300], SAETrainSettings(d_sae=32, batch_size=64, steps=40, progress=False))
+    held = acts[300:]
+    q = sae_quality(sae, held)
+    with torch.no_grad():
+        z = sae.encode(held)
+        x_hat = sae.decode(z)
+    # by hand: 1 - sum ||x - x_hat||^2 / sum ||x - mean(x)||^2, and the mean count of non-zero latents
+    ev = 1 - float((held - x_hat).pow(2).sum()) / float((held - held.mean(0)).pow(2).sum())
+    assert q["n"] == 100 and q["explained_variance"] == pytest.approx(ev, abs=1e-4)
+    assert q["l0"] == pytest.approx(float((z != 0).sum(1).float().mean()))
+    assert q["mse"] == pytest.approx(float((held - x_hat).pow(2).sum(1).mean()), rel=1e-4)
+    from saes.stats import sae_stats
+
+    assert sae_stats(sae, held).explained_variance == pytest.approx(q["explained_variance"], abs=1e-4)
+    # the SAE fits its own training vectors better than held-out ones
+    assert sae_quality(sae, acts[:300])["explained_variance"] > q["explained_variance"]
+
+
+def test_quality_warning_and_latent_auroc_by_hand():
+    from analyses.rise import latent_auroc, quality_warning, step_silhouette
+
+    assert quality_warning(0.8) is None
+    assert "0.3%" in quality_warning(0.003) and "held-out" in quality_warning(0.003)
+    assert "unknown" in quality_warning(float("nan"))
+    # training steps: latent 1 fires only on reflection steps (AUROC 1), latent 0 is noise
+    train = torch.tensor([[0.5, 2.0], [0.1, 1.5], [0.4, 0.0], [0.2, 0.0], [0.3, 0.0]])
+    train_labels = ["reflection", "reflection", "other", "other", "other"]
+    # held-out: latent 1 ranks one of two reflection steps below one of two others: AUROC (1 + 1 + 1 + 0) / 4
+    held = torch.tensor([[0.0, 1.0], [0.0, 0.2], [0.0, 0.5], [0.0, 0.0]])
+    held_labels = ["reflection", "reflection", "other", "other"]
+    table = latent_auroc(train, train_labels, held, held_labels, ["reflection", "backtracking"])
+    assert table["reflection"]["latent"] == 1 and table["reflection"]["train_auroc"] == 1.0
+    assert table["reflection"]["heldout_auroc"] == pytest.approx(0.75)
+    assert table["backtracking"]["latent"] is None and table["backtracking"]["train_positives"] == 0
+    codes = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [0.0, 0.0]])
+    assert step_silhouette(codes, ["a", "a", "b", "b", "a"]) > 0.9  # the all-zero step has no direction: left out
+    assert step_silhouette(codes, ["a"] * 5) is None
+
+
+# --------------------------------------------------------------------------- the organism (ground truth)
+
+
+@pytest.fixture(scope="module")
+def organism():
+    from probes.engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a width-64 model gains nothing from a second thread on a busy machine
+    try:
+        yield Engine.from_id("toy-reasoner:small")  # trained once (under a minute) and cached on first use
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_organism_labeller_finds_every_planted_behaviour():
+    from analyses.organism import organism_problems, rise_label, settling_index, step_kinds
+
+    problems = organism_problems(200, split="eval", size="small")
+    planted = [k for p in problems for k in p.meta["kinds"]]
+    assert {"compute", "reflection", "backtrack", "redundant"} <= set(planted)
+    for p in problems:
+        assert step_kinds(p.meta["trace"]) == p.meta["kinds"]  # every planted step, in order, of the right kind
+        assert settling_index(p.meta["kinds"]) == p.meta["settle_step"]
+    # RISE's labels: reflection and backtracking steps are found by the organism's labeller, not by keywords
+    steps = [s for p in problems for s in split_steps(p.meta["trace"], ";", include_tail=False)]
+    labels = [rise_label(s.text) for s in steps]
+    kinds = [k for p in problems for k in p.meta["kinds"]]
+    assert labels == [{"reflection": "reflection", "backtrack": "backtracking"}.get(k, "other") for k in kinds]
+    assert label_step("No , that is wrong . 3 + 4 = 7 ;") == "other"  # RISE's keywords would miss backtracking
 
 
 @pytest.mark.model
-def test_pipeline_on_the_embedded_model(tmp_path):
-    from analyses.rise_cli import PipelineOptions, run_steer
+def test_rise_on_the_organism_separates_behaviours_and_steering_moves_the_reflection_rate(organism, tmp_path):
+    """Fails when steering does nothing: the reflection rate must rise with alpha along the reflection vector."""
+    from analyses.rise.evaluate import evaluate_rise_organism
 
-    opts = PipelineOptions(n=8, layers=(12, 18), max_new_tokens=48, batch_size=8, augment="templated",
-                           store=str(tmp_path / "store"), saes=str(tmp_path / "saes"), projection="pca", progress=False)
-    try:
-        payload = run_steer(opts, "reflection", [0.0, -1.5], n_heldout=4)
-    except BadInputError as err:  # so few steps may leave no reflection-only column: a stated outcome
-        assert "no reflection vector" in str(err)
-        return
-    rows = payload["steering"]["rows"]
-    assert [r["alpha"] for r in rows] == [0.0, -1.5] and all(r["n"] == 4 for r in rows)
-    assert set(payload["silhouette_per_layer"]) == {"resid_post.12", "resid_post.18"}
+    report = evaluate_rise_organism(organism, n_harvest=100, n_steer=40, alphas=(-0.4, 0.0, 0.4), mode="add",
+                                    saes=str(tmp_path / "saes"), store=str(tmp_path / "store"), seed=0, control=False)
+    d = report.to_dict()
+    # sampled traces of the calibration split hold both behaviours (backtracking follows a sampled wrong step)
+    assert d["harvest"]["label_counts"]["reflection"] >= 20 and d["harvest"]["label_counts"]["backtracking"] >= 10
+    for row in d["layers"]:  # held-out steps: the SAEs reconstruct them
+        assert row["quality"]["heldout"]["n"] > 50 and row["quality"]["heldout"]["explained_variance"] > 0.7
+    # one latent picks out held-out reflection steps (chosen on the training steps)
+    assert max(row["auroc_kinds"]["reflection"]["heldout_auroc"] for row in d["layers"]) > 0.85
+    rows = {r["alpha"]: r for r in d["steering"]["reflection"]["rows"]}
+    assert all(r["n"] == 40 for r in rows.values())
+    assert rows[0.4]["mean_reflection_steps"] > rows[0.0]["mean_reflection_steps"] > rows[-0.4]["mean_reflection_steps"]
+    up = next(c for c in d["comparisons"]["reflection"] if c["alpha"] == 0.4 and c["key"] == "reflection")
+    assert up["p_value"] < 0.05 and up["difference"]["low"] > 0
+    assert d["provenance"]["command"] == "eval rise-organism"

@@ -75,3 +75,21 @@ class ServerError(ThoughtscopeError):
     """The server failed in a way the user did not cause, or could not be reached."""
 
     http_status = 500
+
+
+class UnknownStateError(ThoughtscopeError):
+    """A prefix-state id the model server does not hold (never made, freed, expired or evicted)."""
+
+    http_status = 404
+
+
+class ConflictError(ThoughtscopeError):
+    """A request id already in use by a queued or running request."""
+
+    http_status = 409
+
+
+class TimeoutExceededError(ThoughtscopeError):
+    """A request waited or ran longer than the server allows (queue wait, stream time, a stalled reader)."""
+
+    http_status = 503

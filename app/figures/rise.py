@@ -1,10 +1,13 @@
 """Figures of the RISE page (and of `thoughtscope export`): step timeline, decoder-column map,
-silhouette per layer, feature dashboard, steering table and bars. Builders take the result
-dataclasses of `analyses.rise` (or their `to_dict()`), compute nothing, and return `styled` figures.
+silhouette per layer, feature dashboard, steering table and bars, SAE quality and latent AUROC.
+Builders take the result dataclasses of `analyses.rise` or plain dicts (what the JSON export holds),
+compute nothing, and return `styled` figures; titles name the split a figure's numbers come from.
+`FIGURES` and `TABLES` register the dict-based builders for `thoughtscope export`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import plotly.graph_objects as go
@@ -34,22 +37,31 @@ def step_timeline(trace: Any, top_latents: Any = None, title: str | None = None)
     return styled(fig, title or f"Steps of {trace.problem.id} ({'correct' if trace.correct else 'wrong'})")
 
 
-def decoder_map(layer: Any, title: str | None = None) -> go.Figure:
-    """Decoder columns on the 2-D map of a `LayerAnalysis`, coloured by the label they were voted for."""
-    labels = layer.association.column_labels
+AXIS_NAMES = {"umap": ("UMAP 1 (cosine)", "UMAP 2 (cosine)"), "pca": ("PC 1", "PC 2")}
+
+
+def decoder_map(layer: Any, title: str | None = None, projection: str | None = None) -> go.Figure:
+    """Decoder columns on the 2-D map (UMAP or PCA) of a `LayerAnalysis` or its dict (`site`, `coords`,
+    `column_labels`, `silhouette`, `projection`), coloured by the label they were voted for."""
+    if isinstance(layer, dict):
+        site, coords, labels, silhouette = layer["site"], layer["coords"], layer["column_labels"], layer["silhouette"]
+        projection = projection or layer.get("projection")
+    else:
+        site, coords, labels, silhouette = layer.site, layer.coords, layer.association.column_labels, layer.silhouette
     fig = go.Figure()
     for label in ("other", "backtracking", "reflection", None):
         idx = [i for i, lab in enumerate(labels) if lab == label]
         if not idx:
             continue
         fig.add_trace(go.Scattergl(
-            x=layer.coords[idx, 0], y=layer.coords[idx, 1], mode="markers", name=label or "no votes",
+            x=[coords[i][0] for i in idx], y=[coords[i][1] for i in idx], mode="markers", name=label or "no votes",
             marker=dict(color=LABEL_COLOURS[label], size=5 if label is None else 9, opacity=0.5 if label is None else 0.9),
             text=[f"column {i}" for i in idx], hoverinfo="text",
         ))
-    sil = "n/a" if layer.silhouette is None else f"{layer.silhouette:.3f}"
-    fig.update_layout(xaxis_title="map 1", yaxis_title="map 2")
-    return styled(fig, title or f"Decoder columns at {layer.site} (silhouette {sil})")
+    sil = "n/a" if silhouette is None else f"{silhouette:.3f}"
+    x_name, y_name = AXIS_NAMES.get(projection or "", ("projection 1", "projection 2"))
+    fig.update_layout(xaxis_title=x_name, yaxis_title=y_name)
+    return styled(fig, title or f"Decoder columns at {site} (silhouette {sil}; labels from the training traces)")
 
 
 def silhouette_curve(analysis: Any, title: str = "Behaviour separation per layer") -> go.Figure:
@@ -109,17 +121,63 @@ def steering_table(result: Any) -> go.Figure:
 
 
 def steering_bars(result: Any) -> go.Figure:
-    """Mean reflection and backtracking steps per trace against alpha."""
-    x = [f"{r.alpha:g}" for r in result.rows]
-    fig = go.Figure([
-        go.Bar(x=x, y=[r.mean_reflection_steps for r in result.rows], name="reflection",
-               marker_color=LABEL_COLOURS["reflection"]),
-        go.Bar(x=x, y=[r.mean_backtracking_steps for r in result.rows], name="backtracking",
-               marker_color=LABEL_COLOURS["backtracking"]),
-    ])
-    fig.update_layout(barmode="group", xaxis_title="alpha (1 removes the component, -1 doubles it)",
-                      yaxis_title="steps per trace")
-    return styled(fig, f"Behaviour counts while steering {result.behaviour}")
+    """Reflection, backtracking and all steps per trace against alpha, with 95% bootstrap intervals over
+    problems when there is more than one; says so when no trace holds either behaviour."""
+    d = result.to_dict() if hasattr(result, "to_dict") else result
+    rows = d["rows"]
+    x = [f"{r['alpha']:g}" for r in rows]
+    fig = go.Figure()
+    for key, mean_key, name, colour in (("reflection", "mean_reflection_steps", "reflection", LABEL_COLOURS["reflection"]),
+                                        ("backtracking", "mean_backtracking_steps", "backtracking",
+                                         LABEL_COLOURS["backtracking"]),
+                                        ("steps", "mean_steps", "all steps", LABEL_COLOURS["other"])):
+        ys = [r[mean_key] for r in rows]
+        ivs = [(r.get("intervals") or {}).get(key) for r in rows]
+        error = None
+        if all(ivs) and all(r["n"] > 1 for r in rows):
+            error = dict(type="data", symmetric=False, array=[iv["high"] - iv["estimate"] for iv in ivs],
+                         arrayminus=[iv["estimate"] - iv["low"] for iv in ivs])
+        fig.add_trace(go.Bar(x=x, y=ys, name=name, marker_color=colour, error_y=error,
+                             text=[f"{y:.2g}" for y in ys], textposition="outside"))
+    if all(r["mean_reflection_steps"] == 0 and r["mean_backtracking_steps"] == 0 for r in rows):
+        fig.add_annotation(text="no reflection or backtracking step in any trace: this model does not show the "
+                                "behaviour here, so there is nothing for the vector to move",
+                           xref="paper", yref="paper", x=0.5, y=1.0, showarrow=False, yanchor="bottom",
+                           font=dict(size=11, color="#666666"))
+    mode = d.get("mode", "projection")
+    xlabel = ("alpha (1 removes the component, -1 doubles it)" if mode == "projection" else "alpha (added)")
+    fig.update_layout(barmode="group", xaxis_title=xlabel, yaxis_title="steps per trace")
+    n = rows[0]["n"] if rows else 0
+    split = f"{d['split']} split, " if d.get("split") else ""
+    return styled(fig, f"Behaviour counts while steering {d['behaviour']} ({split}n={n} per alpha)")
+
+
+def quality_figure(layers: Any) -> go.Figure:
+    """Explained variance of each layer's SAE on its training steps and on held-out steps (SAELens' formula)."""
+    rows = layers if isinstance(layers, list) else layers["layers"]
+    sites = [r["site"] for r in rows]
+    fig = go.Figure()
+    for split, colour in (("train", PALETTE[5]), ("heldout", PALETTE[0])):
+        fig.add_trace(go.Bar(x=sites, y=[(r.get("quality") or {}).get(split, {}).get("explained_variance") for r in rows],
+                             name="training steps" if split == "train" else "held-out steps", marker_color=colour))
+    fig.add_hline(y=0.5, line=dict(color=PALETTE[3], dash="dot"), annotation_text="poor below 0.5")
+    fig.update_layout(barmode="group", yaxis=dict(title="explained variance", range=[min(0.0, *[
+        (r.get("quality") or {}).get("heldout", {}).get("explained_variance") or 0 for r in rows]), 1.0]))
+    return styled(fig, "SAE explained variance: training vs held-out steps")
+
+
+def auroc_figure(layers: Any, key: str = "auroc") -> go.Figure:
+    """Held-out AUROC of the best latent per label (chosen on training steps), per layer."""
+    rows = layers if isinstance(layers, list) else layers["layers"]
+    labels = sorted({label for r in rows for label in (r.get(key) or {})})
+    fig = go.Figure()
+    for i, label in enumerate(labels):
+        fig.add_trace(go.Bar(x=[r["site"] for r in rows], y=[((r.get(key) or {}).get(label) or {}).get("heldout_auroc")
+                                                              for r in rows],
+                             name=label, marker_color=LABEL_COLOURS.get(label, PALETTE[(i + 4) % len(PALETTE)])))
+    fig.add_hline(y=0.5, line=dict(color="#999999", dash="dot"), annotation_text="chance")
+    fig.update_layout(barmode="group", yaxis=dict(title="AUROC on held-out steps", range=[0, 1.05]))
+    return styled(fig, "Best latent per label: AUROC on held-out steps (chosen on training steps)")
 
 
 def confidence_curve(result: Any) -> go.Figure:
@@ -127,6 +185,45 @@ def confidence_curve(result: Any) -> go.Figure:
     fig = go.Figure(go.Scatter(y=result.entropy_history, mode="lines", line=dict(color=PALETTE[0])))
     fig.update_layout(xaxis_title="iteration", yaxis_title="mean entropy (nats)")
     return styled(fig, f"Confidence coefficients at {result.site}")
+
+
+def steering_rows(data: Any) -> list[dict[str, Any]]:
+    d = data.to_dict() if hasattr(data, "to_dict") else data
+    out = []
+    for r in d["rows"]:
+        row = {"behaviour_vector": d["behaviour"], "site": d["site"], "mode": d["mode"], "split": d.get("split", ""),
+               "alpha": r["alpha"], "n": r["n"], "reflection_per_trace": r["mean_reflection_steps"],
+               "backtracking_per_trace": r["mean_backtracking_steps"], "steps_per_trace": r["mean_steps"],
+               "tokens_per_trace": r["mean_tokens"], "accuracy": r["accuracy"]}
+        for key, iv in (r.get("intervals") or {}).items():
+            row[f"{key}_low"], row[f"{key}_high"] = iv["low"], iv["high"]
+        out.append(row)
+    return out
+
+
+def quality_rows(data: Any) -> list[dict[str, Any]]:
+    rows = data if isinstance(data, list) else data["layers"]
+    return [{"site": r["site"], "split": split, **{k: v for k, v in (r.get("quality") or {}).get(split, {}).items()}}
+            for r in rows for split in ("train", "heldout")]
+
+
+def auroc_rows(data: Any) -> list[dict[str, Any]]:
+    rows = data if isinstance(data, list) else data["layers"]
+    return [{"site": r["site"], "label": label, **v} for r in rows for label, v in (r.get("auroc") or {}).items()]
+
+
+FIGURES: dict[str, Callable[[Any], go.Figure]] = {
+    "rise_decoder_map": decoder_map,
+    "rise_steering": steering_bars,
+    "rise_quality": quality_figure,
+    "rise_auroc": auroc_figure,
+}
+
+TABLES: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
+    "rise_steering": steering_rows,
+    "rise_quality": quality_rows,
+    "rise_auroc": auroc_rows,
+}
 
 
 def _wrap(text: str, width: int = 80) -> str:

@@ -38,7 +38,10 @@ def toy_folder(name: str, size: str, recipe: dict[str, Any]) -> Path:
 
 
 def is_trained(folder: Path) -> bool:
-    return (folder / DONE_MARKER).is_file() and (folder / "model.safetensors").is_file()
+    """True if `folder` holds a finished run whose weights are whole (not cut short by a full disk)."""
+    from probes.model_files import safetensors_problem
+
+    return (folder / DONE_MARKER).is_file() and safetensors_problem(folder / "model.safetensors") is None
 
 
 def train_once(folder: Path, train: Callable[[Path], dict[str, Any]]) -> Path:
@@ -50,12 +53,18 @@ def train_once(folder: Path, train: Callable[[Path], dict[str, Any]]) -> Path:
     """
     from filelock import FileLock
 
+    from probes.model_files import remove_stale_temps, safetensors_problem
+
     if is_trained(folder):
+        remove_stale_temps(folder)  # a killed run's folder, even when another run finished
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
         if is_trained(folder):
             return folder
+        if folder.exists():
+            log.warning("thoughtscope: %s is damaged (model.safetensors: %s); training it again", folder,
+                        safetensors_problem(folder / "model.safetensors") or f"no {DONE_MARKER}")
         for stale in folder.parent.glob(folder.name + ".tmp*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")

@@ -1,7 +1,12 @@
 """RISE reasoning vectors: harvest step vectors, train step-level SAEs, look at their decoder geometry and
 feature dashboards, and steer reflection/backtracking with an alpha slider (METHODS.md section 1).
 
-The computations live in `analyses.rise` (chained as in `analyses.rise_cli`); this page reads widgets,
+A share of the harvested traces never trains the SAEs: their steps measure them (explained variance
+and L0 as SAELens computes them, best-latent AUROC), and the page warns when the held-out explained
+variance is poor. The SAEs are saved as SAELens folders (`analyses.rise.saved_saes` lists them for
+the Steering page's "saved SAE feature" option).
+
+The computations live in `analyses.rise` (chained by `RisePipeline`, as the CLI does); this page reads widgets,
 calls them and draws. Results (harvest + SAEs + analysis, steered generations, confidence fits) are
 kept per process in `results()`, keyed by everything they depend on, so moving a slider back or
 reopening the page never recomputes anything.
@@ -13,17 +18,21 @@ from typing import Any
 
 import streamlit as st
 
-from analyses.rise import (BEHAVIOURS, SENTENCE_MODELS, HarvestSettings, confidence_vectors,
-                           engine_unembedding, feature_dashboard, run_pipeline, steer)
+from analyses.families import default_task
+from analyses.organism import is_organism
+from analyses.rise import (BEHAVIOURS, HarvestSettings, RiseOptions, RisePipeline, confidence_vectors,
+                           default_layers, feature_dashboard, quality_warning, saved_saes, steer)
 from analyses.tasks import TASK_NAMES, Problem, load_task
 from app.context import FinishedGenerations
 from app.export import show_figure
-from app.figures.rise import (confidence_curve, decoder_map, feature_histogram, feature_labels, feature_tokens,
-                              silhouette_curve, steering_bars, step_timeline)
+from app.figures.rise import (auroc_figure, confidence_curve, decoder_map, feature_histogram, feature_labels,
+                              feature_tokens, quality_figure, silhouette_curve, steering_bars, step_timeline)
 from app.registry import PageSpec
 from thoughtscope.errors import ThoughtscopeError
 
-PAGE = PageSpec("RISE reasoning vectors", ":material/psychology_alt:", 40)
+PAGE = PageSpec("RISE reasoning vectors", ":material/psychology_alt:", 40,
+                requires=("generate", "capture_batch", "readout", "grad"))
+SMALL_MODELS = ("smollm2-135m", "tiny-random:")  # never reflect on their own: splice templated steps by default
 
 FROM_SIDEBAR = "the sidebar prompt"
 FROM_TASK = "a held-out task problem"
@@ -38,43 +47,49 @@ def results() -> FinishedGenerations:
     return FinishedGenerations(max_entries=32)
 
 
-def default_layers(n_layers: int) -> list[int]:
-    """Layers at 1/3, 1/2 and 3/4 depth, as the CLI picks them."""
-    from analyses.rise_cli import default_layers as cli_layers
-
-    return list(cli_layers(n_layers))
-
-
 # ----------------------------------------------------------------------------- 1. harvest + train
 
 
 def harvest_section(ctx, store) -> tuple[dict[str, Any] | None, HarvestSettings | None, str, int]:
     st.subheader("1. Harvest step vectors and train the SAEs")
     n_layers = ctx.backend.info()["arch"]["n_layers"]
+    organism = is_organism(ctx.model_id)
+    own = default_task(ctx.model_id)
     c1, c2, c3 = st.columns(3)
-    task = c1.selectbox("Task", TASK_NAMES, key="rise_task")
-    n = c2.number_input("Problems", 2, 2000, 12, key="rise_n", help="the paper uses hundreds; 12 keeps a CPU quick")
+    task = c1.selectbox("Task", [own] + [t for t in TASK_NAMES if t != own], key="rise_task")
+    n = c2.number_input("Problems", 2, 2000, 40 if organism else 12, key="rise_n",
+                        help="the paper uses hundreds; a dozen keeps a CPU quick")
     sae_steps = c3.number_input("SAE training steps", 10, 5000, 300, 10, key="rise_sae_steps")
     c1, c2, c3 = st.columns(3)
-    layers = c1.multiselect("Layers", list(range(n_layers)), default=default_layers(n_layers), key="rise_layers")
+    d_sae = c1.number_input("Dictionary size d_sae (0: scaled to the data)", 0, 16384, 0, 16, key="rise_d_sae",
+                            help="0 picks 4/3 of the model width, at most a quarter of the training steps")
+    l1 = c2.number_input("L1 coefficient (0: scaled to the width)", 0.0, 1000.0, 0.0, 0.5, key="rise_l1",
+                         help="larger: sparser latents (lower L0), worse reconstruction")
+    heldout = c3.slider("Held-out traces (measure the SAE)", 0.0, 0.5, 0.25, 0.05, key="rise_heldout")
+    c1, c2, c3, c4 = st.columns(4)
+    layers = c1.multiselect("Layers", list(range(n_layers)), default=list(default_layers(n_layers)), key="rise_layers")
     projection = c2.radio("Decoder map", ["umap", "pca"], horizontal=True, key="rise_projection",
                           help="UMAP (cosine) as in the paper, or PCA (fast)")
-    augment = c3.checkbox("Splice templated reflection/backtracking steps",
-                          value=any(ctx.model_id.startswith(m) for m in SENTENCE_MODELS), key="rise_augment",
+    temperature = c3.number_input("Trace temperature (0: greedy)", 0.0, 2.0, 1.0 if organism else 0.0, 0.1,
+                                  key="rise_temperature",
+                                  help="greedy traces never show a behaviour the model does less than half the time; "
+                                       "the organism backtracks only when it samples a wrong step")
+    augment = c4.checkbox("Splice templated reflection/backtracking steps",
+                          value=any(ctx.model_id.startswith(m) for m in SMALL_MODELS), key="rise_augment",
                           help="small models rarely reflect; this gives the labeller something to find [recon]")
-    settings = HarvestSettings(layers=tuple(sorted(layers)), max_new_tokens=ctx.settings.max_new_tokens,
-                               batch_size=max(1, min(16, int(n))), augment="templated" if augment else "none",
-                               seed=ctx.seed)
-    key = ctx.result_key("rise-pipeline", task=task, n=int(n), seed=ctx.seed, settings=settings.to_dict(),
-                         sae_steps=int(sae_steps), projection=projection)
+    options = RiseOptions(task=task, n=int(n), seed=ctx.seed, layers=tuple(sorted(layers)),
+                          max_new_tokens=ctx.settings.max_new_tokens, batch_size=max(1, min(16, int(n))),
+                          augment="templated" if augment else "none", sae_steps=int(sae_steps), projection=projection,
+                          d_sae=int(d_sae) or None, l1=float(l1) or None, heldout=float(heldout),
+                          temperature=float(temperature))
+    key = ctx.result_key("rise-pipeline", options=options.to_dict())
     run_now = st.button("Harvest + train", type="primary", key="rise_run", icon=":material/play_arrow:")
     found = store.get(key)
     if run_now and found is None:
         if not layers:
             st.error("Choose at least one layer.")
-            return None, settings, task, int(n)
-        problems = load_task(task, int(n), seed=ctx.seed)
-        with st.status(f"Harvesting {int(n)} {task} problems at layers {list(settings.layers)}\u2026",
+            return None, None, task, int(n)
+        with st.status(f"Harvesting {int(n)} {task} problems at layers {list(options.layers)}\u2026",
                        expanded=True) as status:
             bar = st.progress(0.0, text="generating traces\u2026")
 
@@ -82,33 +97,62 @@ def harvest_section(ctx, store) -> tuple[dict[str, Any] | None, HarvestSettings 
                 text = f"{done}/{total} traces harvested" if stage == "harvest" else f"{done}/{total} SAEs trained"
                 bar.progress(done / total, text=text)
 
-            found = run_pipeline(ctx.backend, problems, settings, sae_steps=int(sae_steps), projection=projection,
-                                 seed=ctx.seed, model_id=ctx.model_id, on_progress=on_progress)
+            pipeline = RisePipeline(ctx.backend, options, on_progress=on_progress)
+            found = pipeline.run()
+            found["heldout_traces"] = len({t for r in pipeline.heldout_rows(found["harvest"])
+                                           for t, _ in [found["harvest"].step_rows[r]]})
             status.update(label=f"Harvested {len(found['harvest'].traces)} traces and trained "
                                 f"{len(found['saes'])} SAE(s)", state="complete", expanded=False)
         found["key"] = key
+        found["analysis_projection"] = projection
         store.put(key, found)
     if found is None:
         st.info("Press **Harvest + train** to generate traces, cut them into steps, read one residual vector per "
                 "step and train one SAE per layer.")
-        return None, settings, task, int(n)
+        return None, None, task, int(n)
     h = found["harvest"]
     counts = h.label_counts()
-    cols = st.columns(4)
+    cols = st.columns(3)
     cols[0].metric("Traces", len(h.traces))
     cols[1].metric("Steps", len(h.step_rows))
     cols[2].metric("Reflection / backtracking steps", f"{counts['reflection']} / {counts['backtracking']}")
-    cols[3].metric("Step delimiter", repr(h.delimiter))
-    rows = [{"site": site, "explained variance": round(s.explained_variance, 4), "L0": round(s.l0, 2),
-             "dead latents": s.dead_latents, "d_sae": s.d_sae, "samples": s.n_samples,
-             "train s": round(s.train_seconds or 0.0, 2)} for site, s in found["stats"].items()]
-    best = found["analysis"].best_site
+    n_held = found.get("heldout_traces", 0)
+    # inline code: a regex such as [.!?](?=\s) would otherwise render as a Markdown link
+    st.caption(f"Step delimiter `{h.delimiter}` · labels by the `{h.settings.labeller}` labeller · SAEs trained on "
+               f"the steps of {len(h.traces) - n_held} traces; quality measured on the {n_held} held-out traces")
+    analysis = found["analysis"]
+    best = analysis.best_site
+    held = analysis.layer(best).quality["heldout"]
     cols = st.columns(3)
-    cols[0].metric("Explained variance", f"{found['stats'][best].explained_variance:.3f}", help=f"SAE at {best}")
-    cols[1].metric("L0", f"{found['stats'][best].l0:.2f}", help=f"mean active latents per step, SAE at {best}")
-    cols[2].metric("Dead latents", found["stats"][best].dead_latents, help=f"SAE at {best}")
+    cols[0].metric("Explained variance (held-out)", f"{held['explained_variance']:.3f}",
+                   help=f"SAE at {best}, SAELens' formula, on steps of traces it was not trained on")
+    cols[1].metric("L0 (held-out)", f"{held['l0']:.2f}", help=f"mean active latents per held-out step, SAE at {best}")
+    cols[2].metric("Dead latents", found["stats"][best].dead_latents, help=f"SAE at {best}, on the held-out steps")
+    for la in analysis.layers:
+        warning = quality_warning(la.quality["heldout"]["explained_variance"])
+        if warning:
+            st.warning(f"{la.site}: {warning}")
+    rows = [{"site": la.site, "EV train": round(la.quality["train"]["explained_variance"], 4),
+             "EV held-out": round(la.quality["heldout"]["explained_variance"], 4),
+             "L0 held-out": round(la.quality["heldout"]["l0"], 2), "d_sae": found["stats"][la.site].d_sae,
+             "dead latents": found["stats"][la.site].dead_latents,
+             "held-out silhouette": None if la.heldout_silhouette is None else round(la.heldout_silhouette, 3),
+             **{f"AUROC {k}": None if (v := la.auroc.get(k, {}).get("heldout_auroc")) is None else round(v, 3)
+                for k in BEHAVIOURS}} for la in analysis.layers]
     st.dataframe(rows, hide_index=True, key="rise_sae_stats")
-    return found, settings, task, int(n)
+    layer_dicts = [la.to_dict() for la in analysis.layers]
+    left, right = st.columns(2)
+    with left:
+        show_figure(quality_figure(layer_dicts), {"layers": layer_dicts}, "rise_quality")
+    with right:
+        show_figure(auroc_figure(layer_dicts), {"layers": layer_dicts}, "rise_auroc")
+    with st.expander("Saved SAEs (SAELens folders: load them elsewhere, or steer with them on the Steering page)"):
+        st.code("\n".join(f"{found['folder']}/{site}" for site in found["saes"]), language=None)
+        saved = saved_saes(ctx.model_id)
+        st.dataframe([{"folder": s.folder, "site": s.site, "d_sae": s.d_sae,
+                       "held-out EV": None if s.heldout_explained_variance is None else
+                       round(s.heldout_explained_variance, 3)} for s in saved], hide_index=True, key="rise_saved")
+    return found, h.settings, task, int(n)
 
 
 # ----------------------------------------------------------------------------- 2. step timeline
@@ -144,9 +188,9 @@ def geometry_section(found: dict[str, Any]) -> str:
     layer = analysis.layer(site)
     left, right = st.columns(2)
     with left:
-        show_figure(decoder_map(layer), {"site": site, "coords": layer.coords,
-                                         "column_labels": layer.association.column_labels,
-                                         "silhouette": layer.silhouette}, "rise_decoder_map")
+        data = {"site": site, "coords": layer.coords.tolist(), "column_labels": layer.association.column_labels,
+                "silhouette": layer.silhouette, "projection": found["analysis_projection"]}
+        show_figure(decoder_map(data), data, "rise_decoder_map")
     with right:
         show_figure(silhouette_curve(analysis), analysis.to_dict()["silhouette_per_layer"], "rise_silhouette")
     st.caption("Columns are coloured by the label of the steps whose strongest latent they are; behaviour vectors "
@@ -163,8 +207,7 @@ def dashboard_section(ctx, found: dict[str, Any], site: str) -> None:
     layer = found["analysis"].layer(site)
     default = int(layer.top_latents[0, 0]) if len(layer.top_latents) else 0
     latent = st.number_input(f"Latent of the SAE at {site}", 0, sae.cfg.d_sae - 1, default, key="rise_latent")
-    unembed, decode = engine_unembedding(ctx.backend)
-    board = feature_dashboard(h, sae, site, int(latent), unembed, decode)
+    board = feature_dashboard(h, sae, site, int(latent), ctx.backend)
     cols = st.columns(2)
     cols[0].metric("Fires on", f"{100 * board.density:.1f}% of steps")
     cols[1].metric("Max activation", f"{board.max_activation:.3g}")
@@ -204,7 +247,8 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
     alpha = st.slider("alpha", -1.5, 1.5, 0.0, 0.25, key="rise_alpha")
     where = st.radio("Generate for", [FROM_SIDEBAR, FROM_TASK], horizontal=True, key="rise_steer_input")
     if where == FROM_TASK:
-        heldout = load_task(task, n + N_HELDOUT, seed=ctx.seed)[n:]
+        heldout = (load_task(task, N_HELDOUT, seed=ctx.seed, split="eval") if is_organism(task)
+                   else load_task(task, n + N_HELDOUT, seed=ctx.seed)[n:])
         problem = st.selectbox("Problem", heldout, key="rise_steer_problem",
                                format_func=lambda p: f"{p.id}: {p.question[:90]}")
     else:
@@ -219,7 +263,7 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
         with st.spinner(f"Generating with alpha 0 and {alpha:g}\u2026"):
             alphas = (0.0,) if alpha == 0 else (0.0, float(alpha))
             result = steer(ctx.backend, [problem], vector, site, alphas=alphas, mode=mode, settings=settings,
-                           behaviour=name, progress=False)
+                           behaviour=name)
         store.put(key, result)
     vanilla, steered = result.traces[0.0][0], result.traces[float(alpha)][0]
     rows = {r.alpha: r for r in result.rows}
@@ -232,7 +276,8 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
             st.text(trace.text)
             st.caption(f"{trace.n_tokens} tokens, {len(trace.steps)} steps, "
                        f"{row.mean_reflection_steps:g} reflection, {row.mean_backtracking_steps:g} backtracking")
-    show_figure(steering_bars(result), result.to_dict(), "rise_steering")
+    data = result.to_dict()
+    show_figure(steering_bars(data), data, "rise_steering")
 
 
 # ----------------------------------------------------------------------------- 6. confidence
@@ -252,8 +297,7 @@ def confidence_section(ctx, store, found: dict[str, Any], site: str, pipeline_ke
         if run_now and result is None:
             with st.spinner(f"Fitting {int(iterations)} iterations at {site}\u2026"):
                 result = confidence_vectors(ctx.backend, found["harvest"], found["saes"][site], site,
-                                            iterations=int(iterations), batch_size=int(batch), seed=ctx.seed,
-                                            progress=False)
+                                            iterations=int(iterations), batch_size=int(batch), seed=ctx.seed)
             store.put(key, result)
         if result is None:
             st.info(f"Press **Fit confidence vectors** to learn coefficients over the decoder columns at {site}.")
@@ -271,10 +315,6 @@ def render(ctx) -> None:
     st.caption("Zhang et al.: cut chain-of-thought traces into steps, train a sparse autoencoder on one residual "
                "vector per step (no labels), and find decoder columns for reflection and backtracking that steer "
                "the behaviour.")
-    if not hasattr(ctx.backend, "handle"):
-        st.info("This page reads residuals in teacher-forced passes, trains SAEs and hooks the model for steering "
-                "and confidence fits: pick the in-process backend in the sidebar.")
-        return
     store = results()
     found, settings, task, n = harvest_section(ctx, store)
     if found is None:

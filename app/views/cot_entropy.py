@@ -1,5 +1,8 @@
 """CoT entropy phases (Xu et al.): calibrate the CUSUM detector, watch a trace's entropy live, move the
-exit with h on the finished trace, and evaluate early exit and weighted voting against the baselines.
+exit with h on the finished trace, and evaluate early exit and weighted voting against the baselines
+under the evaluation protocol (settings chosen on a development split, each method run once on the
+evaluation split, 95% intervals and paired tests); on the `toy-reasoner` organism, the alarm against
+the known settling step. Every figure names the split it comes from.
 
 The computations live in `analyses.cot_entropy`; this page reads widgets, calls them and draws.
 Results (fitted detectors, finished traces, evaluations) are kept per process in `results()`, keyed
@@ -15,18 +18,20 @@ from typing import Any
 
 import streamlit as st
 
-from analyses.cot_entropy import (DEFAULT_THRESHOLDS, CotFamily, CotMonitor, CusumDetector, StoppingRule,
-                                  analysis_from_run, calibration_summary, cot_family_for, evaluate_cot_exit,
-                                  evaluate_cot_vote, fit_detector, run_with_rule)
+from analyses.cot_entropy import (DEFAULT_H_GRID, CotMonitor, CusumDetector, StoppingRule, analysis_from_run,
+                                  calibration_summary, evaluate_cot_exit, evaluate_cot_vote, fit_detector,
+                                  run_with_rule)
+from analyses.families import ModelFamily, default_task, family_for
+from analyses.organism import is_organism
 from analyses.tasks import TASK_NAMES, is_correct, load_task
 from app.context import FinishedGenerations
 from app.export import show_figure
-from app.figures.cot_entropy import (answer_strip_figure, calibration_figure, cusum_figure, entropy_curve_figure,
-                                     pareto_figure, voting_figure)
+from app.figures.cot_entropy import (answer_strip_figure, calibration_figure, cusum_figure, dev_choice_figure,
+                                     entropy_curve_figure, pareto_figure, settling_figure, voting_figure)
 from app.registry import PageSpec
 from thoughtscope.errors import ThoughtscopeError
 
-PAGE = PageSpec("CoT entropy phases", ":material/ssid_chart:", 30)
+PAGE = PageSpec("CoT entropy phases", ":material/ssid_chart:", 30, requires=("generate", "fork"))
 
 FROM_SIDEBAR = "the sidebar prompt"
 FROM_TASK = "a held-out task problem"
@@ -41,39 +46,44 @@ def results() -> FinishedGenerations:
     return FinishedGenerations(max_entries=64)
 
 
-def fit_calibration(engine: Any, problems: list, family: CotFamily, *, max_new_tokens: int, bins: int, seed: int,
+def fit_calibration(engine: Any, problems: list, family: ModelFamily, *, max_new_tokens: int, bins: int, seed: int,
+                    density: str = "kde",
                     on_progress: Callable[[int, int], None] | None = None) -> tuple[CusumDetector, dict[str, Any]]:
     """`fit_detector` batch by batch (so the page can show progress), its summary and any warnings of the fit."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        detector, traces = fit_detector(engine, problems, family, bins=bins, max_new_tokens=max_new_tokens, seed=seed,
-                                        batch_size=CAL_BATCH, progress=False, on_progress=on_progress)
+        detector, traces = fit_detector(engine, problems, family, density=density, bins=bins,
+                                        max_new_tokens=max_new_tokens, seed=seed, batch_size=CAL_BATCH,
+                                        on_progress=on_progress)
     return detector, {**calibration_summary(traces), "warnings": [str(w.message) for w in caught]}
 
 
 # ----------------------------------------------------------------------------- 1. calibration
 
 
-def calibration_section(ctx, store, family: CotFamily, task: str, force: bool):
+def calibration_section(ctx, store, family: ModelFamily, task: str, force: bool):
     """The fitted detector (fitting it now if asked, or if `force`), its densities and LLR curve."""
     st.subheader("1. Calibration")
-    left, mid, right = st.columns(3)
+    left, mid, right, last = st.columns(4)
     n = left.slider("Calibration problems", 2, 100, 12, key="cot_n_cal",
                     help="the paper uses 100; a small n keeps the CPU quick")
-    bins = mid.slider("Histogram bins", 2, 30, 10, key="cot_bins")
-    right.write("")
-    fit_now = right.button("Calibrate", key="cot_calibrate", icon=":material/tune:")
+    density = mid.radio("Densities f0/f1", ["kde", "histogram"], horizontal=True, key="cot_density",
+                        help="kde: Gaussian kernels (Silverman's bandwidth here; the evaluation below chooses it on "
+                             "a development split); histogram: the paper's, which quantises log f1/f0")
+    bins = right.slider("Histogram bins", 2, 30, 10, key="cot_bins", disabled=density != "histogram")
+    last.write("")
+    fit_now = last.button("Calibrate", key="cot_calibrate", icon=":material/tune:")
     s = ctx.settings
-    key = ctx.result_key("calibration", task=task, n=n, bins=bins, tokens=s.max_new_tokens, seed=ctx.seed,
-                         delimiter=family.step_delimiter)
+    key = ctx.result_key("calibration", task=task, n=n, bins=bins, density=density, tokens=s.max_new_tokens,
+                         seed=ctx.seed, delimiter=family.step_delimiter)
     found = store.get(key)
     if found is None and (fit_now or force):
-        problems = load_task(task, n, seed=ctx.seed)
+        problems = load_task(task, n, seed=ctx.seed, split="calibration")
         with st.status(f"Calibrating on {n} {task} problems (greedy, {s.max_new_tokens} tokens each)\u2026",
                        expanded=True) as status:
             bar = st.progress(0.0, text="generating and probing\u2026")
             found = fit_calibration(ctx.backend, problems, family, max_new_tokens=s.max_new_tokens, bins=bins,
-                                    seed=ctx.seed, on_progress=lambda done, total: bar.progress(
+                                    seed=ctx.seed, density=density, on_progress=lambda done, total: bar.progress(
                                         done / total, text=f"{done}/{total} traces probed"))
             status.update(label=f"Calibrated on {n} problems", state="complete", expanded=False)
         store.put(key, found)
@@ -84,11 +94,14 @@ def calibration_section(ctx, store, family: CotFamily, task: str, force: bool):
     detector, summary = found
     for message in summary["warnings"]:
         st.warning(message)
-    cols = st.columns(4)
+    cols = st.columns(3)
     cols[0].metric("Uncertain steps (f0)", detector.n_uncertain_)
     cols[1].metric("Confident steps (f1)", detector.n_confident_)
     cols[2].metric("Calibration accuracy", f"{summary['accuracy']:.0%}")
-    cols[3].metric("Step delimiter", family.step_delimiter)
+    # inline code: a regex such as [.!?](?=\s) would otherwise render as a Markdown link
+    st.caption(f"Step delimiter: `{family.step_delimiter}` · answer-forcing suffix: `{family.answer_suffix!r}` · "
+               f"fitted on the first {n} `{task}` problems of seed {ctx.seed} (the calibration split; the traces "
+               "below are other problems)")
     show_figure(calibration_figure(detector), detector, "cot_calibration")
     return detector, n, key
 
@@ -97,7 +110,10 @@ def calibration_section(ctx, store, family: CotFamily, task: str, force: bool):
 
 
 def held_out_problems(task: str, n_cal: int, seed: int, k: int = 8) -> list:
-    """`k` problems of the task that the calibration (the first `n_cal` of this seed) did not use."""
+    """`k` problems of the task that the calibration (the first `n_cal` of this seed) did not use
+    (the organism's: its eval split, disjoint from its calibration split by construction)."""
+    if is_organism(task):
+        return load_task(task, k, seed=seed, split="eval")
     calibration = load_task(task, n_cal, seed=seed)
     used = {p.id for p in calibration} | {p.question for p in calibration}
     return [p for p in load_task(task, n_cal + k, seed=seed) if p.id not in used and p.question not in used][:k]
@@ -119,7 +135,7 @@ def pick_input(ctx, task: str, n_cal: int) -> tuple[Any, str | None, str]:
     return ctx.model_input(), target, ""
 
 
-def live_run(ctx, detector: CusumDetector, family: CotFamily, prompt: Any, target: str | None, problem_id: str,
+def live_run(ctx, detector: CusumDetector, family: ModelFamily, prompt: Any, target: str | None, problem_id: str,
              h: float):
     """Generate to the end, probing every step end; the entropy curve and CUSUM redraw as tokens arrive."""
     monitor = CotMonitor(detector.with_threshold(h), family, window=SMOOTHING)
@@ -181,7 +197,7 @@ def show_trace(analysis, h: float) -> None:
         st.text(analysis.trace.text)
 
 
-def trace_section(ctx, store, family: CotFamily, task: str, n_cal: int, detector: CusumDetector | None,
+def trace_section(ctx, store, family: ModelFamily, task: str, n_cal: int, detector: CusumDetector | None,
                   calibration_key: str, generate: bool) -> None:
     st.subheader("2. A trace, live")
     prompt, target, problem_id = pick_input(ctx, task, n_cal)
@@ -208,58 +224,115 @@ def trace_section(ctx, store, family: CotFamily, task: str, n_cal: int, detector
 # ----------------------------------------------------------------------------- 4. evaluation
 
 
-def evaluation_section(ctx, store, family: CotFamily, task: str, n_cal: int, bins: int) -> None:
-    with st.expander("Evaluate: accuracy vs tokens against the baselines, and weighted voting"):
-        st.caption(f"Evaluation problems of `{task}` are disjoint from the {n_cal} calibration problems the "
-                   "evaluation fits its own detector on; every method replays the same greedy traces.")
-        s = ctx.settings
-        left, mid, right = st.columns([1, 2, 1])
-        n = left.slider("Evaluation problems", 1, 100, 4, key="cot_eval_n")
-        thresholds = mid.multiselect("CUSUM thresholds h", [0.25, 0.5, 1.0, 2.0, 4.0, 8.0],
-                                     default=list(DEFAULT_THRESHOLDS), key="cot_eval_h")
-        right.write("")
-        run_exit = right.button("Run exit evaluation", key="cot_eval_run", icon=":material/play_arrow:")
-        key = ctx.result_key("cot-exit", task=task, n=n, n_cal=n_cal, h=sorted(thresholds), bins=bins,
-                             tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
-        report = store.get(key)
-        if run_exit:
-            with st.spinner(f"Calibrating on {n_cal} and evaluating {n} problems\u2026"), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                report = evaluate_cot_exit(ctx.backend, task, n, n_cal, thresholds=sorted(thresholds) or (),
-                                           family=family, max_new_tokens=s.max_new_tokens, seed=ctx.seed,
-                                           bins=bins, progress=False)
-            store.put(key, report)
-        if report is not None:
-            measure = st.radio("Tokens counted", ["generated", "with_probes"], horizontal=True,
-                               key="cot_pareto_measure", format_func=lambda m: m.replace("_", " "))
-            data = report.to_dict(with_results=False)
-            show_figure(pareto_figure(report, measure), data, "cot_pareto")
-            st.dataframe([{k: m[k] for k in ("name", "accuracy", "mean_generated_tokens", "mean_probe_tokens",
-                                             "mean_tokens_with_probes", "exit_rate")} for m in data["methods"]],
-                         hide_index=True, key="cot_methods")
-            st.caption("Against DEER and Dynasor: " + "; ".join(
-                f"{name} {place['vs_deer_dynasor'][measure]}" for name, place in data["pareto"].items()))
+def exit_evaluation(ctx, store, family: ModelFamily, task: str) -> None:
+    """Early exit under the protocol: three splits, settings chosen on development, one run on evaluation."""
+    st.caption(f"Three disjoint splits of `{task}`: f0/f1 are fitted on the calibration problems; the KDE "
+               "bandwidth, CUSUM's h, DEER's threshold and Dynasor's k:m are each chosen on the development "
+               "problems (the fewest tokens within 2 points of vanilla's development accuracy); then every method "
+               "runs once on the evaluation problems. Every method replays the same greedy traces.")
+    s = ctx.settings
+    c1, c2, c3, c4 = st.columns(4)
+    n_cal = c1.slider("Calibration problems", 1, 200, 8, key="cot_eval_ncal")
+    n_dev = c2.slider("Development problems", 1, 200, 8, key="cot_eval_ndev")
+    n = c3.slider("Evaluation problems", 1, 500, 8, key="cot_eval_n")
+    density = c4.radio("Densities", ["kde", "histogram"], horizontal=True, key="cot_eval_density")
+    left, right = st.columns([3, 1])
+    h_grid = left.multiselect("CUSUM thresholds h to choose from (on development)", [0.25, 0.5, 1.0, 2.0, 4.0, 8.0],
+                              default=list(DEFAULT_H_GRID), key="cot_eval_h")
+    right.write("")
+    run_exit = right.button("Run exit evaluation", key="cot_eval_run", icon=":material/play_arrow:")
+    key = ctx.result_key("cot-exit", task=task, n=n, n_cal=n_cal, n_dev=n_dev, h=sorted(h_grid), density=density,
+                         tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
+    report = store.get(key)
+    if run_exit:
+        if not h_grid:
+            st.error("Choose at least one threshold h.")
+            return
+        with st.status(f"Calibrating on {n_cal}, choosing on {n_dev}, evaluating on {n} problems\u2026",
+                       expanded=True) as status, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            bar = st.progress(0.0, text="calibration\u2026")
+            report = evaluate_cot_exit(ctx.backend, task, n, n_cal, n_dev, h_grid=sorted(h_grid), density=density,
+                                       family=family, max_new_tokens=s.max_new_tokens, seed=ctx.seed,
+                                       progress=lambda stage, done, total: bar.progress(
+                                           done / total, text=f"{stage}: {done}/{total} traces"))
+            status.update(label=f"Evaluated on {n} problems", state="complete", expanded=False)
+        store.put(key, report)
+    if report is None:
+        return
+    measure = st.radio("Tokens counted", ["generated", "with_probes"], horizontal=True,
+                       key="cot_pareto_measure", format_func=lambda m: m.replace("_", " "))
+    data = {**report.to_dict(with_results=False), "measure": measure}
+    show_figure(pareto_figure(data), data, "cot_pareto")
+    st.dataframe(report.table(), hide_index=True, key="cot_methods")
+    st.caption(report.power)
+    if report.n_eval < 100:
+        st.info(f"With {report.n_eval} evaluation problems the intervals are wide: read the paired tests above, "
+                "not the point estimates, before calling one method better.")
+    show_figure(dev_choice_figure(data), data, "cot_dev_choice")
 
+
+def settling_evaluation(ctx, store, family: ModelFamily) -> None:
+    """The organism: the alarm against the planted settling step (teacher-forced planted traces)."""
+    st.caption("The organism's generator knows where each trace settles (the step that fixes the answer). "
+               "Planted traces of its calibration, dev and eval splits are read by the model and probed at every "
+               "step end; h is chosen on dev, the delay is measured on eval.")
+    c1, c2, c3, c4 = st.columns(4)
+    n = c1.slider("Evaluation traces", 5, 500, 40, key="cot_settle_n")
+    n_other = c2.slider("Calibration and development traces (each)", 5, 300, 40, key="cot_settle_ncal")
+    bound = c3.slider("On time: at most this many steps late", 0, 5, 2, key="cot_settle_bound")
+    c4.write("")
+    run = c4.button("Run", key="cot_settle_run", icon=":material/flag:")
+    key = ctx.result_key("cot-settling", n=n, n_other=n_other, bound=bound, seed=ctx.seed)
+    report = store.get(key)
+    if run:
+        from analyses.cot_entropy.settling import evaluate_settling
+
+        with st.spinner(f"Probing {n + 2 * n_other} planted traces\u2026"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = evaluate_settling(ctx.backend, None, n, n_other, n_other, bound=bound, seed=ctx.seed,
+                                       family=family)
+        store.put(key, report)
+    if report is None:
+        return
+    data = report.to_dict()
+    show_figure(settling_figure(data), data, "cot_settling")
+    sm = data["summary"]
+    cols = st.columns(3)
+    for col, label, k in zip(cols, (f"Alarm 0..{bound} steps late", "False alarms (before settling)", "No alarm"),
+                             ("within_bound", "false_alarm_rate", "miss_rate")):
+        col.metric(label, f"{sm[k]['estimate']:.0%}", help=f"95% interval {sm[k]['low']:.0%} to {sm[k]['high']:.0%} "
+                                                           f"over {sm['n']} evaluation traces")
+
+
+def evaluation_section(ctx, store, family: ModelFamily, task: str, n_cal: int, bins: int) -> None:
+    with st.expander("Evaluate: accuracy vs tokens against the baselines, and weighted voting"):
+        exit_evaluation(ctx, store, family, task)
         st.divider()
+        s = ctx.settings
         left, mid, right, last = st.columns(4)
         samples = left.slider("Samples per problem", 2, 16, 4, key="cot_vote_samples")
         n_vote = mid.slider("Voting problems", 1, 50, 4, key="cot_vote_n")
         temperature = right.slider("Temperature", 0.1, 1.5, 0.7, 0.05, key="cot_vote_temperature")
         last.write("")
         run_vote = last.button("Run voting", key="cot_vote_run", icon=":material/how_to_vote:")
-        vote_key = ctx.result_key("cot-vote", task=task, n=n_vote, n_cal=n_cal, samples=samples, t=temperature, bins=bins,
-                                  tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
+        vote_key = ctx.result_key("cot-vote", task=task, n=n_vote, n_cal=n_cal, samples=samples, t=temperature,
+                                  bins=bins, tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
         vote = store.get(vote_key)
         if run_vote:
             with st.spinner(f"Sampling {samples} traces for each of {n_vote} problems\u2026"), \
                     warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 vote = evaluate_cot_vote(ctx.backend, task, n_vote, n_cal, samples=samples, temperature=temperature,
-                                         family=family, max_new_tokens=s.max_new_tokens, seed=ctx.seed, bins=bins,
-                                         progress=False)
+                                         family=family, max_new_tokens=s.max_new_tokens, seed=ctx.seed, bins=bins)
             store.put(vote_key, vote)
         if vote is not None:
             show_figure(voting_figure(vote), vote, "cot_voting")
+            st.caption(f"CUSUM-weighted vs majority on the same {vote.n_eval} problems: "
+                       f"{vote.weighted_vs_majority['verdict']}")
+    if is_organism(ctx.model_id):
+        with st.expander("The organism: CUSUM alarm vs the known settling step"):
+            settling_evaluation(ctx, store, family)
 
 
 # ----------------------------------------------------------------------------- the page
@@ -270,15 +343,14 @@ def render(ctx) -> None:
     st.caption("Xu et al.: a probe forces the intermediate answer at every step end; its entropy falls from an "
                "uncertainty to a confidence regime, and a CUSUM test on log f1/f0 raises the alarm where thinking "
                "could stop.")
-    if not hasattr(ctx.backend, "fork"):
-        st.info("This page forks the model's KV state for its probes: pick the in-process backend in the sidebar.")
-        return
     store = results()
     left, right = st.columns([1, 2])
-    task = left.selectbox("Task (calibration and evaluation problems)", TASK_NAMES, key="cot_task")
+    own = default_task(ctx.model_id)
+    tasks = [own] + [t for t in TASK_NAMES if t != own]
+    task = left.selectbox("Task (calibration and evaluation problems)", tasks, key="cot_task")
     delimiter = right.text_input("Step delimiter (regex; empty: the model family's)", key="cot_delimiter",
-                                 placeholder=cot_family_for(ctx.model_id).step_delimiter)
-    family = cot_family_for(ctx.model_id).with_delimiter(delimiter.strip() or None)
+                                 placeholder=family_for(ctx.model_id).step_delimiter)
+    family = family_for(ctx.model_id).with_delimiter(delimiter.strip() or None)
     generate = st.session_state.get("cot_generate", False)  # Generate (below) calibrates first when needed
     try:
         detector, n_cal, calibration_key = calibration_section(ctx, store, family, task, force=generate)

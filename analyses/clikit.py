@@ -1,0 +1,92 @@
+"""What every method's `cli.py` shares: the `eval` group, the backend options, progress bars, JSON output.
+
+A method package registers its commands with `register(cli)`; the `thoughtscope` entry point
+finds it (see thoughtscope.cli). Progress reaches the terminal through `TerminalProgress`, a
+callback the method code calls — the method code itself never prints or imports tqdm.
+
+Example:
+    >>> with TerminalProgress(enabled=False) as progress:
+    ...     progress("calibration", 1, 4)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import typer
+
+MODEL_OPTION = typer.Option("smollm2-135m", "--model", help="model id (see `thoughtscope models`)")
+SERVER_OPTION = typer.Option(None, "--server", help="URL of a `thoughtscope serve` model server (instead of --model)")
+TOKEN_OPTION = typer.Option(None, "--token", envvar="THOUGHTSCOPE_TOKEN", help="the server's bearer token")
+JSON_OPTION = typer.Option(False, "--json", help="print one JSON object")
+
+
+def group(cli: typer.Typer, name: str, help_text: str) -> typer.Typer:
+    """The sub-command group `name` of `cli`, created on first use so several packages can add to it."""
+    for registered in cli.registered_groups:
+        if registered.name == name:
+            return registered.typer_instance
+    app = typer.Typer(no_args_is_help=True, help=help_text)
+    cli.add_typer(app, name=name)
+    return app
+
+
+def eval_group(cli: typer.Typer) -> typer.Typer:
+    return group(cli, "eval", "Evaluate methods on held-out problems against their baselines.")
+
+
+def backend(model: str, server: str | None, token: str | None = None) -> Any:
+    """The model in this process, or the model server at `server`."""
+    from probes.backend import open_backend
+
+    return open_backend(model, server, token or os.environ.get("THOUGHTSCOPE_TOKEN"))
+
+
+class TerminalProgress:
+    """A `progress(stage, done, total)` callback drawing one tqdm bar per stage on stderr."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._bars: dict[str, Any] = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        from tqdm.auto import tqdm
+
+        bar = self._bars.get(stage)
+        if bar is None:
+            bar = self._bars[stage] = tqdm(total=total, desc=stage, unit="item")
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+        if done >= total:
+            bar.close()
+
+    def __enter__(self) -> "TerminalProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for bar in self._bars.values():
+            bar.close()
+
+
+def emit(payload: dict[str, Any], as_json: bool) -> None:
+    """One JSON object on stdout (--json), or the same pretty-printed."""
+    text = json.dumps(payload, default=jsonable)
+    if as_json:
+        print(text)
+    else:
+        from rich.console import Console
+
+        Console().print_json(text)
+
+
+def jsonable(x: Any) -> Any:
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if hasattr(x, "to_dict"):
+        return x.to_dict()
+    return str(x)

@@ -1,0 +1,294 @@
+"""The one RISE orchestrator, used by the page and by `thoughtscope rise ...`: harvest -> SAEs -> analysis -> steering.
+
+Every stage reuses what the earlier ones stored, whoever ran them: traces and step vectors in
+`cache/` (per trace, resumable), SAEs in SAELens folders and behaviour vectors as safetensors under
+one folder per configuration (default: the user cache, keyed by model fingerprint and settings).
+So the page and the CLI share results, and `steer` alone runs the whole pipeline the first time.
+`saved_saes()` lists every SAE the pipeline saved (with its model, site and held-out quality), so
+another page can offer them. Progress goes through `on_progress(stage, done, total)`; nothing here
+prints.
+
+Held-out steps (issue 11): a seeded fraction `heldout` of the harvested traces never trains the
+SAEs; their steps measure the SAE (explained variance and L0 as SAELens computes them), the best
+latent per behaviour (AUROC) and the held-out silhouette. For the `toy-reasoner` organism the
+harvest draws from the generator's calibration split and steering from its eval split.
+
+Example:
+    >>> from probes import Engine
+    >>> run = RisePipeline(Engine.from_id("tiny-random:llama"), RiseOptions(n=4, layers=(1,), sae_steps=20))
+    >>> result = run.run()  # doctest: +SKIP
+    >>> sorted(result)  # doctest: +SKIP
+    ['analysis', 'folder', 'harvest', 'saes', 'stats']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from analyses.rise.columns import RiseAnalysis, analyse
+from analyses.rise.harvest import Harvest, HarvestSettings, harvest
+from analyses.rise.labels import BEHAVIOURS
+from analyses.rise.steer import steer
+from analyses.tasks import Problem, load_task
+from thoughtscope.errors import BadInputError
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def default_layers(n_layers: int) -> tuple[int, ...]:
+    """Three layers at 1/3, 1/2 and 3/4 depth (mid-to-late layers separate behaviours best)."""
+    return tuple(sorted({max(0, min(n_layers - 1, round(n_layers * f))) for f in (1 / 3, 1 / 2, 3 / 4)}))
+
+
+@dataclass
+class RiseOptions:
+    """Everything a RISE run depends on (its folder key). `layers=()` means `default_layers`."""
+
+    task: str = "arith"
+    n: int = 200
+    seed: int = 0
+    layers: tuple[int, ...] = ()
+    max_new_tokens: int = 64
+    batch_size: int = 16
+    delimiter: str = "auto"
+    prompt: str = "auto"
+    augment: str = "none"
+    arch: str = "standard"
+    d_sae: int | None = None
+    l1: float | None = None
+    k: int | None = None
+    sae_steps: int | None = None
+    lr: float | None = None
+    projection: str = "umap"
+    saes: str | None = None  # folder for the SAEs and vectors (default: user cache, keyed)
+    store: str | None = None  # activation store folder (default: user cache)
+    heldout: float = 0.2  # share of harvested traces kept out of SAE training (measures the SAE)
+    temperature: float = 0.0  # 0: greedy traces; > 0: sampled (seeded)
+    labeller: str = "auto"  # auto (the family's), keywords, or toy-reasoner
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+RISE_META = "rise.json"
+
+
+@dataclass
+class SavedSAE:
+    """An SAE the RISE pipeline saved (a SAELens folder), with what it was trained on and how well it does."""
+
+    folder: str
+    model_id: str
+    site: str
+    d_in: int
+    d_sae: int
+    heldout_explained_variance: float | None
+    heldout_l0: float | None
+    options: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        ev = "?" if self.heldout_explained_variance is None else f"{self.heldout_explained_variance:.2f}"
+        return f"{self.model_id} {self.site} d_sae={self.d_sae} held-out EV {ev} ({Path(self.folder).parent.name})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def saved_saes(model_id: str | None = None, site: str | None = None, root: str | Path | None = None) -> list[SavedSAE]:
+    """Every SAE folder the RISE pipeline saved under `root` (default: the user cache's `rise/`), newest
+    first; only those of `model_id` / `site` when given. Each folder loads with `saes.io.load_sae`
+    (or SAELens' `SAE.load_from_disk`), and its decoder rows are steering directions.
+
+    >>> saved_saes(root="/nonexistent")
+    []
+    """
+    if root is None:
+        from probes.zoo import user_cache_dir
+
+        root = user_cache_dir() / "rise"
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for meta_path in root.glob(f"*/*/{RISE_META}"):
+        folder = meta_path.parent
+        try:
+            meta = json.loads(meta_path.read_text())
+            cfg = json.loads((folder / "cfg.json").read_text())
+        except (OSError, ValueError):
+            continue  # a folder being written, or damaged: not offered
+        if (model_id is not None and meta.get("model_id") != model_id) or (site is not None and meta.get("site") != site):
+            continue
+        held = (meta.get("quality") or {}).get("heldout") or {}
+        ev, l0 = held.get("explained_variance"), held.get("l0")
+        found.append((meta_path.stat().st_mtime, SavedSAE(
+            str(folder), meta.get("model_id", ""), meta.get("site", ""), int(cfg.get("d_in", 0)), int(cfg.get("d_sae", 0)),
+            None if ev is None or ev != ev else float(ev), None if l0 is None or l0 != l0 else float(l0),
+            meta.get("options", {}))))
+    return [s for _, s in sorted(found, key=lambda x: -x[0])]
+
+
+class TooFewStepsError(BadInputError):
+    def __init__(self, site: str, n: int):
+        super().__init__(f"only {n} step vector(s) at {site}: an SAE needs at least 2. Harvest more problems, "
+                         "more tokens, or splice templated reflection/backtracking steps (--augment templated).")
+
+
+class RisePipeline:
+    """One configuration of RISE on one backend; each stage loads what is stored before computing."""
+
+    def __init__(self, backend: Any, options: RiseOptions, on_progress: Progress | None = None):
+        self.backend, self.options, self.on_progress = backend, options, on_progress
+        self.info = backend.info()
+        layers = options.layers or default_layers(self.info["arch"]["n_layers"])
+        self.settings = HarvestSettings(layers=tuple(layers), max_new_tokens=options.max_new_tokens,
+                                        batch_size=options.batch_size, delimiter=options.delimiter,
+                                        prompt=options.prompt, augment=options.augment, seed=options.seed,
+                                        temperature=options.temperature,
+                                        labeller=options.labeller).resolved(self.info["model_id"])
+        self.settings.validate(self.info["arch"]["n_layers"])
+        if not 0 <= options.heldout < 1:
+            raise BadInputError(f"heldout is the share of traces kept out of SAE training, in [0, 1); got "
+                                f"{options.heldout!r}")
+
+    # ----- stages -----
+
+    def problems(self, n_heldout: int = 0) -> tuple[list[Problem], list[Problem]]:
+        """The harvest problems, then `n_heldout` more that none of them equals (for steering): the
+        organism's calibration and eval splits, or the first and the next problems of the task."""
+        from analyses.tasks import ORGANISM_TASKS
+
+        o = self.options
+        if o.task in ORGANISM_TASKS:
+            return (load_task(o.task, o.n, seed=o.seed, split="calibration"),
+                    load_task(o.task, n_heldout, seed=o.seed, split="eval") if n_heldout else [])
+        problems = load_task(o.task, o.n + n_heldout, seed=o.seed)
+        return problems[:o.n], problems[o.n:]
+
+    def heldout_rows(self, h: Harvest) -> list[int]:
+        """Rows (steps) of the seeded `heldout` share of traces: never used to train the SAEs."""
+        import random
+
+        n_traces = len(h.traces)
+        k = int(round(self.options.heldout * n_traces))
+        if self.options.heldout > 0 and n_traces >= 2:
+            k = min(max(k, 1), n_traces - 1)
+        held = set(random.Random(f"rise-heldout-{self.options.seed}").sample(range(n_traces), k)) if k else set()
+        return [r for r, (t, _) in enumerate(h.step_rows) if t in held]
+
+    def harvest(self) -> Harvest:
+        from cache.store import ActivationStore
+
+        store = ActivationStore(self.options.store) if self.options.store else ActivationStore()
+        problems, _ = self.problems()
+        return harvest(self.backend, problems, self.settings, store=store, on_progress=self._stage("harvest"))
+
+    @property
+    def folder(self) -> Path:
+        if self.options.saes:
+            return Path(self.options.saes)
+        from probes.zoo import user_cache_dir
+
+        key = json.dumps({"fingerprint": self.info["fingerprint"], "model": self.info["model_id"],
+                          "harvest": self.settings.to_dict(),
+                          **{k: v for k, v in self.options.to_dict().items() if k not in ("saes", "store", "projection")}},
+                         sort_keys=True)
+        return user_cache_dir() / "rise" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def train(self, h: Harvest, retrain: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One SAE per site, loaded from the folder when it is there (unless `retrain`), else trained on the
+        training traces' steps and saved (with a `rise.json` naming its model, site and held-out quality).
+        Returns the SAEs and their stats on the held-out steps (on all steps when none is held out)."""
+        from analyses.rise.quality import sae_quality
+        from saes.io import is_sae_folder, load_sae, save_sae
+        from saes.stats import sae_stats
+        from saes.train import SAETrainSettings, train_sae
+
+        o = self.options
+        held = self.heldout_rows(h)
+        train_rows = sorted(set(range(len(h.step_rows))) - set(held))
+        saes, stats = {}, {}
+        for i, (site, acts) in enumerate(h.acts.items()):
+            path = self.folder / site
+            if is_sae_folder(path) and not retrain:
+                saes[site] = load_sae(path)
+            else:
+                if len(train_rows) < 2:
+                    raise TooFewStepsError(site, len(train_rows))
+                overrides = {k: v for k, v in dict(d_sae=o.d_sae, l1_coefficient=o.l1, k=o.k, steps=o.sae_steps,
+                                                    lr=o.lr).items() if v is not None}
+                train_settings = SAETrainSettings.scaled(acts.shape[1], len(train_rows), architecture=o.arch,
+                                                         seed=o.seed, progress=False, **overrides)
+                saes[site], _ = train_sae(acts[train_rows], train_settings,
+                                          metadata={"model_name": self.info["model_id"], "hook_name": site})
+                save_sae(saes[site], path)
+                quality = {"train": sae_quality(saes[site], acts[train_rows]),
+                           "heldout": sae_quality(saes[site], acts[held])}
+                (path / RISE_META).write_text(json.dumps(
+                    {"model_id": self.info["model_id"], "fingerprint": self.info["fingerprint"], "site": site,
+                     "options": o.to_dict(), "train_steps": len(train_rows), "heldout_steps": len(held),
+                     "quality": quality}, default=str, indent=1))
+            stats[site] = sae_stats(saes[site], acts[held] if held else acts)
+            self._tick("train", i + 1, len(h.acts))
+        return saes, stats
+
+    def analyse(self, h: Harvest, saes: dict[str, Any]) -> RiseAnalysis:
+        """Column association, geometry and behaviour vectors; the vectors are saved beside the SAEs."""
+        from safetensors.torch import save_file
+
+        result = analyse(h, saes, method=self.options.projection, seed=self.options.seed,
+                         heldout_rows=self.heldout_rows(h))
+        vectors = {f"{la.site}/{label}": v.contiguous() for la in result.layers for label, v in la.vectors.items()}
+        if vectors:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            save_file(vectors, str(self.folder / "behaviour_vectors.safetensors"))
+        return result
+
+    def run(self, retrain: bool = False) -> dict[str, Any]:
+        h = self.harvest()
+        saes, stats = self.train(h, retrain=retrain)
+        return {"harvest": h, "saes": saes, "stats": stats, "analysis": self.analyse(h, saes),
+                "folder": str(self.folder)}
+
+    def steer(self, behaviour: str, alphas: list[float], n_heldout: int, mode: str = "projection",
+              layer: int | None = None) -> dict[str, Any]:
+        """The pipeline (stored stages reused), then the steering sweep on held-out problems."""
+        if behaviour not in BEHAVIOURS:
+            raise BadInputError(f"behaviour {behaviour!r}; use one of {BEHAVIOURS}")
+        if n_heldout < 1:
+            raise BadInputError("steer on at least one held-out problem")
+        found = self.run()
+        h, result = found["harvest"], found["analysis"]
+        site = f"resid_post.{layer}" if layer is not None else result.best_site
+        vectors = result.layer(site).vectors
+        if behaviour not in vectors:
+            raise BadInputError(
+                f"no {behaviour} vector at {site}: {h.label_counts()[behaviour]} harvested steps carry that label, "
+                "too few for its own SAE columns. Harvest more problems, use a model that reflects, "
+                "or add --augment templated")
+        _, heldout = self.problems(n_heldout)
+        table = steer(self.backend, heldout, vectors[behaviour], site, alphas, mode=mode, settings=h.settings,
+                      behaviour=behaviour, seed=self.options.seed + 77, split=self._steer_split(),
+                      on_progress=self._stage("steer"))
+        return {"steering": table.to_dict(), "silhouette_per_layer": result.to_dict()["silhouette_per_layer"],
+                "label_counts": h.label_counts(), "site": site, "folder": str(self.folder)}
+
+    def _steer_split(self) -> str:
+        from analyses.tasks import ORGANISM_TASKS
+
+        return "eval (the generator's)" if self.options.task in ORGANISM_TASKS else "held-out (after the harvest)"
+
+    # ----- progress -----
+
+    def _tick(self, stage: str, done: int, total: int) -> None:
+        if self.on_progress:
+            self.on_progress(stage, done, total)
+
+    def _stage(self, stage: str) -> Callable[[int, int], None]:
+        return lambda done, total: self._tick(stage, done, total)

@@ -1,0 +1,141 @@
+"""RISE steering with behaviour vectors: h' = h - alpha w (w.h) at every generated token, or h + alpha w."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from analyses.rise.harvest import HarvestSettings, TraceRecord, generate_traces, resolve_delimiter
+from analyses.rise.labels import count_behaviours
+from analyses.tasks import Problem
+from thoughtscope.errors import BadInputError
+
+def steering_intervention(site: str, vector: torch.Tensor, alpha: float, mode: str = "projection") -> Any:
+    """ProjectionRescale (h - alpha w (w.h)) or AddVector (h + alpha w) at every generated token."""
+    from probes.interventions import AddVector, ProjectionRescale
+
+    if mode == "projection":
+        return ProjectionRescale(site, vector, alpha=alpha, where="generated")
+    if mode == "add":
+        return AddVector(site, vector, scale=alpha, where="generated")
+    raise BadInputError(f"steering mode {mode!r}; use projection or add")
+
+
+def behaviour_counter(labeller: str, delimiter: str, model_id: str = "") -> Callable[[str], dict[str, int]]:
+    """Steps of each behaviour in one trace, as the family's labeller reads them: RISE's keyword list, or
+    the organism's own labeller (its backtrack steps counted as `backtracking`)."""
+    if labeller == "auto":
+        from analyses.families import family_for
+
+        labeller = family_for(model_id).labeller
+    if labeller == "toy-reasoner":
+        from analyses.organism import behaviour_counts
+
+        def organism(text: str) -> dict[str, int]:
+            c = behaviour_counts(text)
+            return {"reflection": c["reflection"], "backtracking": c["backtrack"], "other": c["compute"] +
+                    c["redundant"] + c["other"]}
+        return organism
+    return lambda text: count_behaviours(text, delimiter)
+
+
+@dataclass
+class SteeringRow:
+    """One alpha: behaviour steps per trace (means and 95% bootstrap intervals over problems), length,
+    accuracy. `per_trace` keeps each problem's counts so alphas can be compared problem by problem."""
+
+    alpha: float
+    n: int
+    mean_reflection_steps: float
+    mean_backtracking_steps: float
+    mean_steps: float
+    mean_tokens: float
+    accuracy: float
+    examples: list[str] = field(default_factory=list)
+    generation_seconds: float = 0.0
+    intervals: dict[str, dict[str, Any]] = field(default_factory=dict)
+    per_trace: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SteeringResult:
+    behaviour: str
+    site: str
+    mode: str
+    rows: list[SteeringRow]
+    problem_ids: list[str]
+    traces: dict[float, list[TraceRecord]] = field(default_factory=dict, repr=False)  # vanilla vs steered
+    temperature: float = 0.0
+    split: str = ""
+
+    def monotone(self, key: str = "mean_reflection_steps") -> str:
+        """Whether `key` rises, falls or neither as alpha grows (strictly, from row to row)."""
+        rows = sorted(self.rows, key=lambda r: r.alpha)
+        diffs = np.diff([getattr(r, key) for r in rows])
+        if len(diffs) and (diffs > 0).all():
+            return "increasing"
+        if len(diffs) and (diffs < 0).all():
+            return "decreasing"
+        return "not monotone"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"behaviour": self.behaviour, "site": self.site, "mode": self.mode, "temperature": self.temperature,
+                "split": self.split, "rows": [r.to_dict() for r in self.rows], "problem_ids": self.problem_ids,
+                "monotone": {k: self.monotone(k) for k in ("mean_reflection_steps", "mean_backtracking_steps")}}
+
+
+def steer(backend: Any, problems: Sequence[Problem], vector: torch.Tensor, site: str,
+          alphas: Sequence[float] = (-1.5, -1.0, 0.0, 1.0, 1.5), mode: str = "projection",
+          settings: HarvestSettings | None = None, behaviour: str = "reflection", seed: int = 0,
+          split: str = "", on_progress: Callable[[int, int], None] | None = None) -> SteeringResult:
+    """Generate on `problems` at each alpha (0 = vanilla) and count behaviours, length, accuracy.
+
+    Traces are greedy, or sampled at `settings.temperature`; sampled alphas share their seeds
+    batch by batch, so differences between alphas are not differences of random draws alone.
+    Behaviours are counted by the family's labeller (`settings.labeller`).
+    """
+    from analyses.evaluation import bootstrap_interval
+
+    model_id = backend.info()["model_id"]
+    settings = (settings or HarvestSettings()).resolved(model_id)
+    if not problems:
+        raise BadInputError("no held-out problems to steer on; ask for n >= 1")
+    delimiter = resolve_delimiter(settings.delimiter, model_id)
+    counter = behaviour_counter(settings.labeller, delimiter, model_id)
+    rows, by_alpha = [], {}
+    for done, alpha in enumerate(alphas):
+        ivs = [] if float(alpha) == 0.0 else [steering_intervention(site, vector, float(alpha), mode)]
+        traces: list[TraceRecord] = []
+        started = time.perf_counter()
+        for lo in range(0, len(problems), settings.batch_size):
+            traces += generate_traces(backend, problems[lo:lo + settings.batch_size], settings, delimiter, ivs,
+                                      seed=seed + lo)
+        by_alpha[float(alpha)] = traces
+        counts = [counter(t.text) for t in traces]
+        per_trace = [{"problem_id": t.problem.id, "reflection": c["reflection"], "backtracking": c["backtracking"],
+                      "steps": len(t.steps), "tokens": t.n_tokens, "correct": bool(t.correct)}
+                     for t, c in zip(traces, counts)]
+        intervals = {key: bootstrap_interval([float(r[key]) for r in per_trace], seed=seed).to_dict()
+                     for key in ("reflection", "backtracking", "steps", "tokens", "correct")}
+        rows.append(SteeringRow(
+            alpha=float(alpha), n=len(traces),
+            mean_reflection_steps=float(np.mean([c["reflection"] for c in counts])),
+            mean_backtracking_steps=float(np.mean([c["backtracking"] for c in counts])),
+            mean_steps=float(np.mean([len(t.steps) for t in traces])),
+            mean_tokens=float(np.mean([t.n_tokens for t in traces])),
+            accuracy=float(np.mean([t.correct for t in traces])),
+            examples=[t.text for t in traces[:2]],
+            generation_seconds=time.perf_counter() - started,
+            intervals=intervals, per_trace=per_trace,
+        ))
+        if on_progress:
+            on_progress(done + 1, len(alphas))
+    return SteeringResult(behaviour, site, mode, rows, [p.id for p in problems], by_alpha, settings.temperature, split)

@@ -1,0 +1,68 @@
+"""Home: what the workbench does, which model is loaded, where to go next, and the documentation."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import streamlit as st
+
+from app.context import shows_errors
+from app.registry import PageSpec, discover_pages
+
+PAGE = PageSpec("Home", ":material/home:", 0)
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+# References to design notes that live outside the repository ("(METHODS.md section 1)") say nothing to a
+# reader of the app; the page's own documentation in docs/ is linked instead.
+_OUTSIDE_REFERENCE = re.compile(r"\s*\((?:see )?METHODS\.md[^)]*\)")
+
+
+def page_summary(doc: str, title: str) -> str:
+    """A page module's docstring as one line, without the title it usually starts with."""
+    first = _OUTSIDE_REFERENCE.sub("", " ".join(doc.strip().split("\n\n")[0].split()))
+    for prefix in (f"{title}:", f"{title} -", title):
+        if first.lower().startswith(prefix.lower()):
+            return first[len(prefix):].strip()
+    return first
+
+
+def doc_for(page_name: str) -> Path | None:
+    """docs/<page>.md when the repository documents that page."""
+    path = DOCS / f"{page_name}.md"
+    return path if path.is_file() else None
+
+
+def render(ctx) -> None:
+    st.title("thoughtscope")
+    st.markdown("Look inside a language model while it reasons: generate, record what happens inside it "
+                "token by token, steer the next generation, and export every figure with its data.")
+    info = ctx.backend.info()
+    arch = info.get("arch", {})
+    # The model id is text of any length: a metric would cut it ("smollm2-13..."), so it gets its own line.
+    with st.container(border=True, key="home-model"):
+        st.markdown(f"**Model** `{ctx.model_id}`  \nfingerprint `{info.get('fingerprint', '?')}`"
+                    + (f", served by {ctx.server_url}" if ctx.server_url else ", in this process"))
+        cols = st.columns(4)
+        cols[0].metric("Layers", arch.get("n_layers", "?"))
+        cols[1].metric("Heads", arch.get("n_heads", "?"))
+        cols[2].metric("Width", arch.get("d_model", "?"))
+        cols[3].metric("Device", info.get("device", "?"))
+    st.subheader("Pages")
+    for spec, module in discover_pages():
+        if spec.order > 0:
+            name = module.__name__.rsplit(".", 1)[-1]
+            doc = doc_for(name)
+            where = f" (docs: `docs/{doc.name}`)" if doc else ""
+            st.markdown(f"- **{spec.title}**: {page_summary(module.__doc__ or '', spec.title)}{where}")
+    st.subheader("The prompt")
+    st.caption("Set in the sidebar; every page uses it. This is what the model receives:")
+    with shows_errors():
+        st.json(ctx.model_input(), expanded=False)
+    st.subheader("Documentation")
+    st.caption("The repository's docs/ folder, readable here without a network.")
+    for path in sorted(DOCS.glob("*.md")):
+        with st.expander(f"docs/{path.name}"):
+            # images are relative files the app does not serve: their alt text stands in
+            text = re.sub(r"!\[([^\]]*)\]\([^)]*\)", r"*(figure: \1)*", path.read_text())
+            st.markdown(text)

@@ -1,0 +1,256 @@
+"""Steering: add a direction at one layer, its scale in units of the site's mean activation norm; the steered
+text beside the unsteered one, and a sweep of several scales side by side with how far each moves the text.
+
+A moved slider reuses what is known: the unsteered text (or the text of the nearest scale already
+made) is checked in one pass and only the tokens after the first change are generated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+import numpy as np
+import streamlit as st
+
+from analyses.steering import (GeneratedText, SteeringComparison, SteeringSweep, continuation_perplexity,
+                               diff_of_means_direction, generate_text, sae_feature_direction, site_norm,
+                               steered_comparison, steering_vector)
+from app.context import FinishedGenerations, shows_errors
+from app.export import show_figure
+from app.figures.trace import display_text
+from app.registry import PageSpec
+from probes.interventions import RESIDUAL_KINDS, AddVector, load_vector_bytes
+
+PAGE = PageSpec("Steering", ":material/tune:", 20)
+
+FROM_PROMPTS = "two prompt sets (difference of means)"
+FROM_FILE = "a .safetensors vector"
+FROM_SAE = "a saved SAE feature"
+SET_A = "I love this, it is wonderful.\nWhat a happy, joyful day!\nThis is great news, I am so glad."
+SET_B = "I hate this, it is terrible.\nWhat a sad, miserable day.\nThis is awful news, I am so upset."
+SCALE_RANGE = (-2.0, 2.0)  # x mean activation norm: beyond 2 every model we tried writes noise
+DEFAULT_SCALE = 0.5
+SWEEP_GRID = [-2.0, -1.5, -1.0, -0.75, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0]
+SWEEP_DEFAULT = [-1.0, -0.5, -0.25, 0.25, 0.5, 1.0]
+MAX_SCALES_KEPT = 64  # steered generations kept per (prompt, site, direction)
+
+
+@st.cache_resource
+def steered_store() -> FinishedGenerations:
+    """Steered generations of this process: (prompt key, site, direction) -> {scale: comparison}."""
+    return FinishedGenerations(max_entries=16)
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def prompt_direction(_ctx, model_key: str, set_a: str, set_b: str, site: str, reduce: str) -> np.ndarray:
+    return diff_of_means_direction(_ctx.backend, set_a.splitlines(), set_b.splitlines(), site, reduce).numpy()
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def unsteered(_ctx, key: str) -> GeneratedText:
+    s = _ctx.settings
+    return generate_text(_ctx.backend, _ctx.model_input(), max_new_tokens=s.max_new_tokens, sampling=s.sampling(),
+                         seed=_ctx.seed, chat=_ctx.chat)
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def unsteered_perplexity(_ctx, key: str) -> float | None:
+    return continuation_perplexity(_ctx.backend, _ctx.model_input(), unsteered(_ctx, key).token_ids, _ctx.chat)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def reference_norm(_ctx, key: str, site: str) -> float:
+    """Mean activation norm at `site` over the prompt (the first token excluded): the scale's unit."""
+    return site_norm(_ctx.backend, _ctx.model_input(), site, _ctx.chat)
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def sae_direction(folder: str, feature: int, d_model: int, site: str) -> np.ndarray:
+    return sae_feature_direction(folder, feature, d_model, site).numpy()
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def special_ids(_ctx, model_key: str, ids: tuple[int, ...]) -> list[int]:
+    backend = _ctx.backend
+    return sorted(i for i in set(ids) if backend.decode([i]) and not backend.decode([i], skip_special_tokens=True))
+
+
+NEIGHBOUR = 0.15  # a scale this close to one already made drafts from its text
+
+
+def pick_draft(known: dict[float, SteeringComparison], base: GeneratedText, scale: float) -> GeneratedText | None:
+    """What to check before generating at `scale`, or None to generate directly.
+
+    The check is one teacher-forced pass over prompt + draft, about half the cost of a 48-token
+    generation on the embedded model (the prompt dominates), so it runs only where it may pay: a
+    neighbouring scale's text, else the unsteered text unless a scale nearer to zero on the same
+    side already kept none of it (steering only grows with the scale)."""
+    near = min(known, key=lambda s: abs(s - scale), default=None)
+    if near is not None and abs(near - scale) <= NEIGHBOUR and near * scale > 0:
+        return known[near].steered
+    derailed = [s for s, r in known.items() if s * scale > 0 and abs(s) <= abs(scale) and r.reused_tokens == 0
+                and r.draft == "unsteered"]
+    return None if derailed else base
+
+
+def comparison(ctx, key: str, site: str, direction_key: str, direction: np.ndarray, scale: float,
+               norm: float, quality: bool = False) -> SteeringComparison:
+    """The steered generation at `scale` (kept per process), drafted as `pick_draft` says; `quality` adds
+    the perplexity under the unsteered model (one more pass, so the slider leaves it to the sweep)."""
+    store = steered_store()
+    slot = json.dumps([key, site, direction_key])
+    known: dict[float, SteeringComparison] = store.get(slot) or {}
+    result = known.get(scale)
+    if result is None:
+        base = unsteered(ctx, key)
+        draft = pick_draft(known, base, scale)
+        s = ctx.settings
+        result = steered_comparison(ctx.backend, ctx.model_input(), site, direction, scale,
+                                    max_new_tokens=s.max_new_tokens, sampling=s.sampling(), seed=ctx.seed, chat=ctx.chat,
+                                    unsteered=base, unit="norm", reference_norm=norm, draft=draft,
+                                    check_draft=draft is not None, quality=quality)
+    elif quality and result.perplexity is None:
+        result.perplexity = continuation_perplexity(ctx.backend, ctx.model_input(), result.steered.token_ids, ctx.chat)
+    else:
+        return result
+    known = {**known, scale: result}
+    if len(known) > MAX_SCALES_KEPT:
+        known.pop(next(iter(known)))
+    store.put(slot, known)
+    return result
+
+
+def pick_direction(ctx, site: str) -> tuple[np.ndarray, dict[str, Any]] | None:
+    """The direction and what it was made from (for the provenance record), or None until one is given."""
+    source = st.radio("Direction from", [FROM_PROMPTS, FROM_FILE, FROM_SAE], horizontal=True, key="steer_source")
+    if source == FROM_SAE:
+        left, right = st.columns([3, 1])
+        folder = left.text_input("SAE folder (SAELens format: cfg.json + sae_weights.safetensors)", key="steer_sae")
+        feature = right.number_input("Feature", 0, 10**7, 0, key="steer_feature")
+        if not folder.strip():
+            st.info("Give the folder of an SAE trained on this model's activations at the chosen site.")
+            return None
+        d_model = ctx.backend.info()["arch"]["d_model"]
+        with shows_errors() as spot:
+            vector = sae_direction(folder.strip(), int(feature), d_model, site)
+        return None if spot.failed else (vector, {"source": "sae", "folder": folder.strip(), "feature": int(feature)})
+    if source == FROM_PROMPTS:
+        left, right = st.columns(2)
+        set_a = left.text_area("Set A: steer towards (one prompt a line)", SET_A, key="steer_set_a")
+        set_b = right.text_area("Set B: steer away from", SET_B, key="steer_set_b")
+        reduce = st.radio("Per prompt, take", ["mean", "last"], horizontal=True, key="steer_reduce",
+                          help="the mean over all positions, or the last position only")
+        with shows_errors() as spot, st.spinner("Tracing both prompt sets\u2026"):
+            vector = prompt_direction(ctx, f"{ctx.server_url}|{ctx.model_id}", set_a, set_b, site, reduce)
+        if spot.failed:
+            return None
+        return vector, {"source": "difference of means", "set_a": set_a.splitlines(), "set_b": set_b.splitlines(),
+                        "reduce": reduce}
+    upload = st.file_uploader("Steering vector", type=["safetensors"], key="steer_upload",
+                              help="one tensor of width d_model, saved with safetensors.torch.save_file")
+    name = st.text_input("Tensor name (only if the file holds several)", key="steer_tensor").strip() or None
+    if upload is None:
+        st.info("Upload a .safetensors file holding the vector.")
+        return None
+    with shows_errors() as spot:
+        vector = load_vector_bytes(upload.getvalue(), name).numpy()
+    return None if spot.failed else (vector, {"source": "file", "file": upload.name, "tensor": name})
+
+
+def _text_box(ctx, title: str, part: GeneratedText, key: str, note: str = "") -> None:
+    with st.container(border=True, key=key):
+        st.markdown(title)
+        special = special_ids(ctx, f"{ctx.server_url}|{ctx.model_id}", tuple(part.token_ids))
+        st.text(display_text(part.tokens, part.token_ids, special))
+        if note:
+            st.caption(note)
+
+
+def sweep_section(ctx, key: str, site: str, direction_key: str, direction: np.ndarray, norm: float,
+                  made_from: dict[str, Any]) -> None:
+    st.subheader("Sweep")
+    left, right = st.columns([4, 1], vertical_alignment="bottom")
+    scales = left.multiselect(f"Scales (\u00d7 mean \u2016{site}\u2016)", SWEEP_GRID, default=SWEEP_DEFAULT,
+                              key="steer_sweep_scales")
+    run = right.button("Run sweep", key="steer_sweep_run", icon=":material/stacked_line_chart:")
+    slot = json.dumps([key, site, direction_key])
+    known: dict[float, SteeringComparison] = steered_store().get(slot) or {}
+    chosen = sorted({float(s) for s in scales})
+    if run:
+        with shows_errors() as spot:
+            todo = [s for s in sorted(chosen, key=abs) if s not in known or known[s].perplexity is None]
+            bar = st.progress(0.0, text="steering\u2026")
+            for i, scale in enumerate(todo):
+                comparison(ctx, key, site, direction_key, direction, scale, norm, quality=True)
+                bar.progress((i + 1) / len(todo), text=f"scale {scale:g} ({i + 1} of {len(todo)})")
+            bar.empty()
+        if spot.failed:
+            return
+        known = steered_store().get(slot) or {}
+    rows = [known[s] for s in chosen if s in known and known[s].perplexity is not None]
+    if not rows or len(rows) < len(chosen):
+        st.info("Press **Run sweep** to generate every scale (each starts from the nearest one already made).")
+        return
+    base = unsteered(ctx, key)
+    sweep = SteeringSweep(site, "norm", norm, float(np.linalg.norm(direction)), base, unsteered_perplexity(ctx, key),
+                          rows)
+    per_row = 3
+    for lo in range(0, len(rows), per_row):
+        cols = st.columns(per_row)
+        for col, r in zip(cols, rows[lo:lo + per_row]):
+            with col:
+                _text_box(ctx, f"**scale {r.scale:g}** (adds |v| = {r.added_norm:.3g})", r.steered,
+                          f"sweep-text-{lo}-{rows.index(r)}",
+                          f"perplexity {r.perplexity:.3g} under the unsteered model" if r.perplexity else "")
+    record = ctx.provenance(interventions=[AddVector(site, steering_vector(direction, "norm", norm), r.scale).describe()
+                                           for r in rows],
+                            settings={"site": site, "unit": "norm", "reference_norm": norm, "direction": made_from})
+    show_figure(None, sweep, "steering_sweep", provenance=record)
+
+
+def render(ctx) -> None:
+    st.title("Steering")
+    n_layers = ctx.backend.info()["arch"]["n_layers"]
+    left, right = st.columns(2)
+    kind = left.selectbox("Site", RESIDUAL_KINDS, index=RESIDUAL_KINDS.index("resid_post"), key="steer_kind")
+    layer = right.selectbox("Layer", range(n_layers), index=n_layers // 2, key="steer_layer")
+    site = f"{kind}.{layer}"
+    picked = pick_direction(ctx, site)
+    if picked is None:
+        return
+    direction, made_from = picked
+    with shows_errors() as spot:
+        key = ctx.cache_key()
+        norm = reference_norm(ctx, key, site)
+    if spot.failed:
+        return
+    st.caption(f"direction at `{site}`: |v| = {float(np.linalg.norm(direction)):.3g}; mean activation norm at "
+               f"`{site}` over this prompt (first token excluded) = {norm:.3g}")
+    scale = st.slider(f"Scale (\u00d7 mean \u2016{site}\u2016 = {norm:.3g})", *SCALE_RANGE, DEFAULT_SCALE, 0.05,
+                      key="steer_scale",
+                      help=f"adds scale \u00d7 {norm:.3g} \u00d7 v/|v| at every position: 0.5 adds half a typical "
+                           "activation, whatever the length of v")
+    direction_key = hashlib.sha256(direction.tobytes()).hexdigest()[:16]
+    with shows_errors() as spot, st.spinner("Steering (checking the unsteered text first)\u2026"):
+        started = time.perf_counter()
+        result = comparison(ctx, key, site, direction_key, direction, round(float(scale), 4), norm)
+        took = time.perf_counter() - started
+    if spot.failed:
+        return
+    left, right = st.columns(2)
+    with left:
+        _text_box(ctx, "**Unsteered**", result.unsteered, "unsteered-text",
+                  f"{len(result.unsteered.tokens)} tokens")
+    with right:
+        ppl = f", perplexity {result.perplexity:.3g} under the unsteered model" if result.perplexity else ""
+        _text_box(ctx, f"**Steered** (scale {result.scale:g}, adds |v| = {result.added_norm:.3g})", result.steered,
+                  "steered-text", f"{len(result.steered.tokens)} tokens{ppl}; {result.reused_tokens} kept from a "
+                                  f"draft after one check; answered in {took:.2f} s")
+    steer = AddVector(site, steering_vector(direction, "norm", norm), result.scale)
+    record = ctx.provenance(interventions=[steer.describe()],
+                            settings={"site": site, "unit": "norm", "reference_norm": norm, "direction": made_from})
+    show_figure(None, result, "steering", provenance=record)
+    sweep_section(ctx, key, site, direction_key, direction, norm, made_from)

@@ -133,7 +133,7 @@ def test_odd_bytes_and_strings_are_bad_input_not_server_errors(url):
 
 def test_duplicate_request_ids_one_wins_one_gets_409(url):
     def post(_):
-        return httpx.post(f"{url}/generate", json={"prompt": "x y", "max_new_tokens": 40, "request_id": "same-id"},
+        return httpx.post(f"{url}/generate", json={"prompt": "x y", "max_new_tokens": 400, "request_id": "same-id"},
                           timeout=60).status_code
 
     for _ in range(3):

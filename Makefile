@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest
 
-.PHONY: setup chromium demo test test-unit test-model test-browser bench clean
+.PHONY: setup chromium demo test test-unit test-model test-browser test-slow bench clean
 
 setup: $(VENV)/.installed
 
@@ -32,13 +32,17 @@ test: setup chromium
 	$(MAKE) test-unit test-model test-browser
 
 test-unit:
-	$(PYTEST) -q -m "not model and not browser" tests
+	$(PYTEST) -q -m "not model and not browser and not slow" tests
 
 test-model:
-	$(PYTEST) -q -m "model and not browser" tests
+	$(PYTEST) -q -m "model and not browser and not slow" tests
 
 test-browser:
-	$(PYTEST) -q -m browser tests
+	$(PYTEST) -q -m "browser and not slow" tests
+
+# Full-size toy models (trained once, cached) and their accuracy targets: longer than `make test` allows.
+test-slow: setup chromium
+	$(PYTEST) -q -m slow tests
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/thoughtscope bench hooks --json

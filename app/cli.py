@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,11 +43,66 @@ def streamlit_command(port: int = 8501, address: str = "localhost", model: str |
     return cmd
 
 
+# Streamlit's front end finds its server by trying the page's own path first: opening /trace_explorer
+# asks for /trace_explorer/_stcore/health and /trace_explorer/_stcore/host-config (404s) before
+# falling back to /. Telling it the server's base URL up front (its `window.__streamlit` settings)
+# skips the guess. Only for an app served at the root (no --server.baseUrlPath).
+BASE_URL_SCRIPT = ('<script>window.__streamlit=Object.assign({BACKEND_BASE_URL:window.location.origin+"/"},'
+                   "window.__streamlit||{})</script>")
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # a hard link: no space taken, and the static server sees a file inside its folder
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def pinned_static_dir(root: Path) -> Path | None:
+    """A copy (hard links) of Streamlit's static folder whose index.html sets the backend base URL; made
+    once per Streamlit version under `root`. None when Streamlit's page does not have the expected shape."""
+    import hashlib
+
+    import streamlit
+    from streamlit import file_util
+
+    src = Path(file_util.get_static_dir())
+    html = (src / "index.html").read_text(encoding="utf-8")
+    if html.count("<head>") != 1:
+        return None
+    tag = hashlib.sha256((streamlit.__version__ + BASE_URL_SCRIPT).encode()).hexdigest()[:12]
+    dest = root / f"streamlit-static-{tag}"
+    if (dest / "index.html").is_file():
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{dest.name}.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy)
+    (tmp / "index.html").unlink()
+    (tmp / "index.html").write_text(html.replace("<head>", "<head>\n    " + BASE_URL_SCRIPT, 1), encoding="utf-8")
+    try:
+        tmp.rename(dest)
+    except OSError:  # another launch made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest if (dest / "index.html").is_file() else None
+
+
 def run_streamlit(argv: list[str]) -> None:
     """`streamlit <argv>`. The pages are modules in `app/views/` served through `st.navigation`; the folder
-    is not called `pages/`, which Streamlit would treat as an old-style multipage app of bare scripts."""
+    is not called `pages/`, which Streamlit would treat as an old-style multipage app of bare scripts.
+    Streamlit serves its front end from `pinned_static_dir` (see BASE_URL_SCRIPT) when it can."""
+    from streamlit import file_util
     from streamlit.web import cli as streamlit_cli
 
+    if not any(arg.startswith("--server.baseUrlPath") for arg in argv):
+        try:
+            from probes.zoo import user_cache_dir
+
+            pinned = pinned_static_dir(user_cache_dir() / "app")
+        except OSError:  # a read-only cache: serve Streamlit's own page (and its harmless 404s)
+            pinned = None
+        if pinned is not None:
+            file_util.get_static_dir = lambda: str(pinned)
     sys.argv = ["streamlit", *argv]
     streamlit_cli.main()
 
@@ -94,23 +150,36 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
     return proc.returncode
 
 
-def run_app(cmd: list[str], env: dict[str, str], on_start: Any = None) -> int:
-    """Run the Streamlit child until it exits or we are told to stop; the child never outlives us."""
+def run_app(cmd: list[str], env: dict[str, str], on_start: Any = None, grace_s: float = 15.0) -> int:
+    """Run the Streamlit child until it exits or we are told to stop; the child never outlives us.
+
+    A stop signal only asks the child to terminate (a handler must not wait on it: the main loop
+    below is inside `wait` already); the loop kills it if it is still there after `grace_s`."""
+    import time
+
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if os.name == "posix" else None)
-    stopping: list[int] = []
+    stopping: list[float] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
-        stopping.append(signum)
-        stop_child(proc)
+        if not stopping:
+            stopping.append(time.monotonic())
+        if proc.poll() is None:
+            proc.terminate()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
-                if sig is not None}
+    signals = [sig for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if sig is not None]
+    previous = {sig: signal.signal(sig, on_signal) for sig in signals}
     try:
         if on_start is not None:
             on_start(proc)
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if stopping and time.monotonic() - stopping[0] > grace_s:
+                    proc.kill()
     finally:
-        stop_child(proc)
+        stop_child(proc, grace_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0 if stopping else code

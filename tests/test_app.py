@@ -424,6 +424,12 @@ def test_pages_run_against_the_model_server(model_server, monkeypatch):
     steer = open_page("steering", max_new_tokens=6)
     assert_clean(steer)
     assert len(steer.text) == 2
+    browse = open_page("feature_browser")  # capture_batch with positions and readout, through the server
+    browse.number_input(key="fb_n").set_value(6).run()
+    browse.button(key="fb_index").click().run()
+    browse.radio(key="fb_kind").set_value("neuron").run()
+    assert_clean(browse)
+    assert browse.html and "fb-row" in browse.html[0].proto.body
 
 
 def test_the_method_pages_run_against_the_model_server(model_server, monkeypatch, tmp_path):

@@ -131,7 +131,12 @@ def test_generate_streams_tokens_then_figures_export_as_svg_and_pdf(page, app_ur
     assert page.locator(".ts-tok").count() >= 1
     first_figure(page).wait_for()
     assert page.locator(".ts-tok").count() == 48  # the default max new tokens; tiny models never stop early
-    assert "top alternatives" in page.locator(".ts-tok").first.get_attribute("title")
+    token = page.locator(".ts-tok").nth(3)
+    tip = token.locator(".ts-tip")
+    assert not tip.is_visible() and token.get_attribute("title") is None
+    token.hover()
+    tip.wait_for(state="visible")  # a real tooltip box, styled, not the browser's title text
+    assert "top alternatives" in tip.inner_text() and tip.bounding_box()["height"] > 30
     figure(page, 3).wait_for()
     page.screenshot(path=str(ARTIFACTS / "trace_explorer.png"), full_page=True)
 
@@ -141,7 +146,32 @@ def test_generate_streams_tokens_then_figures_export_as_svg_and_pdf(page, app_ur
     pdf = download(page, "export-logit_lens-pdf")
     assert pdf.startswith(b"%PDF")
     rows = download(page, "export-logit_lens-csv").decode().splitlines()
-    assert rows[0].startswith("row,col")
+    assert rows[0].startswith("layer,position,input_token,top_token")  # tidy: one row per (layer, position)
+    for name in ("entropy", "logit_lens", "residual_norms", "attention"):
+        payload = json.loads(download(page, f"export-{name}-json"))
+        prov = payload["provenance"]  # every JSON export says what made it
+        assert prov["model"] == MODEL and prov["fingerprint"] and prov["seed"] == 0 and prov["version"]
+        assert prov["settings"]["generation"]["max_new_tokens"] == 48 and prov["prompt"]
+
+
+def test_the_lens_and_attention_carry_their_labels(page, app_url, generated):
+    page.goto(f"{app_url}/trace_explorer")
+    figure(page, 3).wait_for()
+    lens = page.locator('[data-testid="stPlotlyChart"]').nth(1)
+    cells = lens.locator("g.heatmaplayer text, .textpoint text")
+    assert cells.count() >= 2 * 32  # a token in every cell of the default 32-position window
+    size = float(cells.first.evaluate("e => parseFloat(getComputedStyle(e).fontSize)"))
+    assert size >= 10
+    ticks = lens.locator(".xtick text")
+    texts = ticks.evaluate_all("els => els.map(e => e.textContent)")  # SVG text has no innerText
+    assert len(texts) == 32 and all(t.strip() for t in texts)  # an input token under every column
+    box_title = lens.locator(".g-xtitle").bounding_box()
+    lowest_tick = max(b["y"] + b["height"] for b in (t.bounding_box() for t in ticks.all()))
+    assert box_title["y"] >= lowest_tick - 1  # the axis title sits below the rotated ticks, not on them
+    attention = page.locator('[data-testid="stPlotlyChart"]').nth(3)
+    labels = attention.locator(".xtick text").evaluate_all("els => els.map(e => e.textContent)")
+    assert len(labels) >= 48 and "\u00abearlier\u00bb" in labels  # token labels and the earlier-keys column
+    assert attention.locator("path.shape, .shapelayer path").count() >= 2  # the prompt | generation marker
 
 
 def test_a_page_with_a_cached_trace_shows_its_first_figure_quickly(browser, app_url, generated):
@@ -184,17 +214,82 @@ def test_moving_the_steering_slider_changes_the_steered_text(page, app_url):
     steered.wait_for()
     before = steered.inner_text()
     unsteered = page.locator(".st-key-unsteered-text [data-testid='stText']").inner_text()
+    assert "mean" in page.locator(".st-key-steer_scale").inner_text()  # the unit is on the slider
     page.screenshot(path=str(ARTIFACTS / "steering_before.png"), full_page=True)
 
     page.locator(".st-key-steer_scale input[type='range']").focus()
-    page.keyboard.press("Home")  # the slider's minimum, -12
+    page.keyboard.press("Home")  # the slider's minimum, -2 x the mean activation norm
     page.wait_for_function(
         "([sel, old]) => { const e = document.querySelector(sel); return e && e.innerText !== old; }",
         arg=[".st-key-steered-text [data-testid='stText']", before], timeout=SLOW)
-    page.locator(".st-key-steered-text").filter(has_text="scale -12").wait_for()
-    assert steered.inner_text() != before
+    page.locator(".st-key-steered-text").filter(has_text="scale -2").wait_for()
+    assert steered.inner_text() != before and steered.inner_text().strip()  # never an empty box
     assert page.locator(".st-key-unsteered-text [data-testid='stText']").inner_text() == unsteered
     page.screenshot(path=str(ARTIFACTS / "steering_after.png"), full_page=True)
+
+
+def test_a_steering_sweep_renders_side_by_side(page, app_url):
+    page.goto(f"{app_url}/steering")
+    page.locator(".st-key-steered-text [data-testid='stText']").wait_for()
+    page.locator(".st-key-steer_sweep_run button").click()
+    page.locator('[data-testid="stPlotlyChart"]').filter(has_text="Steering sweep").locator(".main-svg").first.wait_for()
+    boxes = page.locator("[class*='st-key-sweep-text'] [data-testid='stText']")
+    assert boxes.count() == 6 and all(t.strip() for t in boxes.all_inner_texts())
+    page.screenshot(path=str(ARTIFACTS / "steering_sweep.png"), full_page=True)
+
+
+def page_names() -> list[str]:
+    from app.registry import discover_pages
+
+    return [module.__name__.rsplit(".", 1)[-1] for _, module in discover_pages()]
+
+
+def test_no_page_load_asks_anything_of_another_host(browser, app_url, generated):
+    """Offline by construction: every request a page makes goes to the app itself, and none fails
+    (opening a page by its URL once asked for /<page>/_stcore/health and got 404s)."""
+    context = browser.new_context()
+    outside, failed = [], []
+
+    def guard(route):
+        if route.request.url.startswith(app_url + "/") or route.request.url == app_url:
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort()
+
+    context.route("**/*", guard)
+    p = context.new_page()
+    p.set_default_timeout(SLOW)
+    p.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    for name in page_names():
+        p.goto(f"{app_url}/{name}")
+        p.locator('[data-testid="stSidebarNav"]').wait_for()
+        p.locator("h1").first.wait_for()
+        p.wait_for_timeout(1500)  # favicons, fonts and health checks come after the first paint
+    p.locator('[data-testid="stSidebarNav"] a').filter(has_text="Steering").click()
+    p.locator("h1").filter(has_text="Steering").wait_for()
+    p.wait_for_timeout(1000)
+    context.close()
+    assert outside == [], f"requests to other hosts: {outside}"
+    assert failed == [], f"failed requests: {failed}"
+
+
+def test_the_feature_browser_shows_top_contexts(page, app_url):
+    page.goto(f"{app_url}/feature_browser")
+    page.locator(".st-key-fb_n input").fill("40")
+    page.locator(".st-key-fb_n input").press("Enter")
+    page.locator(".st-key-fb_index button").click()
+    page.locator(".st-key-fb_kind").get_by_text("neuron", exact=True).click()
+    rows = page.locator(".fb-row")
+    rows.first.wait_for()
+    assert rows.count() == 20 and page.locator(".fb-top").count() == 20
+    token = rows.first.locator(".fb-tok:not(.fb-first)").first
+    token.hover()
+    token.locator(".fb-tip").wait_for(state="visible")
+    page.locator('[data-testid="stPlotlyChart"]').nth(2).locator(".main-svg").first.wait_for()
+    page.screenshot(path=str(ARTIFACTS / "feature_browser.png"), full_page=True)
+    prov = json.loads(download(page, "export-feature_contexts-json"))["provenance"]
+    assert prov["data"] == "gsm8k-questions" and prov["split"] == "test" and prov["settings"]["direction"]["kind"] == "neuron"
 
 
 @pytest.mark.model

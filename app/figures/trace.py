@@ -216,9 +216,9 @@ def _lens_figure(data: Any, view: str) -> go.Figure:
     first = positions[0] if positions else 0
     prompt_len = d.get("prompt_len")
     if prompt_len is not None and first < prompt_len <= first + len(positions) - 1:
-        fig.add_vline(x=prompt_len - 0.5, line=dict(color="#D55E00", width=2, dash="dash"),
-                      annotation_text="generated \u2192", annotation_position="top right",
-                      annotation_font=dict(color="#D55E00", size=11))
+        fig.add_vline(x=prompt_len - 0.5, line=dict(color="#D55E00", width=2, dash="dash"))
+        fig.add_annotation(x=prompt_len - 0.5, y=1, yref="paper", yanchor="bottom", xanchor="left",
+                           text="generated \u2192", showarrow=False, font=dict(color="#D55E00", size=11))
     height = max(360, 140 + 22 * len(layers))
     fig.update_layout(xaxis=_position_axis(d["tokens"], first, "input token"),
                       yaxis=dict(title="layer", dtick=1 if len(layers) <= 40 else None), height=height)
@@ -319,7 +319,8 @@ def attention_figure(data: Any) -> go.Figure:
     xaxis = _position_axis(key_labels, keys[0], "key token") if len(keys) <= MAX_TICK_LABELS else dict(title="key position")
     if len(keys) <= MAX_TICK_LABELS:
         xaxis |= dict(tickvals=keys, ticktext=key_labels)
-    fig.update_layout(xaxis=xaxis, yaxis=_position_axis(d["tokens"], queries[0], "query token") | dict(autorange="reversed"),
+    fig.update_layout(xaxis=xaxis, yaxis=_position_axis(d["tokens"], queries[0], "query token")
+                      | dict(autorange="reversed", tickangle=0),
                       height=max(480, 180 + 14 * len(queries)))
     export_size(fig, width=max(720, 200 + 16 * len(keys)), height=max(520, 220 + 16 * len(queries)))
     scale_name = "log colour" if scale == "log" else "linear colour, first token excluded from its range"

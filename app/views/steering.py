@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import streamlit as st
 
-from analyses.steering import (GeneratedText, SteeringComparison, SteeringSweep, continuation_perplexity,
-                               diff_of_means_direction, generate_text, sae_feature_direction, site_norm,
-                               steered_comparison, steering_vector)
+from analyses.steering import (GeneratedText, SteeringComparison, SteeringSweep, choose_draft,
+                               continuation_perplexity, diff_of_means_direction, generate_text, sae_feature_direction,
+                               site_norm, steered_comparison, steering_vector)
 from app.context import FinishedGenerations, shows_errors
 from app.export import show_figure
 from app.figures.trace import display_text
@@ -78,27 +78,9 @@ def special_ids(_ctx, model_key: str, ids: tuple[int, ...]) -> list[int]:
     return sorted(i for i in set(ids) if backend.decode([i]) and not backend.decode([i], skip_special_tokens=True))
 
 
-NEIGHBOUR = 0.15  # a scale this close to one already made drafts from its text
-
-
-def pick_draft(known: dict[float, SteeringComparison], base: GeneratedText, scale: float) -> GeneratedText | None:
-    """What to check before generating at `scale`, or None to generate directly.
-
-    The check is one teacher-forced pass over prompt + draft, about half the cost of a 48-token
-    generation on the embedded model (the prompt dominates), so it runs only where it may pay: a
-    neighbouring scale's text, else the unsteered text unless a scale nearer to zero on the same
-    side already kept none of it (steering only grows with the scale)."""
-    near = min(known, key=lambda s: abs(s - scale), default=None)
-    if near is not None and abs(near - scale) <= NEIGHBOUR and near * scale > 0:
-        return known[near].steered
-    derailed = [s for s, r in known.items() if s * scale > 0 and abs(s) <= abs(scale) and r.reused_tokens == 0
-                and r.draft == "unsteered"]
-    return None if derailed else base
-
-
 def comparison(ctx, key: str, site: str, direction_key: str, direction: np.ndarray, scale: float,
                norm: float, quality: bool = False) -> SteeringComparison:
-    """The steered generation at `scale` (kept per process), drafted as `pick_draft` says; `quality` adds
+    """The steered generation at `scale` (kept per process), drafted as `choose_draft` says; `quality` adds
     the perplexity under the unsteered model (one more pass, so the slider leaves it to the sweep)."""
     store = steered_store()
     slot = json.dumps([key, site, direction_key])
@@ -106,7 +88,7 @@ def comparison(ctx, key: str, site: str, direction_key: str, direction: np.ndarr
     result = known.get(scale)
     if result is None:
         base = unsteered(ctx, key)
-        draft = pick_draft(known, base, scale)
+        draft = choose_draft(known, base, scale)
         s = ctx.settings
         result = steered_comparison(ctx.backend, ctx.model_input(), site, direction, scale,
                                     max_new_tokens=s.max_new_tokens, sampling=s.sampling(), seed=ctx.seed, chat=ctx.chat,

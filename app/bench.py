@@ -1,0 +1,207 @@
+"""The views' benchmarks (`thoughtscope bench views`): how long a researcher waits after acting.
+
+- `page_first_figure_s`: in Chromium (Playwright, the system browser), from opening the trace
+  explorer to its first figure, in a new tab and when switching pages inside a session, on a
+  generation the app already holds. Goals: <= 2 s new tab, <= 1 s switch.
+- `steer_slider_s`: from a slider move to the steered text, as the Steering page computes it
+  (the unsteered text and the nearest scale already made are checked first, `choose_draft`),
+  on the embedded model with the one-shot prompt and 48 new tokens; beside it, the same scales
+  generated from scratch. Goal <= 1.5 s.
+- `feature_browse_s`: the top 20 contexts of one SAE latent (and of one vector) over a stored
+  10,000-context corpus (generated arithmetic problems), its histogram and its logits. Goal <= 1 s.
+  The corpus is indexed once into the cache first (with a progress bar; minutes on a laptop CPU,
+  then seconds), at a quarter of the model's depth.
+
+Absolute times on a shared machine are noisy: every row reports the machine's load with it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+GOALS = {"page_first_figure_switch": 1.0, "page_first_figure_new_tab": 2.0, "steer_slider": 1.5, "feature_browse": 1.0}
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 3)
+
+
+def bench_steer_slider(backend: Any, moves: tuple[float, ...] = (0.55, 0.6, 1.0, 1.05, -0.5, -0.55),
+                       max_new_tokens: int = 48) -> dict[str, Any]:
+    """Slider moves after the page has drawn its default (scale 0.5), each timed as the page runs it,
+    and the same scales generated from scratch, in alternation."""
+    from analyses.steering import (choose_draft, diff_of_means_direction, generate_text, site_norm,
+                                   steered_comparison, steering_vector)
+    from analyses.tasks import one_shot_messages
+    from app.sidebar import EXAMPLE_QUESTION
+    from app.views.steering import DEFAULT_SCALE, SET_A, SET_B
+    from probes.interventions import AddVector
+
+    prompt = one_shot_messages(EXAMPLE_QUESTION)
+    site = f"resid_post.{backend.info()['arch']['n_layers'] // 2}"
+    direction = diff_of_means_direction(backend, SET_A.splitlines(), SET_B.splitlines(), site)
+    norm = site_norm(backend, prompt, site, chat=True)
+    base = generate_text(backend, prompt, max_new_tokens=max_new_tokens, chat=True)
+    common = dict(max_new_tokens=max_new_tokens, chat=True, unsteered=base, unit="norm", reference_norm=norm)
+    known = {DEFAULT_SCALE: steered_comparison(backend, prompt, site, direction, DEFAULT_SCALE,
+                                               draft=choose_draft({}, base, DEFAULT_SCALE), **common)}
+    slider, direct, kept = [], [], []
+    for scale in moves:
+        started = time.perf_counter()
+        draft = choose_draft(known, base, scale)
+        known[scale] = steered_comparison(backend, prompt, site, direction, scale, draft=draft,
+                                          check_draft=draft is not None, **common)
+        slider.append(time.perf_counter() - started)
+        kept.append(known[scale].reused_tokens)
+        started = time.perf_counter()
+        generate_text(backend, prompt, max_new_tokens=max_new_tokens, chat=True,
+                      interventions=[AddVector(site, steering_vector(direction, "norm", norm), scale)])
+        direct.append(time.perf_counter() - started)
+    return {"bench": "steer_slider_s", "ratio": round(statistics.median(slider) / GOALS["steer_slider"], 3),
+            "target": 1.0, "seconds": _median(slider), "from_scratch_s": _median(direct),
+            "speedup": round(statistics.median(direct) / statistics.median(slider), 3), "goal_s": GOALS["steer_slider"],
+            "moves": list(moves), "runs_s": [round(t, 3) for t in slider], "from_scratch_runs_s": [round(t, 3) for t in direct],
+            "tokens_kept": kept, "new_tokens": [len(known[s].steered.tokens) for s in moves], "site": site,
+            "model": backend.info()["model_id"], "load_avg_1m": _load()}
+
+
+def bench_feature_browse(backend: Any, n_contexts: int = 10_000, latents: int = 5, k: int = 20,
+                         layer: int | None = None) -> list[dict[str, Any]]:
+    """Index `n_contexts` generated problems once (cached), train a small SAE on a sample of the rows,
+    then time browses of `latents` latents and of one vector. The site defaults to a quarter of the
+    depth: a browse costs the same at any layer (rows x d_model), the one-time index less."""
+    from tqdm.auto import tqdm
+
+    from analyses.feature_browser import SAELatent, VectorDirection, browse, build_index, load_corpus
+    from saes.train import SAETrainSettings, train_sae
+
+    import torch
+
+    corpus = load_corpus("arith-problems", n=n_contexts)
+    site = f"resid_post.{backend.info()['arch']['n_layers'] // 4 if layer is None else layer}"
+    bar = tqdm(total=n_contexts, desc=f"indexing {corpus.name} at {site}", unit="context")
+
+    def progress(done: int, total: int) -> None:
+        bar.total, bar.n = total, done
+        bar.refresh()
+
+    started = time.perf_counter()
+    index = build_index(backend, corpus, site, on_progress=progress)
+    bar.close()
+    index_s = time.perf_counter() - started
+    gen = torch.Generator().manual_seed(0)
+    sample = index.acts[torch.randperm(index.n_rows, generator=gen)[:8192]].float()
+    sae, _ = train_sae(sample, SAETrainSettings.scaled(sample.shape[1], sample.shape[0], seed=0, progress=False))
+    fires = (sae.encode(sample) > 0).float().mean(0)
+    chosen = fires.argsort(descending=True)[:latents].tolist()  # latents that fire: every browse returns k contexts
+    times = []
+    for latent in chosen:
+        started = time.perf_counter()
+        view = browse(index, SAELatent(sae, int(latent), site), backend, k=k)
+        times.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    browse(index, VectorDirection(torch.randn(sample.shape[1], generator=gen), site), backend, k=k)
+    vector_s = time.perf_counter() - started
+    common = {"model": backend.info()["model_id"], "site": site, "contexts": index.n_contexts, "tokens": index.n_rows,
+              "index_bytes": index.nbytes, "index_s": round(index_s, 1), "load_avg_1m": _load()}
+    return [{"bench": "feature_browse_s", "ratio": round(statistics.median(times) / GOALS["feature_browse"], 3),
+             "target": 1.0, "seconds": _median(times), "runs_s": [round(t, 3) for t in times], "direction": "sae latent",
+             "d_sae": int(sae.cfg.d_sae), "top_contexts": len(view.contexts), "vector_s": round(vector_s, 3), **common}]
+
+
+def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, Any]]:
+    """New tab and page switch to the trace explorer's first figure, in the system Chromium."""
+    import socket
+    import subprocess
+    import urllib.request
+    from pathlib import Path
+
+    from app.cli import streamlit_command
+    from app.export import chromium_path
+
+    browser_path = chromium_path()
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        browser_path = None
+    if browser_path is None:
+        return [{"bench": "page_first_figure_s", "ratio": float("nan"), "skipped": "needs Chromium and playwright"}]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(streamlit_command(port, "127.0.0.1", model=model_id), cwd=root,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url, slow = f"http://127.0.0.1:{port}", 600_000
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("streamlit did not start")
+            time.sleep(0.5)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=browser_path, headless=True,
+                                         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+
+            def first_figure(page: Any) -> Any:
+                return page.locator('[data-testid="stPlotlyChart"]').first.locator(".main-svg").first
+
+            warm = browser.new_page()
+            warm.set_default_timeout(slow)
+            warm.goto(f"{url}/trace_explorer")
+            warm.locator(".st-key-generate button").first.click()
+            warm.locator('[data-testid="stPlotlyChart"]').nth(3).locator(".main-svg").first.wait_for()
+            warm.close()
+            fresh, switch = [], []
+            for _ in range(rounds):
+                page = browser.new_page()
+                page.set_default_timeout(slow)
+                started = time.perf_counter()
+                page.goto(f"{url}/trace_explorer")
+                first_figure(page).wait_for(state="visible")
+                fresh.append(time.perf_counter() - started)
+                for _ in range(2):
+                    page.locator('[data-testid="stSidebarNav"] a').filter(has_text="Home").click()
+                    page.locator('[data-testid="stMetric"]').first.wait_for()
+                    started = time.perf_counter()
+                    page.locator('[data-testid="stSidebarNav"] a').filter(has_text="Trace explorer").click()
+                    first_figure(page).wait_for(state="visible")
+                    switch.append(time.perf_counter() - started)
+                page.close()
+            browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    common = {"model": model_id, "page": "trace_explorer", "load_avg_1m": _load()}
+    return [{"bench": "page_first_figure_s", "opening": "page switch", "seconds": _median(switch),
+             "ratio": round(statistics.median(switch) / GOALS["page_first_figure_switch"], 3), "target": 1.0,
+             "runs_s": [round(t, 3) for t in switch], **common},
+            {"bench": "page_first_figure_s", "opening": "new tab", "seconds": _median(fresh),
+             "ratio": round(statistics.median(fresh) / GOALS["page_first_figure_new_tab"], 3), "target": 1.0,
+             "runs_s": [round(t, 3) for t in fresh], **common}]
+
+
+def run_views(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
+    """Every views benchmark on `model_id` (ratios are seconds / goal: <= 1 meets the goal)."""
+    from probes.engine import Engine
+
+    engine = Engine.from_id(model_id)
+    rows = [bench_steer_slider(engine), *bench_feature_browse(engine)]
+    del engine
+    return [*rows, *bench_page_first_figure(model_id)]
+
+
+BENCHMARKS = {"views": run_views}

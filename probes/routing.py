@@ -1,0 +1,496 @@
+"""Router selection rules for mixture-of-experts models: which experts each token uses, with which gates.
+
+A rule sits at `router.L` sites (one layer, or every MoE layer with `site="router.*"`) and replaces the
+model's own top-k choice: from the router logits it produces the expert indices and their gates
+together, the gates computed the way that family's router computes them (`ROUTER_STYLES`), and hands
+them to the MoE block in place of the router's own output. Three rules:
+
+- `TopK(k)`: the family's own top-k with any k (k = the model's top-k is the identity; fewer experts
+  measure "accuracy as active experts shrink").
+- `ExpertSample(k_h, m, t_e)`: Expert-Sample (Chen et al., "Certain Head, Uncertain Tail: Expert-Sample
+  for Test-Time Scaling in Fine-Grained MoE", arXiv 2602.02443). Only the abstract is public; the rule
+  is our reconstruction (METHODS.md section 6): keep the k_h most confident experts, sample the other
+  k - k_h from the next m by Gumbel-top-k at temperature t_e, and renormalise the gates over the chosen
+  set as the base router does (`tail_gates` says how the sampled experts are weighted instead).
+- `ForceExperts(experts)`: route every token to a fixed set (a causal test of what experts do).
+
+How each family's router turns logits into (experts, gates), read from transformers 5.24's modeling code:
+
+| model_type | scores | choice | gates |
+|---|---|---|---|
+| qwen3_moe, qwen2_moe, olmoe | softmax over all experts (float32) | top-k of the probabilities | the k probabilities, divided by their sum when the router's `norm_topk_prob`, cast to the logits' dtype |
+| mixtral | softmax over all experts (float32) | top-k | always renormalised over the k (float32) |
+| deepseek_v2 | softmax (float32) | top-k, or with `topk_method="group_limited_greedy"` top-k inside the `topk_group` groups whose best expert scores highest | the k probabilities, never renormalised, times `routed_scaling_factor` |
+| deepseek_v3 | sigmoid per expert | top-k of sigmoid + `e_score_correction_bias`, inside the `topk_group` groups with the highest top-2 sums | the k sigmoids (no bias), divided by their sum when `norm_topk_prob`, times `routed_scaling_factor` |
+| gpt_oss | raw logits | top-k of the logits | softmax over the k chosen logits (top-k, then softmax) |
+
+Every family keeps `top_k` on each layer's router module (`module.top_k`): editing
+`config.num_experts_per_tok` after loading changes nothing, so `k=None` means that module's value.
+
+Sampling noise is a pure function of (seed, layer, batch row, token column, expert), computed by an
+integer hash: the N samples of a batch differ, a step differs from the last, the same seed reproduces,
+and a teacher-forced `trace` over a generated text sees the same noise as its generation did.
+
+Example:
+    >>> from probes import Engine
+    >>> engine = Engine.from_id("tiny-random:qwen3_moe")
+    >>> rule = ExpertSample("router.*", k_h=1, m=4, t_e=1.0, seed=3)
+    >>> rule.describe()
+    "expert-sample: head 1 of the model's k, the rest sampled from the next 4 at T_e=1 (gates: router, seed 3) at router.*"
+    >>> recs = list(engine.generate("hello", n_samples=2, max_new_tokens=4, interventions=[rule]))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from thoughtscope.errors import BadInputError, UnknownSiteError
+from probes.interventions import WHERE, Intervention, _finite
+from probes.sites import Site, validate_site
+
+EVERY_LAYER = "router.*"
+TAIL_GATES = ("router", "displaced", "uniform")
+
+
+@dataclass(frozen=True)
+class RouterStyle:
+    """How one family's router turns logits into (expert indices, gates). See the module table.
+
+    `score`: `softmax` (probabilities over all experts), `sigmoid` (independent per expert) or
+    `logits` (top-k of the raw logits, then a softmax over the chosen). `renorm`: `always`, `never`,
+    `norm_topk_prob` (the router module's flag) or `softmax_chosen`. `groups`: `best` (DeepSeek-V2
+    `group_limited_greedy`: a group scores its best expert) or `top2` (DeepSeek-V3: the sum of its
+    two best). `gate_dtype`: `logits` casts the gates to the logits' dtype, `float32` keeps them.
+    """
+
+    score: str
+    renorm: str
+    groups: str | None = None
+    scaled: bool = False
+    bias: bool = False
+    sorted_topk: bool = True
+    gate_dtype: str = "float32"
+
+
+_QWEN_STYLE = RouterStyle("softmax", "norm_topk_prob", gate_dtype="logits")
+ROUTER_STYLES: dict[str, RouterStyle] = {
+    "qwen3_moe": _QWEN_STYLE,
+    "qwen2_moe": _QWEN_STYLE,
+    "olmoe": _QWEN_STYLE,
+    "mixtral": RouterStyle("softmax", "always"),
+    "deepseek_v2": RouterStyle("softmax", "never", groups="best", scaled=True, sorted_topk=False),
+    "deepseek_v3": RouterStyle("sigmoid", "norm_topk_prob", groups="top2", scaled=True, bias=True,
+                               sorted_topk=False),
+    "gpt_oss": RouterStyle("logits", "softmax_chosen"),
+}
+
+
+@dataclass
+class RouterSpec:
+    """One layer's router as its module holds it: style, top_k, experts, flags, group limits."""
+
+    style: RouterStyle
+    top_k: int
+    n_experts: int
+    normalize: bool
+    scaling: float = 1.0
+    n_group: int = 0
+    topk_group: int = 0
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, module: Any, model_type: str) -> "RouterSpec":
+        style = style_of(model_type)
+        grouped = style.groups == "top2" or getattr(module, "topk_method", None) == "group_limited_greedy"
+        return cls(
+            style=style,
+            top_k=int(module.top_k),
+            n_experts=int(module.num_experts),
+            normalize={"always": True, "never": False, "softmax_chosen": False}.get(
+                style.renorm, bool(getattr(module, "norm_topk_prob", False))),
+            scaling=float(getattr(module, "routed_scaling_factor", 1.0)) if style.scaled else 1.0,
+            n_group=int(getattr(module, "num_group", 0) or 0) if grouped else 0,
+            topk_group=int(getattr(module, "topk_group", 0) or 0) if grouped else 0,
+            bias=getattr(module, "e_score_correction_bias", None) if style.bias else None,
+        )
+
+    # --- the family's arithmetic, exactly as its router module does it ---
+
+    def choice_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(what the family's top-k ranks, which experts its group limit allows or None), computed with
+        the family's own fill value for excluded experts (0 in DeepSeek-V2, -inf in V3), because
+        `topk(sorted=False)` may order its result by the values it passes over."""
+        if self.style.score == "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        elif self.style.score == "sigmoid":
+            scores = logits.sigmoid()
+            if self.bias is not None:
+                scores = scores + self.bias
+        else:
+            scores = logits
+        if not self.n_group:
+            return scores, None
+        grouped = scores.view(-1, self.n_group, self.n_experts // self.n_group)
+        if self.style.groups == "top2":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        allowed = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, self.n_experts).bool()
+        fill = -math.inf if self.style.groups == "top2" else 0.0
+        return scores.masked_fill(~allowed, fill), allowed
+
+    def family_topk(self, choice: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.topk(choice, k, dim=-1, sorted=self.style.sorted_topk)[1]
+
+    def sample_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Log of each expert's unnormalised gate: Gumbel-top-k at T_e samples in proportion to gate^(1/T_e)."""
+        if self.style.score == "sigmoid":
+            return torch.nn.functional.logsigmoid(logits.float())
+        return logits.float()
+
+    def gates(self, logits: torch.Tensor, idx: torch.Tensor, choice: torch.Tensor | None = None) -> torch.Tensor:
+        """The gates the family gives the chosen experts `idx` [tokens, k]; `choice` (this router's
+        `choice_scores`) saves recomputing a softmax family's probabilities."""
+        if self.style.score == "logits":
+            chosen = logits.gather(1, idx)
+            return torch.softmax(chosen, dim=1, dtype=chosen.dtype)
+        if self.style.score == "softmax":
+            probs = choice if choice is not None else torch.softmax(logits, dim=-1, dtype=torch.float32)
+            g = probs.gather(1, idx)
+            if self.normalize:
+                g = g / g.sum(dim=-1, keepdim=True)
+        else:
+            g = logits.sigmoid().gather(1, idx)
+            if self.normalize:
+                g = g / (g.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.style.scaled:
+            g = g * self.scaling
+        return g.to(logits.dtype) if self.style.gate_dtype == "logits" else g
+
+
+def style_of(model_type: str) -> RouterStyle:
+    if model_type not in ROUTER_STYLES:
+        raise BadInputError(f"router rules know the families {', '.join(sorted(ROUTER_STYLES))}, not {model_type!r}; "
+                            "add its router's arithmetic to probes.routing.ROUTER_STYLES")
+    return ROUTER_STYLES[model_type]
+
+
+# ----- seeded noise: a pure function of (seed, layer, row, column, expert) -----
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Any, c: int) -> Any:
+    """(x * c) mod 2^32 for 0 <= x < 2^32 without an int64 product overflowing: x * (c mod 2^31) stays
+    below 2^63, and x * 2^31 mod 2^32 is x's lowest bit moved to bit 31."""
+    if c < (1 << 31):
+        return (x * c) & _M32
+    return (x * (c - (1 << 31)) + ((x & 1) << 31)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The `lowbias32` integer hash (C. Wellons): every input bit flips about half the output bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fold(h: int, key: int) -> int:
+    """Fold an integer of any size into a 32-bit hash state (in Python: free)."""
+    return _mix32(_mix32(h ^ (key & _M32)) ^ ((key >> 32) & _M32) ^ 0x9E3779B9)
+
+
+@dataclass
+class Positions:
+    """Where router tokens sit: batch row and column (tokens this layer saw before, in one engine call)
+    of each token, [tokens] each. Their hash per seed is computed once and shared by every layer."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self._hashes: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, n_tokens: int, row: int = 0, start: int = 0, device: Any = None) -> "Positions":
+        """`n_tokens` consecutive columns of one batch row (what a teacher-forced trace sees)."""
+        return cls(torch.full((n_tokens,), row, dtype=torch.long, device=device),
+                   start + torch.arange(n_tokens, device=device))
+
+    def __getitem__(self, mask: torch.Tensor) -> "Positions":
+        return Positions(self.rows[mask], self.cols[mask])
+
+    def token_hash(self, seed: int) -> torch.Tensor:
+        """[tokens, 1] 32-bit hashes of (seed, row, column): batch rows < 2048 and columns < 2M are distinct."""
+        if seed not in self._hashes:
+            token = (self.rows.view(-1, 1).long() << 21) + self.cols.view(-1, 1).long()
+            self._hashes[seed] = _mix32(_mix32(token ^ _fold(0, int(seed))))
+        return self._hashes[seed]
+
+
+def gumbel_noise(seed: int, layer: int, at: Positions, experts: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise [tokens, n] for `experts` [tokens, n] of the tokens `at`: a pure function of
+    (seed, layer, row, column, expert), from a 32-bit hash (it misses only tails of probability ~1e-10)."""
+    h = _mix32(at.token_hash(seed) ^ _fold(0x2545F491, int(layer)) ^ experts.long())
+    u = (h.double() + 0.5) / float(1 << 32)
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_top_k(logits: torch.Tensor, k: int, t_e: float, noise: torch.Tensor) -> torch.Tensor:
+    """Positions of k draws without replacement, probabilities proportional to exp(logits / t_e)
+    (Gumbel-top-k: the k largest of logits / t_e + Gumbel noise; Kool et al. 2019)."""
+    return torch.topk(logits.double() / t_e + noise, k, dim=-1)[1]
+
+
+# ----- rules -----
+
+
+@dataclass
+class RouterRule(Intervention):
+    """Base of router selection rules: `site` is `router.L` or `router.*` (every MoE layer); a subclass
+    overrides `choose` (indices, and gates or None for the family's own gates)."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("router",)
+
+    def sites(self, arch: Any) -> list[Site]:
+        """The router sites this rule applies at, checked against the model (before any model work)."""
+        if not arch.is_moe:
+            raise UnknownSiteError(f"{type(self).__name__} needs an MoE model; {arch.model_type} is dense "
+                                   "(it has no router sites)")
+        if self.site == EVERY_LAYER:
+            layers = getattr(arch, "moe_layers", None) or range(arch.n_layers)
+            return [Site("router", layer) for layer in layers]
+        site = validate_site(self.site, arch)
+        if site.kind != "router":
+            raise BadInputError(f"{type(self).__name__} applies at router.L or {EVERY_LAYER!r}, not {self.site!r}")
+        return [site]
+
+    def validate(self, arch: Any) -> Site:
+        sites = self.sites(arch)
+        style_of(arch.model_type)
+        if self.where not in WHERE:
+            raise BadInputError(f"where={self.where!r}; use one of {WHERE}")
+        self._check(arch)
+        return sites[0]
+
+    def edit(self, x: torch.Tensor) -> torch.Tensor:
+        raise BadInputError(f"{type(self).__name__} replaces a router's whole output; the hook runner calls route()")
+
+    def choose(self, spec: RouterSpec, logits: torch.Tensor, layer: int,
+               at: Positions) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def select(self, spec: RouterSpec, logits: torch.Tensor, layer: int,
+               at: Positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gates, indices) [tokens, k] for router logits [tokens, n_experts] of the tokens `at`."""
+        idx, gates = self.choose(spec, logits, layer, at)
+        if idx.shape[-1] < 1:
+            raise BadInputError(f"{self.describe()} selected no expert; a token needs at least one")
+        if gates is None:
+            gates = spec.gates(logits, idx)
+        if not torch.isfinite(gates).all():
+            raise BadInputError(f"{self.describe()} produced NaN or infinite gates at layer {layer} "
+                                "(are the router logits finite?)")
+        return gates, idx
+
+    def route(self, module: Any, output: tuple, model_type: str, layer: int, batch: int, start: int,
+              phase: str) -> tuple:
+        """The router module's output with its (gates, indices) replaced by this rule's.
+
+        `batch` rows of `output[0].shape[0] // batch` tokens each; `start` is the column of the first
+        of them (tokens this layer has seen in this engine call); `phase` is the hook runner's.
+        """
+        logits, own_gates, own_idx = output[0], output[1], output[2]
+        if self.where == "generated" and phase == "context":
+            return output
+        spec = RouterSpec.of(module, model_type)
+        seq = logits.shape[0] // batch
+        at = self._positions(batch, seq, start, logits.device)
+        if self.where == "generated" and phase == "prefill" and seq > 1:
+            keep = at.cols == start + seq - 1  # a prefill's last position is all that predicts a generated token
+            gates, idx = self.select(spec, logits[keep], layer, at[keep])
+            width = max(gates.shape[-1], own_idx.shape[-1])
+            new_gates, new_idx = _pad(own_gates, own_idx, width)
+            sel_gates, sel_idx = _pad(gates.to(new_gates.dtype), idx, width)
+            new_gates, new_idx = new_gates.clone(), new_idx.clone()
+            new_gates[keep], new_idx[keep] = sel_gates, sel_idx
+        else:
+            new_gates, new_idx = self.select(spec, logits, layer, at)
+        return (logits, new_gates, new_idx, *output[3:])
+
+    def _positions(self, batch: int, seq: int, start: int, device: Any) -> Positions:
+        """The same positions for every layer of one forward: built (and hashed) once, not per layer."""
+        key = (batch, seq, start, str(device))
+        memo = self.__dict__.get("_positions_memo")
+        if memo is None or memo[0] != key:
+            rows = torch.arange(batch, device=device).repeat_interleave(seq)
+            cols = start + torch.arange(seq, device=device).repeat(batch)
+            memo = self.__dict__["_positions_memo"] = (key, Positions(rows, cols))
+        return memo[1]
+
+
+def _pad(gates: torch.Tensor, idx: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Widen to `width` columns with zero gates (on the row's first expert), which add exactly nothing."""
+    extra = width - idx.shape[-1]
+    if extra <= 0:
+        return gates, idx
+    return (torch.cat([gates, gates.new_zeros(gates.shape[0], extra)], dim=-1),
+            torch.cat([idx, idx[:, :1].expand(-1, extra)], dim=-1))
+
+
+def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadInputError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass
+class TopK(RouterRule):
+    """The family's own top-k with `k` experts (None: each layer's own top_k, the identity), gates
+    renormalised as the family does. Fewer experts than the model's k measure how much it needs them."""
+
+    kind: ClassVar[str] = "router_topk"
+    k: int | None = None
+
+    def __init__(self, site: str = EVERY_LAYER, k: int | None = None, where: str = "all"):
+        self.site, self.k, self.where = site, k, where
+
+    def _check(self, arch: Any) -> None:
+        if self.k is not None:
+            _positive_int(self.k, "the number of experts k (a token needs at least one expert)")
+            if self.k > arch.n_experts:
+                raise BadInputError(f"k={self.k} but this model has {arch.n_experts} experts per layer")
+
+    def choose(self, spec, logits, layer, at):
+        choice = spec.choice_scores(logits)[0]
+        idx = spec.family_topk(choice, self.k or spec.top_k)
+        return idx, spec.gates(logits, idx, choice)
+
+    def describe(self) -> str:
+        return f"router top-{self.k} at {self.site}" if self.k else f"router top-k (each layer's own k) at {self.site}"
+
+
+@dataclass
+class ExpertSample(RouterRule):
+    """Expert-Sample (Chen et al. 2026, reconstruction): keep the top `k_h` experts, sample `k - k_h`
+    of the next `m` by Gumbel-top-k at temperature `t_e` with seeded noise; `k` None is the model's.
+
+    `tail_gates` weights the chosen set: `router` renormalises over it as the family does (with
+    norm_topk_prob a sampled tail expert gets its small share), `displaced` gives the sampled experts
+    the gates of the top-k experts they displaced (the head keeps its own; the total is the model's),
+    `uniform` splits the router's total over the chosen set equally.
+    """
+
+    kind: ClassVar[str] = "expert_sample"
+    k_h: int = 2
+    m: int = 8
+    t_e: float = 1.0
+    k: int | None = None
+    tail_gates: str = "router"
+    seed: int = 0
+
+    def __init__(self, site: str = EVERY_LAYER, k_h: int = 2, m: int = 8, t_e: float = 1.0, k: int | None = None,
+                 tail_gates: str = "router", seed: int = 0, where: str = "all"):
+        self.site, self.k_h, self.m, self.t_e, self.k = site, k_h, m, t_e, k
+        self.tail_gates, self.seed, self.where = tail_gates, seed, where
+
+    def _check(self, arch: Any) -> None:
+        k = self.k if self.k is not None else arch.experts_top_k
+        _positive_int(k, "the number of experts k (a token needs at least one expert)")
+        _positive_int(self.k_h, "k_h (head experts)", minimum=0)
+        _positive_int(self.m, "m (tail pool size)", minimum=0)
+        if self.k_h > k:
+            raise BadInputError(f"k_h={self.k_h} is larger than k={k}: the head is part of the k experts "
+                                f"(k_h = k keeps the model's own top-k; Expert-Sample needs k_h < k)")
+        if self.m < k - self.k_h:
+            raise BadInputError(f"the tail pool m={self.m} is smaller than the {k - self.k_h} experts to sample "
+                                f"(k - k_h = {k} - {self.k_h}); use m >= {k - self.k_h}")
+        if self.k_h + self.m > arch.n_experts:
+            raise BadInputError(f"k_h + m = {self.k_h + self.m} but this model has {arch.n_experts} experts per layer")
+        try:
+            t_e = float(self.t_e)
+        except (TypeError, ValueError) as err:
+            raise BadInputError(f"expert temperature T_e must be a number, got {self.t_e!r}") from err
+        if not (math.isfinite(t_e) and t_e > 0):
+            raise BadInputError(f"expert temperature T_e must be a finite number > 0, got {self.t_e}")
+        if self.tail_gates not in TAIL_GATES:
+            raise BadInputError(f"tail_gates={self.tail_gates!r}; use one of {TAIL_GATES}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise BadInputError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    def choose(self, spec, logits, layer, at):
+        k = self.k or spec.top_k
+        choice, allowed = spec.choice_scores(logits)
+        if self.k_h == k:
+            idx = spec.family_topk(choice, k)
+        else:
+            ranked = torch.topk(choice, self.k_h + self.m, dim=-1)[1]
+            head, pool = ranked[:, :self.k_h], ranked[:, self.k_h:]
+            pool_logits = spec.sample_logits(logits).gather(1, pool)
+            if allowed is not None:
+                pool_logits = pool_logits.masked_fill(~allowed.gather(1, pool), -math.inf)
+            noise = gumbel_noise(self.seed, layer, at, pool)
+            picked = gumbel_top_k(pool_logits, k - self.k_h, float(self.t_e), noise)
+            if allowed is not None and torch.isinf(pool_logits.gather(1, picked)).any():
+                raise BadInputError(f"{self.describe()}: the tail pool reaches experts this router's group limit "
+                                    "excludes; use a smaller m")
+            idx = torch.cat([head, pool.gather(1, picked)], dim=-1)
+        if self.tail_gates == "router":
+            return idx, spec.gates(logits, idx, choice)
+        if self.tail_gates == "uniform":
+            gates = spec.gates(logits, idx, choice)
+            return idx, gates.mean(dim=-1, keepdim=True).expand_as(gates).contiguous()
+        # displaced: the model's own top-k gates by rank; rank k_h + j's gate goes to the j-th sampled expert
+        ranked = torch.topk(choice, k, dim=-1)[1]
+        return torch.cat([ranked[:, :self.k_h], idx[:, self.k_h:]], dim=-1), spec.gates(logits, ranked, choice)
+
+    def describe(self) -> str:
+        k = "the model's k" if self.k is None else f"k={self.k}"
+        return (f"expert-sample: head {self.k_h} of {k}, the rest sampled from the next {self.m} at "
+                f"T_e={float(self.t_e):g} (gates: {self.tail_gates}, seed {self.seed}) at {self.site}")
+
+
+@dataclass
+class ForceExperts(RouterRule):
+    """Route every token to the fixed `experts`, with the family's gates over them, or `gates` as given."""
+
+    kind: ClassVar[str] = "force_experts"
+    experts: list[int] | None = None
+    gates: list[float] | None = None
+
+    def __init__(self, site: str, experts: list[int], gates: list[float] | None = None, where: str = "all"):
+        self.site, self.experts, self.gates, self.where = site, experts, gates, where
+
+    def _check(self, arch: Any) -> None:
+        if not isinstance(self.experts, (list, tuple)) or not self.experts:
+            raise BadInputError("ForceExperts needs at least one expert: a token with no expert has no MoE output")
+        self.experts = list(self.experts)
+        bad = [e for e in self.experts if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < arch.n_experts]
+        if bad:
+            raise BadInputError(f"experts {bad} out of range; this model has experts 0..{arch.n_experts - 1}")
+        if len(set(self.experts)) != len(self.experts):
+            raise BadInputError(f"experts {self.experts} repeat an expert; list each once")
+        if self.gates is not None:
+            if not isinstance(self.gates, (list, tuple)) or len(self.gates) != len(self.experts):
+                raise BadInputError(f"gates must be a list of {len(self.experts)} numbers, one per expert")
+            self.gates = [_finite(g, "a gate (NaN or infinite gates are not allowed)") for g in self.gates]
+
+    def choose(self, spec, logits, layer, at):
+        idx = torch.tensor(self.experts, device=logits.device).expand(logits.shape[0], -1)
+        if self.gates is None:
+            return idx, None
+        return idx, torch.tensor(self.gates, dtype=torch.float32, device=logits.device).expand(logits.shape[0], -1)
+
+    def describe(self) -> str:
+        gates = "" if self.gates is None else f" with gates {self.gates}"
+        return f"route to experts {self.experts}{gates} at {self.site}"

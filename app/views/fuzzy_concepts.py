@@ -1,0 +1,251 @@
+"""Neuro-fuzzy concepts: readable IF-THEN rules over the hidden states of a target word, grounded in words and
+samples, against semi-NMF (CoX-LMM), k-means and PCA on held-out samples (METHODS.md section 2).
+
+The computation is one call, `analyses.fuzzy_concepts.run_study` (the same as `thoughtscope eval
+fuzzy-concepts`); this page reads widgets, calls it, and draws: the metric table with baselines, one card
+per rule, the firing of a chosen sample, the overlap heat map, and steering with a concept. Results are
+kept per process, keyed by everything they depend on, so moving between layers already run is instant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import streamlit as st
+
+from analyses.fuzzy_concepts import METHODS, SOURCES_HELP, FuzzyOptions, run_study
+from analyses.fuzzy_concepts.harvest import SOURCES, default_layer
+from app.context import FinishedGenerations
+from app.export import show_figure
+from app.figures.fuzzy_concepts import firing_figure, metrics_figure, overlap_figure, tuning_figure
+from app.registry import PageSpec
+from thoughtscope.errors import BadInputError, ThoughtscopeError
+from thoughtscope.provenance import provenance
+
+PAGE = PageSpec("Neuro-fuzzy concepts", ":material/hub:", 45, requires=("generate", "capture_batch", "readout"))
+METRIC_LABELS = {"reconstruction_error": "reconstruction error", "active_concepts": "active concepts",
+                 "word_overlap": "word overlap", "stability": "stability"}
+
+
+@st.cache_resource
+def results() -> FinishedGenerations:
+    """Studies and steered generations of this process, newest 32 kept."""
+    return FinishedGenerations(max_entries=32)
+
+
+# ----------------------------------------------------------------------------- 1. settings and the run
+
+
+def settings_section(ctx) -> FuzzyOptions:
+    st.subheader("1. Target word, samples and layer")
+    n_layers = ctx.backend.info()["arch"]["n_layers"]
+    c1, c2, c3, c4 = st.columns(4)
+    word = c1.text_input("Target word", "water", key="fz_word", help="the token whose hidden states are decomposed")
+    source = c2.selectbox("Samples", SOURCES, key="fz_source", help=SOURCES_HELP)
+    layer = c3.selectbox("Layer", list(range(n_layers)), index=default_layer(n_layers), key="fz_layer",
+                         help="residual stream after this layer (resid_post)")
+    k = c4.number_input("Rules / concepts K", 1, 64, 6, key="fz_k", help="the paper's default is 20")
+    c1, c2, c3, c4 = st.columns(4)
+    n = c1.number_input("Samples", 8, 2000, 48, key="fz_n", help="texts to generate (or corpus texts to take)")
+    seeds = c2.number_input("Seeds", 1, 10, 3, key="fz_seeds", help="fits per method; intervals are over seeds")
+    where = c3.radio("Read the word", ["generated", "any"], horizontal=True, key="fz_where",
+                     help="generated: only where the model itself wrote it; any: else its last occurrence in the prompt")
+    steps = c4.number_input("Gradient steps", 10, 2000, 300, 10, key="fz_steps")
+    texts: tuple[str, ...] = ()
+    if source == "texts":
+        raw = st.text_area("Texts, one per line (each should contain the word)", key="fz_texts")
+        texts = tuple(line for line in raw.splitlines() if line.strip())
+    return FuzzyOptions(word=word, source=source, n=int(n), texts=texts, where=where, layer=int(layer), k=int(k),
+                        seeds=int(seeds), steps=int(steps), max_new_tokens=ctx.settings.max_new_tokens,
+                        batch_size=16, seed=ctx.seed)
+
+
+def run_section(ctx, store, options: FuzzyOptions) -> dict[str, Any] | None:
+    key = ctx.result_key("fuzzy-study", options=options.to_dict(), texts=list(options.texts))
+    run_now = st.button("Harvest + fit", type="primary", key="fz_run", icon=":material/play_arrow:")
+    found = store.get(key)
+    if run_now and found is None:
+        with st.status(f"Harvesting {options.word!r} at layer {options.layer} and fitting {options.k} rules\u2026",
+                       expanded=True) as status:
+            bar = st.progress(0.0, text="starting\u2026")
+
+            def on_progress(stage: str, done: int, total: int) -> None:
+                bar.progress(min(1.0, done / max(1, total)), text=f"{stage}: {done}/{total}")
+
+            study = run_study(ctx.backend, options, on_progress=on_progress)
+            status.update(label=f"{len(study.reps.samples)} samples at {study.reps.site}; {options.k} rules fitted "
+                                f"over {options.seeds} seed(s)", state="complete", expanded=False)
+        found = {"study": study, "data": study.to_dict(), "key": key,
+                 "provenance": provenance(ctx.backend.info(), data=f"{options.source}:{options.word}", split="eval",
+                                          seed=options.seed, settings=options.to_dict(), site=study.reps.site)}
+        store.put(key, found)
+    if found is None:
+        st.info("Press **Harvest + fit** to collect the word's hidden states, tune on development samples, and fit "
+                "the fuzzy rules and the baselines (semi-NMF, k-means, PCA) over several seeds.")
+    return found
+
+
+# ----------------------------------------------------------------------------- 2. metrics
+
+
+def metrics_section(found: dict[str, Any]) -> None:
+    study, data = found["study"], found["data"]
+    st.subheader("2. Metrics on held-out samples, against the baselines")
+    reps = study.reps
+    cols = st.columns(4)
+    cols[0].metric("Samples", len(reps.samples))
+    cols[1].metric("Site", reps.site)
+    cols[2].metric("Train / dev / eval", " / ".join(str(len(study.splits[s])) for s in ("train", "dev", "eval")))
+    chosen = study.tuning["fuzzy"].chosen
+    cols[3].metric("Chosen on dev", f"m={chosen['n_features']}, \u03bb={chosen['sparsity']:g}, lr={chosen['lr']:g}")
+    table = []
+    for row in study.metric_table():
+        shown = {"method": row["method"]}
+        for name in [*METRIC_LABELS, *(k for k in row if k.startswith("ami_") and not k.endswith(("_low", "_high")))]:
+            label = METRIC_LABELS.get(name, f"AMI ({name[4:]})")
+            shown[label] = _interval(row[name], row[f"{name}_low"], row[f"{name}_high"])
+        table.append(shown)
+    st.dataframe(table, hide_index=True, key="fz_metric_table")
+    figure_data = {"metric_table": data["metric_table"], "seeds": study.options.seeds, "provenance": found["provenance"]}
+    show_figure(metrics_figure(figure_data), figure_data, "fuzzy_metrics")
+    tests = [f"vs {m}: {t['wilcoxon']['verdict']}" for m, t in study.paired.items()]
+    st.caption("Reconstruction error, paired over the evaluation samples (mean over seeds; Wilcoxon): "
+               + "; ".join(tests))
+    with st.expander("Development choices (tuned on the development split, never on evaluation)"):
+        for method, choice in study.tuning.items():
+            d = choice.to_dict()
+            st.markdown(f"**{method}**: {d['objective']} \u2192 `{d['chosen']}`")
+            if method == "fuzzy":
+                show_figure(tuning_figure({**d, "provenance": found["provenance"]}), d, "fuzzy_tuning")
+            st.dataframe([{**g["setting"], "dev FVU": round(g["dev_reconstruction_error"], 4),
+                           "dev active": round(g["dev_active_concepts"], 3)} for g in d["grid"]],
+                         hide_index=True, key=f"fz_tuning_{method}")
+
+
+def _interval(mean: float | None, low: float | None, high: float | None) -> str:
+    if mean is None or not np.isfinite(mean):
+        return "n/a"
+    return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
+
+
+# ----------------------------------------------------------------------------- 3. rule cards
+
+
+def rules_section(found: dict[str, Any]) -> None:
+    study = found["study"]
+    st.subheader("3. The rules (seed 0)")
+    st.caption("Each rule reads all m projected features; the card shows its most distinctive clauses "
+               "(centre \u00b1 width, named by where the centre sits among the training samples), the words its "
+               "concept promotes through the unembedding, and the samples on which it fires most.")
+    samples = study.reps.samples
+    top = study.top_samples["fuzzy"]
+    usage = np.bincount(study.fuzzy.transform(study.reps.Z).argmax(1).numpy(), minlength=len(study.rules))
+    columns = st.columns(2)
+    for rule in study.rules:
+        with columns[rule.index % 2].container(border=True, key=f"fz_rule_{rule.index}"):
+            st.markdown(f"**Rule {rule.index + 1}** \u00b7 strongest for {int(usage[rule.index])} samples")
+            st.code(rule.text(), language=None, wrap_lines=True)
+            st.markdown("**Words:** " + (", ".join(rule.words) if rule.words else "_(none survive the filter)_"))
+            for i in top[rule.index][:3]:
+                split = next(s for s, rows in study.splits.items() if i in rows)
+                st.caption(f"{samples[i].snippet(50)}  ({split})")
+
+
+# ----------------------------------------------------------------------------- 4. one sample
+
+
+def sample_section(found: dict[str, Any]) -> None:
+    study = found["study"]
+    st.subheader("4. Why a held-out sample fires the rules it does")
+    rows = study.splits["eval"]
+    row = st.selectbox("Evaluation sample", rows, key="fz_sample",
+                       format_func=lambda i: study.reps.samples[i].snippet(45))
+    explanation = study.explain(int(row))
+    data = {"firing": explanation["firing"], "memberships": explanation["memberships"],
+            "chain": explanation["chain"], "snippet": study.reps.samples[int(row)].snippet(40),
+            "rule_labels": [f"rule {r + 1}" for r in range(len(explanation["firing"]))],
+            "provenance": found["provenance"]}
+    show_figure(firing_figure(data), data, "fuzzy_firing")
+    st.text(explanation["text"])
+    st.caption(f"cosine(reconstruction, sample) around the training mean: {explanation['reconstruction_cosine']:.3f}")
+
+
+# ----------------------------------------------------------------------------- 5. overlap
+
+
+def overlap_section(found: dict[str, Any]) -> None:
+    study = found["study"]
+    st.subheader("5. Overlap of grounded words between concepts")
+    method = st.radio("Method", METHODS, horizontal=True, key="fz_overlap_method")
+    matrix = study.overlap_matrix[method]
+    k = len(matrix)
+    mean = float(np.sum(matrix) / (k * (k - 1))) if k > 1 else 0.0
+    data = {"method": method, "overlap_matrix": matrix, "mean": mean, "words": study.words[method],
+            "provenance": found["provenance"]}
+    show_figure(overlap_figure(data), data, "fuzzy_overlap")
+    st.dataframe([{"concept": i + 1, "words": ", ".join(w)} for i, w in enumerate(study.words[method])],
+                 hide_index=True, key="fz_words")
+
+
+# ----------------------------------------------------------------------------- 6. steering
+
+
+def steering_section(ctx, store, found: dict[str, Any]) -> None:
+    from analyses.steering import steered_comparison
+
+    study = found["study"]
+    st.subheader("6. Steer with a concept")
+    st.caption("The concept's consequent (relative to the training mean) is added at the layer it came from, at "
+               "every position, for the sidebar prompt; the unsteered text uses the same seed.")
+    left, right = st.columns([1, 2])
+    rule = left.selectbox("Rule", range(len(study.rules)), key="fz_steer_rule",
+                          format_func=lambda r: f"rule {r + 1}: {', '.join(study.rules[r].words[:3])}")
+    scale = right.slider("Scale", -8.0, 8.0, 0.0, 0.5, key="fz_steer_scale",
+                         help="adds scale \u00d7 (u_r - mean) at every position")
+    if not ctx.prompt.strip():
+        st.info("Type a prompt in the sidebar.")
+        return
+    direction = study.fuzzy.directions_[int(rule)]
+    s = ctx.settings
+    key = ctx.result_key("fuzzy-steer", study=found["key"], rule=int(rule), scale=float(scale),
+                         input=ctx.model_input(), settings=s.to_dict(), seed=ctx.seed)
+    result = store.get(key)
+    if result is None:
+        with st.spinner(f"Generating with and without rule {int(rule) + 1}'s concept (scale {scale:g})\u2026"):
+            result = steered_comparison(ctx.backend, ctx.model_input(), study.reps.site, direction, float(scale),
+                                        max_new_tokens=s.max_new_tokens, sampling=s.sampling(), seed=ctx.seed,
+                                        chat=ctx.chat)
+        store.put(key, result)
+    left, right = st.columns(2)
+    with left.container(border=True, key="fz-unsteered"):
+        st.markdown("**Unsteered**")
+        st.text(result.unsteered_text)
+    with right.container(border=True, key="fz-steered"):
+        st.markdown(f"**Steered** (rule {int(rule) + 1}, scale {scale:g}, |v| = {result.direction_norm:.3g})")
+        st.text(result.steered_text)
+
+
+# ----------------------------------------------------------------------------- the page
+
+
+def render(ctx) -> None:
+    st.title("Neuro-fuzzy concepts")
+    st.caption("Hidden states of one word across many contexts, explained by K fuzzy rules: IF the projected "
+               "features are near a rule's centres THEN the representation is that rule's concept, a point in the "
+               "model's hidden space grounded in words (a reconstruction of the ICML 2026 neuro-fuzzy concept "
+               "learner, compared with CoX-LMM's semi-NMF dictionary, k-means and PCA).")
+    store = results()
+    options = settings_section(ctx)
+    found = run_section(ctx, store, options)
+    if found is None:
+        return
+    for section in (metrics_section, rules_section, sample_section, overlap_section):
+        try:
+            section(found)
+        except ThoughtscopeError as err:
+            st.error(str(err))
+    try:
+        steering_section(ctx, store, found)
+    except (ThoughtscopeError, BadInputError) as err:
+        st.error(str(err))

@@ -328,8 +328,9 @@ def test_cli_json_has_every_method_and_a_provenance_record(tmp_path, monkeypatch
     assert FuzzyRuleLayer.load(tmp_path / "rules").metadata_["word"] == "dog"
 
 
-def test_a_fit_on_rows_harvested_through_the_server_equals_in_process(llama, tmp_path):
-    from probes.client import RemoteBackend
+@pytest.fixture(scope="module")
+def served_url():
+    """`thoughtscope serve` with tiny-random:llama in a subprocess on a free loopback port."""
     from probes.server_bench import free_port, start_server, stop_server, wait_ready
 
     port = free_port()
@@ -337,23 +338,29 @@ def test_a_fit_on_rows_harvested_through_the_server_equals_in_process(llama, tmp
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url, timeout=180)
-        with RemoteBackend(url, timeout=120) as remote:
-            # generated samples (sampled through the server's stream, same seed) give the same tokens and rows
-            source = TextSource("dog", kind="generate", n=6, where="any", max_new_tokens=6, batch_size=3)
-            local, served = harvest(llama, source, 1), harvest(remote, source, 1)
-            assert [s.key for s in served.samples] == [s.key for s in local.samples]
-            torch.testing.assert_close(served.Z, local.Z, rtol=1e-5, atol=1e-5)
-            # and a fit on the served rows of varied texts equals the in-process fit
-            source = TextSource("dog", kind="texts", texts=DOG_TEXTS, n=12)
-            local, served = harvest(llama, source, 1), harvest(remote, source, 1)
-            torch.testing.assert_close(served.Z, local.Z, rtol=1e-5, atol=1e-5)
-            a = FuzzyRuleLayer(n_rules=2, n_features=3, steps=25, seed=1).fit(local.Z)
-            b = FuzzyRuleLayer(n_rules=2, n_features=3, steps=25, seed=1).fit(served.Z)
-            torch.testing.assert_close(b.concepts_, a.concepts_, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(b.transform(local.Z), a.transform(local.Z), rtol=1e-4, atol=1e-4)
-            assert [r.text() for r in b.rules()] == [r.text() for r in a.rules()]
+        yield url
     finally:
         stop_server(proc)
+
+
+def test_a_fit_on_rows_harvested_through_the_server_equals_in_process(llama, served_url):
+    from probes.client import RemoteBackend
+
+    with RemoteBackend(served_url, timeout=120) as remote:
+        # generated samples (sampled through the server's stream, same seed) give the same tokens and rows
+        source = TextSource("dog", kind="generate", n=6, where="any", max_new_tokens=6, batch_size=3)
+        local, served = harvest(llama, source, 1), harvest(remote, source, 1)
+        assert [s.key for s in served.samples] == [s.key for s in local.samples]
+        torch.testing.assert_close(served.Z, local.Z, rtol=1e-5, atol=1e-5)
+        # and a fit on the served rows of varied texts equals the in-process fit
+        source = TextSource("dog", kind="texts", texts=DOG_TEXTS, n=12)
+        local, served = harvest(llama, source, 1), harvest(remote, source, 1)
+        torch.testing.assert_close(served.Z, local.Z, rtol=1e-5, atol=1e-5)
+        a = FuzzyRuleLayer(n_rules=2, n_features=3, steps=25, seed=1).fit(local.Z)
+        b = FuzzyRuleLayer(n_rules=2, n_features=3, steps=25, seed=1).fit(served.Z)
+        torch.testing.assert_close(b.concepts_, a.concepts_, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.transform(local.Z), a.transform(local.Z), rtol=1e-4, atol=1e-4)
+        assert [r.text() for r in b.rules()] == [r.text() for r in a.rules()]
 
 
 # ----------------------------------------------------------------------------- the page
@@ -404,6 +411,35 @@ def test_the_page_runs_a_study_and_draws_cards_firing_overlap_and_steering(monke
     at.button(key="fz_run").click().run()
     helpers.assert_clean(at)
     assert helpers.metric(at, "Site") == "resid_post.1"
+    page.results.clear()
+
+
+def test_the_page_runs_through_the_model_server(served_url, monkeypatch, tmp_path):
+    from tests import apptest_helpers as helpers
+
+    import app.views.fuzzy_concepts as page
+
+    monkeypatch.setenv("THOUGHTSCOPE_SERVER", served_url)
+    monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
+    page.results.clear()
+    at = helpers.open_page("fuzzy_concepts", 6)
+    at.selectbox(key="fz_source").set_value("texts")
+    at.run()
+    at.text_area(key="fz_texts").set_value("\n".join(DOG_TEXTS))
+    at.text_input(key="fz_word").set_value("dog")
+    at.number_input(key="fz_k").set_value(2)
+    at.number_input(key="fz_n").set_value(20)
+    at.number_input(key="fz_seeds").set_value(2)
+    at.number_input(key="fz_steps").set_value(20)
+    at.run()
+    at.button(key="fz_run").click().run()
+    helpers.assert_clean(at)
+    assert helpers.metric(at, "Samples") == "20"
+    assert sum("IF f" in c.value for c in at.code) == 2
+    at.slider(key="fz_steer_scale").set_value(8.0).run()
+    helpers.assert_clean(at)
+    unsteered, steered = [t.value for t in at.text][-2:]
+    assert steered != unsteered
     page.results.clear()
 
 

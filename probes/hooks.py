@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from probes.interventions import Intervention
+from probes.routing import RouterRule
 from probes.sites import Site, get_module
 
 
@@ -50,6 +51,7 @@ class _Handler:
     site: Site
     interventions: list[Intervention] = field(default_factory=list)
     capture: bool = False
+    rules: list[RouterRule] = field(default_factory=list)  # replace the router's whole output tuple
 
 
 class HookRunner:
@@ -62,6 +64,11 @@ class HookRunner:
         self._groups: dict[tuple[str, str], list[_Handler]] = defaultdict(list)
         by_site: dict[str, _Handler] = {}
         for iv in interventions:
+            if isinstance(iv, RouterRule):  # one rule may cover every MoE layer (`router.*`)
+                iv.validate(handle.arch)
+                for site in iv.sites(handle.arch):
+                    by_site.setdefault(site.name, _Handler(site)).rules.append(iv)
+                continue
             site = iv.validate(handle.arch)
             by_site.setdefault(site.name, _Handler(site)).interventions.append(iv)
         for site in capture:
@@ -71,6 +78,7 @@ class HookRunner:
             key = (handler.site.module_path(family), handler.site.spec.read)
             self._groups[key].append(handler)
         self._removers: list[Any] = []
+        self._columns: dict[str, int] = defaultdict(int)  # tokens each router has seen: the noise's column
         self.needs_eager = any(h.site.spec.needs_eager_attention for h in by_site.values())
 
     def __enter__(self) -> "HookRunner":
@@ -131,6 +139,9 @@ class HookRunner:
 
     def _post_hook(self, handlers: list[_Handler]):
         def hook(module: Any, args: Any, output: Any) -> Any:
+            for h in handlers:
+                if h.rules:
+                    output = self._route(h, module, output)
             by_index: dict[int, list[_Handler]] = defaultdict(list)
             for h in handlers:
                 by_index[h.site.spec.index or 0].append(h)
@@ -143,6 +154,16 @@ class HookRunner:
             return self._run(by_index[0], output)
 
         return hook
+
+    def _route(self, h: _Handler, module: Any, output: tuple) -> tuple:
+        """Router rules replace (gates, indices) in the router's output; the MoE block uses theirs."""
+        seq = output[0].shape[0] // self.ctx.batch
+        start = self._columns[h.site.name]
+        self._columns[h.site.name] = start + seq
+        for rule in h.rules:
+            output = rule.route(module, output, self.handle.arch.model_type, h.site.layer, self.ctx.batch,
+                                start, self.ctx.phase)
+        return output
 
     def _pre_hook(self, handlers: list[_Handler]):
         def hook(module: Any, args: Any, kwargs: Any) -> Any:

@@ -79,11 +79,21 @@ _DECODER = {
     "final_norm": "model.norm",
     "embed": "model.embed_tokens",
 }
-FAMILIES: dict[str, dict[str, str]] = {"decoder": _DECODER}
+FAMILIES: dict[str, dict[str, str]] = {
+    "decoder": _DECODER,
+    # gpt-oss names its router `router`, not `gate`
+    "gpt_oss": {**_DECODER, "router": "mlp.router"},
+    # multi-head latent attention (DeepSeek-V2/V3) has no per-head key/value projections: k/v sites
+    # do not exist; `q_proj` exists when q_lora_rank is None (V2-Lite), else the query is `q_b_proj`'s output
+    "mla": {part: path for part, path in _DECODER.items() if part not in ("k_proj", "v_proj")},
+}
 MODEL_TYPE_FAMILY: dict[str, str] = {
-    t: "decoder"
-    for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "olmoe", "olmo2",
-              "mixtral", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3", "granite", "smollm3")
+    **{t: "decoder"
+       for t in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "olmoe", "olmo2",
+                 "mixtral", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3", "granite", "smollm3")},
+    "gpt_oss": "gpt_oss",
+    "deepseek_v2": "mla",
+    "deepseek_v3": "mla",
 }
 
 
@@ -110,6 +120,9 @@ class Site:
 
     def module_path(self, family: str = "decoder") -> str:
         paths = FAMILIES[family]
+        if self.spec.part not in paths:
+            raise UnknownSiteError(f"site {self.name!r} does not exist in {family} models "
+                                   f"(they have no {self.spec.part} module); see `thoughtscope sites`")
         part = paths[self.spec.part]
         if self.layer is None:
             return part
@@ -125,9 +138,10 @@ def parse_site(name: str) -> Site:
     if name in GLOBAL_SITES:
         return Site(name, None)
     kind, _, layer = name.rpartition(".")
-    if kind not in SITE_KINDS or not layer.lstrip("-").isdigit():
+    if kind not in SITE_KINDS or not layer.isdigit() or len(layer) > 6:
         kinds = ", ".join([f"{k}.L" for k in SITE_KINDS] + list(GLOBAL_SITES))
-        raise UnknownSiteError(f"unknown site {name!r}; sites are {kinds} (L = layer index)")
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise UnknownSiteError(f"unknown site {shown!r}; sites are {kinds} (L = layer index)")
     return Site(kind, int(layer))
 
 
@@ -140,15 +154,26 @@ def validate_site(name: str, arch: Any) -> Site:
         )
     if site.spec.moe_only and not arch.is_moe:
         raise UnknownSiteError(f"site {name!r}: this model has no MoE router ({arch.model_type} is dense)")
+    moe_layers = getattr(arch, "moe_layers", None)
+    if site.spec.moe_only and moe_layers and site.layer not in moe_layers:
+        raise UnknownSiteError(f"site {name!r}: layer {site.layer} of this model is a dense MLP layer; "
+                               f"its MoE layers are {list(moe_layers)}")
+    if site.spec.part not in FAMILIES[family_of(arch.model_type)]:
+        raise UnknownSiteError(f"site {name!r} does not exist in {arch.model_type} models "
+                               f"(they have no {site.spec.part} module); see `thoughtscope sites`")
     return site
 
 
 def list_sites(arch: Any) -> list[dict[str, Any]]:
     """Every site of a model, one row each: name, shape, TransformerLens hook, description."""
     rows = []
+    paths = FAMILIES[family_of(arch.model_type)]
+    moe_layers = getattr(arch, "moe_layers", None)
     for layer in range(arch.n_layers):
         for kind, spec in SITE_KINDS.items():
-            if spec.moe_only and not arch.is_moe:
+            if spec.moe_only and (not arch.is_moe or (moe_layers and layer not in moe_layers)):
+                continue
+            if spec.part not in paths:
                 continue
             site = Site(kind, layer)
             rows.append({"site": site.name, "shape": spec.shape, "tl_hook": site.tl_hook(), "doc": spec.doc})

@@ -58,6 +58,21 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
     "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, norm_topk_prob=True)),
+    # DeepSeek-V2/V3: multi-head latent attention (no k/v projections, q_proj with q_lora_rank=None,
+    # query heads of nope + rope = 32 = the value heads' width, so `q` and `z` share head_dim),
+    # group-limited routing (4 groups of 2 experts, the best 2 groups allowed), a shared expert
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        v_head_dim=32, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        v_head_dim=32, n_group=4, topk_group=2, first_k_dense_replace=0)),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                     sliding_window=64, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})),
     "gemma3": ("Gemma3TextConfig", dict(sliding_window=64)),
 }
 
@@ -99,13 +114,15 @@ class ArchInfo:
     context_length: int
     n_experts: int = 0
     experts_top_k: int = 0
+    moe_layers: tuple[int, ...] = ()  # layers with a router (some families keep dense MLPs in a few)
 
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain JSON values (tuples as lists), so the dict is the same after a trip through the server."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def arch_from_config(config: Any) -> ArchInfo:
@@ -118,14 +135,25 @@ def arch_from_config(config: Any) -> ArchInfo:
         n_layers=cfg.num_hidden_layers,
         n_heads=n_heads,
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
-        head_dim=getattr(cfg, "head_dim", None) or d_model // n_heads,
+        # multi-head latent attention (DeepSeek) sets head_dim to its rope part; its per-head output is v_head_dim
+        head_dim=getattr(cfg, "v_head_dim", None) or getattr(cfg, "head_dim", None) or d_model // n_heads,
         d_model=d_model,
         d_mlp=getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", 0) or 0,
         vocab_size=cfg.vocab_size,
         context_length=getattr(cfg, "max_position_embeddings", None) or 2048,
         n_experts=int(n_experts),
         experts_top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0) if n_experts else 0,
+        moe_layers=_moe_layers(cfg, cfg.num_hidden_layers) if n_experts else (),
     )
+
+
+def _moe_layers(cfg: Any, n_layers: int) -> tuple[int, ...]:
+    """Layers whose MLP is a routed MoE block: Qwen2/3-MoE skip `mlp_only_layers` and keep one in
+    `decoder_sparse_step`; DeepSeek-V2/V3 keep the first `first_k_dense_replace` layers dense."""
+    dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+    step = getattr(cfg, "decoder_sparse_step", None) or 1
+    first = getattr(cfg, "first_k_dense_replace", None) or 0
+    return tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0 and i >= first)
 
 
 @dataclass
@@ -310,17 +338,51 @@ def _quiet_transformers():
     hf_logging.disable_progress_bar()
 
 
+# What a cached SmolLM2 folder must hold, whole, to be used rather than rebuilt.
+_SMOLLM2_JSON = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
 @functools.lru_cache(maxsize=1)
 def smollm2_files() -> Path:
-    """Folder with the dequantized SmolLM2 weights and tokenizer, made from the GGUF on first use."""
+    """Folder with the dequantized SmolLM2 weights and tokenizer, made from the GGUF on first use.
+
+    Built under a file lock into a temporary folder (`probes.model_files`): what a killed build left
+    is removed on the next call, and a damaged cached copy (weights cut short, a JSON file missing)
+    is rebuilt from the GGUF.
+    """
+    from probes.model_files import build_lock, folder_problem, remove_stale_temps, replace_folder, temp_folder
+
     gguf = smollm2_gguf_path()
     folder = user_cache_dir() / "models" / f"smollm2-135m-{gguf.stat().st_size}"
-    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+    if folder_problem(folder, json_files=_SMOLLM2_JSON) is None:
+        remove_stale_temps(folder)
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(folder):
+        remove_stale_temps(folder, locked=True)
+        problem = folder_problem(folder, json_files=_SMOLLM2_JSON)
+        if problem is None:  # another process built it while we waited
+            return folder
+        tmp = temp_folder(folder)
+        try:
+            _dequantize_smollm2(gguf, tmp, damaged=problem if folder.exists() else None)
+            replace_folder(tmp, folder)
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return folder
+
+
+def _dequantize_smollm2(gguf: Path, tmp: Path, damaged: str | None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
-    log.warning("thoughtscope: dequantizing the embedded SmolLM2 GGUF once (~15 s); cached afterwards")
+    if damaged:
+        log.warning("thoughtscope: the cached SmolLM2 is damaged (%s); rebuilding it from the GGUF (~15 s)", damaged)
+    else:
+        log.warning("thoughtscope: dequantizing the embedded SmolLM2 GGUF once (~15 s); cached afterwards")
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -334,16 +396,8 @@ def smollm2_files() -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if folder.exists():  # another process won the race; keep its copy
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.rename(folder)
-    return folder
 
 
 def _load_smollm2(dtype: torch.dtype):
@@ -406,6 +460,11 @@ def _load_hf(ref: str, dtype: torch.dtype, device_map: str | None, trust_remote_
     if device_map:
         kwargs["device_map"] = device_map
     local = Path(ref).expanduser()
+    if local.exists() and not (local / "config.json").is_file():
+        raise UnknownModelError(
+            f"hf:{ref} is not a model folder (it has no config.json). Pass a folder saved with "
+            "save_pretrained (config.json, weights, tokenizer) or a repo id in the local Hugging Face cache."
+        )
     source = str(local) if local.exists() else ref
     try:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)

@@ -105,6 +105,15 @@ def comparison(ctx, key: str, site: str, direction_key: str, direction: np.ndarr
     return result
 
 
+def how_made(result: SteeringComparison) -> str:
+    if result.scale == 0:
+        return "scale 0 is the unsteered text"
+    if result.draft == "none":
+        return "generated from scratch (a weaker push on this side already changed the first token)"
+    source = "the unsteered text" if result.draft == "unsteered" else "the nearest scale's text"
+    return f"{result.reused_tokens} tokens kept from {source} after one check, the rest generated"
+
+
 def pick_direction(ctx, site: str) -> tuple[np.ndarray, dict[str, Any]] | None:
     """The direction and what it was made from (for the provenance record), or None until one is given."""
     source = st.radio("Direction from", [FROM_PROMPTS, FROM_FILE, FROM_SAE], horizontal=True, key="steer_source")
@@ -229,8 +238,8 @@ def render(ctx) -> None:
     with right:
         ppl = f", perplexity {result.perplexity:.3g} under the unsteered model" if result.perplexity else ""
         _text_box(ctx, f"**Steered** (scale {result.scale:g}, adds |v| = {result.added_norm:.3g})", result.steered,
-                  "steered-text", f"{len(result.steered.tokens)} tokens{ppl}; {result.reused_tokens} kept from a "
-                                  f"draft after one check; answered in {took:.2f} s")
+                  "steered-text", f"{len(result.steered.tokens)} tokens{ppl}; {how_made(result)}; "
+                                  + (f"answered in {took:.2f} s" if took > 0.05 else "kept from before"))
     steer = AddVector(site, steering_vector(direction, "norm", norm), result.scale)
     record = ctx.provenance(interventions=[steer.describe()],
                             settings={"site": site, "unit": "norm", "reference_norm": norm, "direction": made_from})

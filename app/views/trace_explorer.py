@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analyses.logit_lens import CompletionTrace, attention_pattern, logit_lens, residual_norms, trace_completion
+from analyses.logit_lens import (ATTENTION_BUDGET_BYTES, CompletionTrace, attention_pattern, logit_lens, residual_norms,
+                                 trace_completion)
 from app.context import shows_errors
 from app.export import plain, show_figure
 from app.figures.trace import records_data, tokens_html
@@ -25,11 +26,16 @@ LENS_WIDTH, ATTENTION_WIDTH = 32, 48  # default windows: the positions shown at 
 PROMPT_SHOWN = 8  # prompt tokens the default attention window keeps before the generation
 
 
+SERVER_ATTENTION_BUDGET = 32 * 2**20  # through a server, larger sets of patterns are fetched a layer at a time
+
+
 @st.cache_resource(show_spinner=False, max_entries=4)
 def completion_trace(_ctx, key: str, generated_ids: tuple[int, ...]) -> CompletionTrace:
     """The one pass over prompt + generation that every view reads (kept for the 4 newest generations;
-    `key` names model, prompt and settings, `_ctx` is not hashed)."""
-    return trace_completion(_ctx.backend, _ctx.model_input(), generated_ids, _ctx.chat)
+    `key` names model, prompt and settings, `_ctx` is not hashed). Every layer's attention comes with
+    it while it fits the budget: 256 MiB in this process, 32 MiB over HTTP from a model server."""
+    budget = SERVER_ATTENTION_BUDGET if _ctx.server_url else ATTENTION_BUDGET_BYTES
+    return trace_completion(_ctx.backend, _ctx.model_input(), generated_ids, _ctx.chat, attention_budget=budget)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)

@@ -337,7 +337,8 @@ def verdict(n: int, p_value: float, better: bool, *, test: str, detail: str = ""
     tail = f" ({test} p = {p_value:.2g}{'; ' + detail if detail else ''})" if p_value < 0.01 else \
         f" ({test} p = {p_value:.2f}{'; ' + detail if detail else ''})"
     if p_value < alpha:
-        return f"the method is {'better' if better else 'worse'}{' on ' + what if what else ''} than the baseline" + tail
+        side = "better" if better else "worse"
+        return f"the method is {side}{' on ' + what if what else ''} than the baseline" + tail
     return f"n = {n} cannot tell these apart{' on ' + what if what else ''}" + tail
 
 
@@ -486,7 +487,8 @@ def compare(name: str, setting: dict[str, Any], correct: Sequence[bool | int], c
         for k, v in (baseline_costs or {}).items():
             if k in costs:
                 what = (cost_names or {}).get(k, k)
-                out.cost_tests[k] = [sign_test(costs[k], v, what=what, **kw), wilcoxon_test(costs[k], v, what=what, **kw)]
+                out.cost_tests[k] = [sign_test(costs[k], v, what=what, **kw),
+                                     wilcoxon_test(costs[k], v, what=what, **kw)]
     return out
 
 

@@ -1,12 +1,19 @@
 """Reasoning tasks with checkable answers: problem sets, prompts, answer extraction and scoring.
 
-Two sources of problems:
+Three sources of problems:
 
 - seeded arithmetic word problems (one or two steps), easy enough that the embedded
   SmolLM2-135M gets about half of the one-step ones right, so its traces contain both
   successes and failures to analyse;
 - the GSM8K test set (Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems",
-  MIT licence, shipped in ``analyses/data``), real but hard for small models.
+  MIT licence, shipped in ``analyses/data``), real but hard for small models;
+- the `toy-reasoner` organism's generator (``toy-reasoner``, ``toy-reasoner:small``, see
+  ``analyses.organism``), whose calibration / dev / eval splits are disjoint by construction and
+  whose problems carry their planted ground truth.
+
+``load_splits`` gives the calibration / development / evaluation parts of a task the evaluation
+protocol asks for (``analyses.evaluation``): the organism's own splits, or a seeded three-way cut of
+a pool for the other tasks.
 
 Scoring is exact match on a normalised number (``extract_answer`` / ``is_correct``), and
 sampling-based accuracy uses the unbiased pass@k estimator of Chen et al. 2021
@@ -33,7 +40,8 @@ from typing import Any
 
 from thoughtscope.errors import BadInputError
 
-TASK_NAMES = ("arith", "arith2", "arith-mixed", "gsm8k")
+TASK_NAMES = ("arith", "arith2", "arith-mixed", "gsm8k", "toy-reasoner", "toy-reasoner:small")
+ORGANISM_TASKS = ("toy-reasoner", "toy-reasoner:small")
 
 GSM8K_FILE = "gsm8k_test.jsonl"
 
@@ -247,15 +255,24 @@ def _gsm8k_problem(index: int, line: str) -> Problem:
 # --------------------------------------------------------------------------- task registry
 
 
-def load_task(name: str, n: int, seed: int = 0) -> list[Problem]:
+def load_task(name: str, n: int, seed: int = 0, split: str = "eval") -> list[Problem]:
     """`n` problems of the task `name` (one of ``TASK_NAMES``), chosen by `seed`.
+
+    `split` only matters for the organism's tasks, which draw from the generator's own split
+    (calibration, dev or eval; never the problems the organism was trained on).
 
     >>> len(load_task("arith-mixed", 5))
     5
     >>> load_task("gsm8k", 1, seed=None)[0].id
     'gsm8k-0000'
+    >>> load_task("toy-reasoner:small", 1, split="dev")[0].id
+    'toy-reasoner-dev-s0-0000'
     """
     _check_count(n)
+    if name in ORGANISM_TASKS:
+        from analyses.organism import organism_problems, size_of
+
+        return organism_problems(n, split=split, seed=seed, size=size_of(name))
     if name == "arith":
         return arithmetic_problems(n, steps=1, seed=seed)
     if name == "arith2":
@@ -265,6 +282,25 @@ def load_task(name: str, n: int, seed: int = 0) -> list[Problem]:
     if name == "gsm8k":
         return load_gsm8k(n, seed=seed)
     raise BadInputError(f"Unknown task {name!r}; choose one of: {', '.join(TASK_NAMES)}.")
+
+
+def load_splits(name: str, n_calibration: int, n_development: int, n_evaluation: int, seed: int = 0):
+    """Disjoint calibration / development / evaluation problems of a task (`analyses.evaluation.Splits`).
+
+    The organism's tasks draw each part from the generator's own split; the other tasks load one
+    pool of `n_calibration + n_development + n_evaluation` problems and cut it three ways (seeded).
+
+    >>> load_splits("arith", 2, 3, 5, seed=0).sizes()
+    {'calibration': 2, 'development': 3, 'evaluation': 5}
+    """
+    from analyses.evaluation import Splits, split_three
+
+    if name in ORGANISM_TASKS:
+        parts = [load_task(name, k, seed=seed, split=split) if k else []
+                 for k, split in ((n_calibration, "calibration"), (n_development, "dev"), (n_evaluation, "eval"))]
+        return Splits(*parts, seed=seed)
+    total = n_calibration + n_development + n_evaluation
+    return split_three(load_task(name, total, seed=seed), n_calibration, n_development, n_evaluation, seed=seed)
 
 
 def split_problems(

@@ -70,12 +70,13 @@ def test_calibration_with_a_tiny_n_draws_the_densities():
     assert metric(at, "Exit after token")  # the exit metrics are drawn for the sidebar prompt too
 
 
-def _synthetic_calibration(engine, problems, family, *, max_new_tokens, bins, seed, on_progress=None):
+def _synthetic_calibration(engine, problems, family, *, max_new_tokens, bins, seed, density="histogram",
+                           on_progress=None):
     """A detector whose confidence density covers [0, 3) nats, where the tiny model's probe entropies
     (~2 nats) fall, so each probed step adds Z = log 3 (random weights never reach an alarm otherwise)."""
     if on_progress:
         on_progress(len(problems), len(problems))
-    detector = CusumDetector(bins=2, value_range=(0.0, 6.0)).fit(
+    detector = CusumDetector(density="histogram", bins=2, value_range=(0.0, 6.0)).fit(
         [CalibrationTrace([4.5, 4.5, 1.5, 1.5], ["1", "1", "2", "2"], "2")])
     return detector, {"accuracy": 0.0, "steps": 4, "warnings": []}
 

@@ -496,10 +496,10 @@ def test_the_cusum_alarm_lands_near_the_organisms_settling_step(organism):
     s = report.summary
     assert report.task == "toy-reasoner:small" and s["n"] == 40
     # planted traces, teacher-forced: the probes before the settling step are unsure, after it sure
-    assert s["within_bound"]["estimate"] >= 0.5, s  # most alarms land 0-2 steps after the settling step
-    assert s["false_alarm_rate"]["estimate"] <= 0.2, s
+    assert s["within_bound"]["estimate"] >= 0.55, s  # most alarms land 0-2 steps after the settling step
+    assert s["false_alarm_rate"]["estimate"] <= 0.3, s  # mostly at a planted wrong step the model is sure of
     delays = [r.delay for r in report.rows if r.delay is not None]
-    assert sorted(set(delays))[0] >= -2 and max(delays) <= 4
+    assert delays.count(0) > len(report.rows) / 2  # the commonest alarm: the end of the settling step itself
     d = report.to_dict()
     assert [row["setting"] for row in d["choices"]["cusum"]["grid"]] == [0.5, 1.0, 2.0, 4.0, 8.0]
     assert d["provenance"]["command"] == "eval cot-settling"

@@ -324,3 +324,42 @@ def test_mean_pass_at_k_averages_over_problems():
     assert mean_pass_at_k([(5, 2), (5, 0), (5, 5)], k=2) == pytest.approx((0.7 + 0.0 + 1.0) / 3)
     with pytest.raises(BadInputError):
         mean_pass_at_k([], k=1)
+
+
+# --------------------------------------------------------------------------- the organism's task and the splits
+
+
+def test_the_organism_task_draws_from_its_generators_own_disjoint_splits():
+    from analyses.families import default_task, family_for, task_prompt
+    from analyses.tasks import load_splits
+
+    splits = load_splits("toy-reasoner:small", 20, 20, 30, seed=0)
+    assert splits.sizes() == {"calibration": 20, "development": 20, "evaluation": 30}
+    questions = [{p.question for p in part} for part in splits]
+    assert not (questions[0] & questions[1] or questions[0] & questions[2] or questions[1] & questions[2])
+    assert [p.meta["split"] for p in splits.evaluation] == ["eval"] * 30
+    for p in splits.calibration:  # each problem carries its planted trace; the answer is left-to-right arithmetic
+        tokens = p.question.split()
+        value = int(tokens[0])
+        for op, b in zip(tokens[1:-2:2], tokens[2:-2:2]):
+            value = value + int(b) if op == "+" else value - int(b)
+        assert p.answer == str(value) and p.meta["trace"].endswith(f"So the answer is {value} .")
+        assert is_correct(p.meta["trace"], p)
+    assert load_task("toy-reasoner:small", 5, split="eval") == splits.evaluation[:5]  # a prefix, seeded
+    family = family_for("toy-reasoner:small")
+    assert (family.step_delimiter, family.answer_suffix, family.labeller) == (";", " So the answer is", "toy-reasoner")
+    assert task_prompt(splits.evaluation[0], family) == ([{"role": "user", "content": splits.evaluation[0].question}],
+                                                         True)
+    assert default_task("toy-reasoner:small") == "toy-reasoner:small" and default_task("toy-reasoner") == "toy-reasoner"
+    assert default_task("smollm2-135m") == "arith"
+
+
+def test_load_splits_cuts_a_pool_three_ways_for_the_other_tasks():
+    from analyses.tasks import load_splits
+
+    splits = load_splits("arith", 3, 4, 5, seed=2)
+    pool = load_task("arith", 12, seed=2)
+    assert sorted(p.id for part in splits for p in part) == sorted(p.id for p in pool)
+    assert splits.to_dict()["sizes"] == {"calibration": 3, "development": 4, "evaluation": 5}
+    with pytest.raises(BadInputError):
+        load_task("toy-reasoner:tiny", 1)

@@ -96,7 +96,8 @@ def register(cli: typer.Typer) -> None:
         n_calibration: int = typer.Option(60, help="calibration problems (f0/f1 are fitted on them)"),
         n_dev: int = typer.Option(60, help="development problems (every setting is chosen on them)"),
         h: list[str] = typer.Option(["0.5,1,2,4,8"], "--h", help="CUSUM thresholds h = log(gamma) to choose from"),
-        deer: list[str] = typer.Option(["0.8,0.9,0.95,0.99"], "--deer", help="DEER confidence thresholds to choose from"),
+        deer: list[str] = typer.Option(["0.8,0.9,0.95,0.99"], "--deer",
+                                       help="DEER confidence thresholds to choose from"),
         dynasor: list[str] = typer.Option([], "--dynasor", help="Dynasor k:m pairs to choose from, e.g. 4:2,8:2,8:3 "
                                                                 "(default: around the family's k, m in {2, 3})"),
         density: str = typer.Option("kde", help="kde (bandwidth chosen on development) | histogram"),
@@ -188,7 +189,8 @@ def register(cli: typer.Typer) -> None:
         if s["mean_delay_when_not_early"]:
             table.add_row("mean delay (steps, alarms at or after settling)",
                           _interval(s["mean_delay_when_not_early"]))
-        table.add_row("delay distribution (steps: traces)", ", ".join(f"{k}: {v}" for k, v in s["delay_counts"].items()))
+        table.add_row("delay distribution (steps: traces)",
+                      ", ".join(f"{k}: {v}" for k, v in s["delay_counts"].items()))
         Console().print(table)
 
     @app.command("cot-vote")
@@ -214,7 +216,8 @@ def register(cli: typer.Typer) -> None:
 
         engine = backend(model, server, token)
         with TerminalProgress() as progress:
-            report = evaluate_cot_vote(engine, _task(engine, task), n, n_calibration, samples=samples, temperature=temperature,
+            report = evaluate_cot_vote(engine, _task(engine, task), n, n_calibration, samples=samples,
+                                       temperature=temperature,
                                        threshold=h, family=_family(engine, step_delimiter),
                                        max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
                                        progress=progress)

@@ -66,11 +66,9 @@ class RiseOrganismReport:
                 "seconds": self.seconds, "provenance": self.provenance}
 
 
-def kind_auroc(pipeline: RisePipeline, found: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per site, per planted kind: the best latent on the training steps and its held-out AUROC."""
+def _kinds_and_rows(pipeline: RisePipeline, found: dict[str, Any]) -> tuple[list[str], list[int], list[int]]:
+    """Each harvested step's planted kind (the organism's labeller), the training rows and the held-out rows."""
     from analyses.organism import step_kinds
-    from analyses.rise.quality import latent_auroc
-    from saes.stats import encode_all
 
     h = found["harvest"]
     kinds = []
@@ -78,12 +76,48 @@ def kind_auroc(pipeline: RisePipeline, found: dict[str, Any]) -> dict[str, dict[
         read = step_kinds(h.step(r).text)
         kinds.append(read[0] if read else "other")
     held = set(pipeline.heldout_rows(h))
-    train = [r for r in range(len(kinds)) if r not in held]
-    rows = sorted(held)
+    return kinds, [r for r in range(len(kinds)) if r not in held], sorted(held)
+
+
+def kind_auroc(pipeline: RisePipeline, found: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per site, per planted kind: the best latent on the training steps and its held-out AUROC."""
+    from analyses.rise.quality import latent_auroc
+    from saes.stats import encode_all
+
+    h = found["harvest"]
+    kinds, train, rows = _kinds_and_rows(pipeline, found)
     out = {}
     for site, sae in found["saes"].items():
         z = encode_all(sae, h.acts[site])
         out[site] = latent_auroc(z[train], [kinds[r] for r in train], z[rows], [kinds[r] for r in rows], KINDS)
+    return out
+
+
+def probe_auroc(pipeline: RisePipeline, found: dict[str, Any], seed: int = 0) -> dict[str, dict[str, float | None]]:
+    """The ceiling for `kind_auroc`: a logistic-regression probe on the raw step vectors (one per kind, fitted
+    on the training steps), scored by AUROC on the held-out steps. A latent far below it means the
+    information is in the residual stream but the SAE spread it over several latents."""
+    import numpy as np
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import roc_auc_score
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    h = found["harvest"]
+    kinds, train, rows = _kinds_and_rows(pipeline, found)
+    y_train, y_held = np.asarray([kinds[r] for r in train]), np.asarray([kinds[r] for r in rows])
+    out: dict[str, dict[str, float | None]] = {}
+    for site in found["saes"]:
+        x = h.acts[site].float().numpy()
+        out[site] = {}
+        for kind in KINDS:
+            pos_train, pos_held = y_train == kind, y_held == kind
+            if pos_train.all() or not pos_train.any() or pos_held.all() or not pos_held.any():
+                out[site][kind] = None
+                continue
+            model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, random_state=seed))
+            model.fit(x[train], pos_train)
+            out[site][kind] = float(roc_auc_score(pos_held, model.predict_proba(x[rows])[:, 1]))
     return out
 
 
@@ -138,12 +172,14 @@ def evaluate_rise_organism(backend: Any, *, n_harvest: int = 400, n_steer: int =
     t1 = time.perf_counter()
     h, analysis = found["harvest"], found["analysis"]
     kinds = kind_auroc(pipeline, found)
+    probes = probe_auroc(pipeline, found, seed=seed)
     layer_rows = []
     for la in analysis.layers:
         d = la.to_dict()
         layer_rows.append({"site": la.site, "quality": la.quality, "decoder_silhouette": la.silhouette,
                            "heldout_step_silhouette": la.heldout_silhouette, "auroc_rise_labels": la.auroc,
-                           "auroc_kinds": kinds[la.site], "behaviour_vectors": sorted(la.vectors),
+                           "auroc_kinds": kinds[la.site], "probe_auroc_kinds": probes[la.site],
+                           "behaviour_vectors": sorted(la.vectors),
                            "vector_cosines": d["vector_cosines"], "column_sets": la.association.column_sets})
     site = f"resid_post.{layer}" if layer is not None else analysis.best_site
     la = analysis.layer(site)

@@ -13,8 +13,8 @@
 Example:
     >>> import torch
     >>> z = torch.tensor([[0.0, 2.0], [0.0, 1.5], [1.0, 0.0], [0.8, 0.1]])
-    >>> latent_auroc(z, ["reflection", "reflection", "other", "other"], z, ["reflection", "reflection", "other", "other"],
-    ...              ["reflection"])["reflection"]["latent"]
+    >>> labels = ["reflection", "reflection", "other", "other"]
+    >>> latent_auroc(z, labels, z, labels, ["reflection"])["reflection"]["latent"]
     1
 """
 

@@ -127,10 +127,10 @@ def steering_bars(result: Any) -> go.Figure:
     rows = d["rows"]
     x = [f"{r['alpha']:g}" for r in rows]
     fig = go.Figure()
-    for key, mean_key, name, colour in (("reflection", "mean_reflection_steps", "reflection", LABEL_COLOURS["reflection"]),
-                                        ("backtracking", "mean_backtracking_steps", "backtracking",
-                                         LABEL_COLOURS["backtracking"]),
-                                        ("steps", "mean_steps", "all steps", LABEL_COLOURS["other"])):
+    series = (("reflection", "mean_reflection_steps", "reflection", LABEL_COLOURS["reflection"]),
+              ("backtracking", "mean_backtracking_steps", "backtracking", LABEL_COLOURS["backtracking"]),
+              ("steps", "mean_steps", "all steps", LABEL_COLOURS["other"]))
+    for key, mean_key, name, colour in series:
         ys = [r[mean_key] for r in rows]
         ivs = [(r.get("intervals") or {}).get(key) for r in rows]
         error = None
@@ -158,8 +158,9 @@ def quality_figure(layers: Any) -> go.Figure:
     sites = [r["site"] for r in rows]
     fig = go.Figure()
     for split, colour in (("train", PALETTE[5]), ("heldout", PALETTE[0])):
-        fig.add_trace(go.Bar(x=sites, y=[(r.get("quality") or {}).get(split, {}).get("explained_variance") for r in rows],
-                             name="training steps" if split == "train" else "held-out steps", marker_color=colour))
+        ev = [(r.get("quality") or {}).get(split, {}).get("explained_variance") for r in rows]
+        fig.add_trace(go.Bar(x=sites, y=ev, name="training steps" if split == "train" else "held-out steps",
+                             marker_color=colour))
     fig.add_hline(y=0.5, line=dict(color=PALETTE[3], dash="dot"), annotation_text="poor below 0.5")
     fig.update_layout(barmode="group", yaxis=dict(title="explained variance", range=[min(0.0, *[
         (r.get("quality") or {}).get("heldout", {}).get("explained_variance") or 0 for r in rows]), 1.0]))

@@ -26,8 +26,7 @@ from analyses.organism import is_organism
 from analyses.tasks import TASK_NAMES, is_correct, load_task
 from app.context import FinishedGenerations
 from app.export import show_figure
-from app.figures.cot_entropy import (answer_strip_figure, calibration_figure, cusum_figure, dev_choice_figure,
-                                     entropy_curve_figure, pareto_figure, settling_figure, voting_figure)
+from app.figures.cot_entropy import answer_strip_figure, cusum_figure, entropy_curve_figure, voting_figure
 from app.registry import PageSpec
 from thoughtscope.errors import ThoughtscopeError
 
@@ -102,7 +101,7 @@ def calibration_section(ctx, store, family: ModelFamily, task: str, force: bool)
     st.caption(f"Step delimiter: `{family.step_delimiter}` · answer-forcing suffix: `{family.answer_suffix!r}` · "
                f"fitted on the first {n} `{task}` problems of seed {ctx.seed} (the calibration split; the traces "
                "below are other problems)")
-    show_figure(calibration_figure(detector), detector, "cot_calibration")
+    show_figure(None, detector, "cot_calibration")  # drawn from its JSON: export rebuilds it exactly
     return detector, n, key
 
 
@@ -263,13 +262,13 @@ def exit_evaluation(ctx, store, family: ModelFamily, task: str) -> None:
     measure = st.radio("Tokens counted", ["generated", "with_probes"], horizontal=True,
                        key="cot_pareto_measure", format_func=lambda m: m.replace("_", " "))
     data = {**report.to_dict(with_results=False), "measure": measure}
-    show_figure(pareto_figure(data), data, "cot_pareto")
+    show_figure(None, data, "cot_pareto")
     st.dataframe(report.table(), hide_index=True, key="cot_methods")
     st.caption(report.power)
     if report.n_eval < 100:
         st.info(f"With {report.n_eval} evaluation problems the intervals are wide: read the paired tests above, "
                 "not the point estimates, before calling one method better.")
-    show_figure(dev_choice_figure(data), data, "cot_dev_choice")
+    show_figure(None, data, "cot_dev_choice")
 
 
 def settling_evaluation(ctx, store, family: ModelFamily) -> None:
@@ -296,7 +295,7 @@ def settling_evaluation(ctx, store, family: ModelFamily) -> None:
     if report is None:
         return
     data = report.to_dict()
-    show_figure(settling_figure(data), data, "cot_settling")
+    show_figure(None, data, "cot_settling")
     sm = data["summary"]
     cols = st.columns(3)
     for col, label, k in zip(cols, (f"Alarm 0..{bound} steps late", "False alarms (before settling)", "No alarm"),

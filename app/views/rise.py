@@ -25,8 +25,8 @@ from analyses.rise import (BEHAVIOURS, HarvestSettings, RiseOptions, RisePipelin
 from analyses.tasks import TASK_NAMES, Problem, load_task
 from app.context import FinishedGenerations
 from app.export import show_figure
-from app.figures.rise import (auroc_figure, confidence_curve, decoder_map, feature_histogram, feature_labels,
-                              feature_tokens, quality_figure, silhouette_curve, steering_bars, step_timeline)
+from app.figures.rise import (confidence_curve, feature_histogram, feature_labels, feature_tokens, silhouette_curve,
+                              step_timeline)
 from app.registry import PageSpec
 from thoughtscope.errors import ThoughtscopeError
 
@@ -143,9 +143,9 @@ def harvest_section(ctx, store) -> tuple[dict[str, Any] | None, HarvestSettings 
     layer_dicts = [la.to_dict() for la in analysis.layers]
     left, right = st.columns(2)
     with left:
-        show_figure(quality_figure(layer_dicts), {"layers": layer_dicts}, "rise_quality")
+        show_figure(None, {"layers": layer_dicts}, "rise_quality")  # drawn from its JSON
     with right:
-        show_figure(auroc_figure(layer_dicts), {"layers": layer_dicts}, "rise_auroc")
+        show_figure(None, {"layers": layer_dicts}, "rise_auroc")
     with st.expander("Saved SAEs (SAELens folders: load them elsewhere, or steer with them on the Steering page)"):
         st.code("\n".join(f"{found['folder']}/{site}" for site in found["saes"]), language=None)
         saved = saved_saes(ctx.model_id)
@@ -190,7 +190,7 @@ def geometry_section(found: dict[str, Any]) -> str:
     with left:
         data = {"site": site, "coords": layer.coords.tolist(), "column_labels": layer.association.column_labels,
                 "silhouette": layer.silhouette, "projection": found["analysis_projection"]}
-        show_figure(decoder_map(data), data, "rise_decoder_map")
+        show_figure(None, data, "rise_decoder_map")
     with right:
         show_figure(silhouette_curve(analysis), analysis.to_dict()["silhouette_per_layer"], "rise_silhouette")
     st.caption("Columns are coloured by the label of the steps whose strongest latent they are; behaviour vectors "
@@ -232,7 +232,9 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
     c1, c2, c3 = st.columns(3)
     source = c1.radio("Direction", [FROM_BEHAVIOUR, FROM_LATENT], horizontal=True, key="rise_steer_source")
     mode = c2.radio("Mode", ["projection", "add"], horizontal=True, key="rise_steer_mode",
-                    help="projection: h - alpha w (w.h) (1 removes the component, -1 doubles it); add: h + alpha w")
+                    help="projection: h - alpha w (w.h) (1 removes the component, -1 doubles it); add: h + alpha s w "
+                         "with s the mean norm of the harvested step vectors at this layer, so alpha is a fraction "
+                         "of the residual norm")
     if source == FROM_BEHAVIOUR:
         behaviour = c3.selectbox("Behaviour", BEHAVIOURS, key="rise_steer_behaviour")
         if behaviour not in layer.vectors:
@@ -262,7 +264,11 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
     if result is None:
         with st.spinner(f"Generating with alpha 0 and {alpha:g}\u2026"):
             alphas = (0.0,) if alpha == 0 else (0.0, float(alpha))
-            result = steer(ctx.backend, [problem], vector, site, alphas=alphas, mode=mode, settings=settings,
+            # add mode: alpha in units of the mean step-vector norm (a unit vector alone barely moves a residual
+            # stream whose norm is in the hundreds)
+            scale = float(found["harvest"].acts[site].norm(dim=1).mean()) if mode == "add" else 1.0
+            result = steer(ctx.backend, [problem], vector / max(float(vector.norm()), 1e-8) * scale
+                           if mode == "add" else vector, site, alphas=alphas, mode=mode, settings=settings,
                            behaviour=name)
         store.put(key, result)
     vanilla, steered = result.traces[0.0][0], result.traces[float(alpha)][0]
@@ -277,7 +283,7 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
             st.caption(f"{trace.n_tokens} tokens, {len(trace.steps)} steps, "
                        f"{row.mean_reflection_steps:g} reflection, {row.mean_backtracking_steps:g} backtracking")
     data = result.to_dict()
-    show_figure(steering_bars(data), data, "rise_steering")
+    show_figure(None, data, "rise_steering")
 
 
 # ----------------------------------------------------------------------------- 6. confidence

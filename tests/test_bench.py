@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from probes import bench
@@ -17,8 +19,14 @@ def test_each_hook_benchmark_reports_a_positive_ratio(llama):
         bench.bench_fork_probe(llama, prefix_tokens=128, probe_tokens=16, repeats=2),
     ]
     assert [r["bench"] for r in rows] == ["capture_forward", "stream_generate", "steer_generate", "fork_probe"]
+    # each ratio is the ratio of the times (or rates) the row reports beside it, the way the README reads it
+    capture, stream, steer, fork = rows
+    assert capture["ratio"] == pytest.approx(capture["capture_s"] / capture["plain_s"], rel=0.02)
+    for row in (stream, steer):
+        assert row["ratio"] == pytest.approx(row["hf_tokens_per_s"] / row["engine_tokens_per_s"], rel=0.02)
+    assert fork["ratio"] == pytest.approx(fork["fork_s"] / fork["scratch_s"], rel=0.02)
+    assert [r["target"] for r in rows] == [1.05, 1.10, 1.10, 2.0]
     for row in rows:
-        assert row["ratio"] > 0 and row["target"] > 0
         json.dumps(row)
     assert rows[1]["engine_tokens"] <= 8
 

@@ -47,7 +47,13 @@ def test_generate_streams_json_records(app):
     rows = [json.loads(line) for line in result.output.splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[0]["activations"]["resid_post.1"]["shape"] == [64]
-    assert all(r["entropy"] >= 0 and len(r["top_ids"]) == 5 for r in rows)
+    from probes import Engine
+
+    want = list(Engine.from_id("tiny-random:llama").generate("2 + 2 =", max_new_tokens=4, capture=["resid_post.1"],
+                                                             chat=True))
+    assert [r["token_id"] for r in rows] == [w.token_id for w in want]
+    assert [r["entropy"] for r in rows] == pytest.approx([w.entropy for w in want], abs=1e-5)
+    assert [r["top_ids"] for r in rows] == [w.top_ids for w in want] and len(rows[0]["top_ids"]) == 5
 
 
 def test_user_errors_are_messages_not_tracebacks(monkeypatch, capsys):

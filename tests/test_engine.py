@@ -48,9 +48,12 @@ def test_generation_captures_equal_recomputation(llama):
 def test_greedy_generation_equals_hf_generate(llama):
     ids = llama.encode("2 + 2 =")
     recs = list(llama.generate(ids, max_new_tokens=8))
-    hf = llama.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
-    assert [r.token_id for r in recs] == hf
-    assert all(r.entropy >= 0 and r.top_ids[0] == r.token_id for r in recs)
+    out = llama.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, output_scores=True,
+                               return_dict_in_generate=True)
+    assert [r.token_id for r in recs] == out.sequences[0, len(ids):].tolist()
+    logp = [torch.log_softmax(scores[0].float(), -1) for scores in out.scores]
+    assert [r.entropy for r in recs] == pytest.approx([float(-(lp.exp() * lp).sum()) for lp in logp], abs=1e-4)
+    assert all(r.top_ids[0] == r.token_id for r in recs)
     assert recs[-1].finished and not any(r.finished for r in recs[:-1])
 
 

@@ -72,18 +72,43 @@ def test_a_client_that_never_reads_is_cut_off_and_the_next_request_runs(url):
 
 
 def test_a_queued_client_that_gives_up_frees_its_place(url):
-    # One long stream holds the model (read by a thread), max_queue=1: one waiting place.
-    holder = threading.Thread(target=lambda: httpx.post(f"{url}/generate", json={"prompt": "x", "max_new_tokens": 300},
-                                                        timeout=120).read())
+    # One stream holds the model until the test cancels it: its client reads the large logits records slowly,
+    # so the bounded send buffer keeps the producer waiting (a fixed token count is not enough: a fast machine
+    # runs a tiny model to its 512-token context within a second). max_queue=1: one waiting place.
+    done = threading.Event()
+
+    def hold():
+        body = {"prompt": "x", "max_new_tokens": 500, "capture": ["logits"], "top_k": 0, "request_id": "holder"}
+        with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
+            for _ in r.iter_bytes(65536):
+                if done.is_set():
+                    return
+                time.sleep(0.05)
+
+    holder = threading.Thread(target=hold)
     holder.start()
-    time.sleep(1.0)
-    with pytest.raises(httpx.ReadTimeout):  # it gives up after 1 s, while waiting for the model
-        httpx.post(f"{url}/trace", json={"text": "hello"}, timeout=1.0)
-    time.sleep(1.5)  # the server notices the disconnect within its 0.5 s poll
-    assert httpx.get(f"{url}/ready").json()["waiting"] == 0
-    r = httpx.post(f"{url}/trace", json={"text": "hello"}, timeout=120)
-    assert r.status_code == 200, r.text  # not a 503: the place was free
-    holder.join()
+    try:
+        deadline = time.monotonic() + 30
+        while not httpx.get(f"{url}/ready").json()["busy"]:
+            assert time.monotonic() < deadline, "the holder never started"
+            time.sleep(0.05)
+        with pytest.raises(httpx.ReadTimeout):  # it gives up after 1 s, while waiting for the model
+            httpx.post(f"{url}/trace", json={"text": "hello"}, timeout=1.0)
+        time.sleep(1.5)  # the server notices the disconnect within its 0.5 s poll
+        ready = httpx.get(f"{url}/ready").json()
+        assert ready["busy"] and ready["waiting"] == 0  # the model is still held, yet the place is free
+        answers = []
+        waiter = threading.Thread(target=lambda: answers.append(
+            httpx.post(f"{url}/trace", json={"text": "hello"}, timeout=120)))
+        waiter.start()
+        while httpx.get(f"{url}/ready").json()["waiting"] == 0 and waiter.is_alive():
+            time.sleep(0.05)
+    finally:
+        httpx.post(f"{url}/cancel/holder")
+        done.set()
+        holder.join()
+    waiter.join()
+    assert answers[0].status_code == 200, answers[0].text  # queued in the freed place, not refused with a 503
     _wait_idle(url)
 
 

@@ -468,7 +468,7 @@ def test_a_server_that_does_not_answer_is_an_error_in_the_sidebar(monkeypatch):
     assert "no answer from the model server" in at.sidebar.error[0].value
 
 
-def test_steering_from_a_saved_sae_feature(engine, tmp_path):
+def test_steering_from_a_saved_sae_feature(engine, tmp_path, monkeypatch):
     from saes.io import save_sae
     from saes.train import SAETrainSettings, train_sae
 
@@ -489,3 +489,18 @@ def test_steering_from_a_saved_sae_feature(engine, tmp_path):
     at.text_input(key="steer_sae").set_value(str(tmp_path / "sae")).run()
     assert_clean(at)
     assert len(at.text) == 2 and at.text[1].value
+    manual = at.text[1].value
+
+    # An SAE the RISE page saved for this model at the chosen site is offered by name, first
+    site = f"{at.selectbox(key='steer_kind').value}.{at.selectbox(key='steer_layer').value}"
+    monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    saved = tmp_path / "cache" / "rise" / "run1" / site
+    save_sae(sae, saved)
+    (saved / "rise.json").write_text(json.dumps({"model_id": MODEL, "site": site, "quality": {}}))
+    at = open_page("steering", max_new_tokens=6)
+    at.radio(key="steer_source").set_value("a saved SAE feature").run()
+    assert_clean(at)
+    choice = at.selectbox(key="steer_sae_saved")
+    assert len(choice.options) == 2 and site in choice.value  # the saved one, then "another folder"
+    assert not at.text_input  # no folder to type
+    assert at.text[1].value == manual  # the same SAE, the same feature 0: the same steered text

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import streamlit as st
 
+from analyses.rise import saved_saes
 from analyses.steering import (GeneratedText, SteeringComparison, SteeringSweep, choose_draft,
                                continuation_perplexity, diff_of_means_direction, generate_text, sae_feature_direction,
                                site_norm, steered_comparison, steering_vector)
@@ -119,7 +120,15 @@ def pick_direction(ctx, site: str) -> tuple[np.ndarray, dict[str, Any]] | None:
     source = st.radio("Direction from", [FROM_PROMPTS, FROM_FILE, FROM_SAE], horizontal=True, key="steer_source")
     if source == FROM_SAE:
         left, right = st.columns([3, 1])
-        folder = left.text_input("SAE folder (SAELens format: cfg.json + sae_weights.safetensors)", key="steer_sae")
+        saved = {s.label: s.folder for s in saved_saes(ctx.model_id, site)}  # trained on the RISE page
+        other = "another folder\u2026"
+        choice = left.selectbox("SAE", [*saved, other], key="steer_sae_saved",
+                                help="SAEs the RISE page saved for this model at this site, or any SAELens folder")
+        if choice == other:
+            folder = left.text_input("SAE folder (SAELens format: cfg.json + sae_weights.safetensors)",
+                                     key="steer_sae")
+        else:
+            folder = str(saved[choice])
         feature = right.number_input("Feature", 0, 10**7, 0, key="steer_feature")
         if not folder.strip():
             st.info("Give the folder of an SAE trained on this model's activations at the chosen site.")

@@ -29,7 +29,7 @@ def to_canonical(site: Site, x: torch.Tensor, arch: Any, batch: int) -> torch.Te
         return x.view(*x.shape[:-1], arch.n_heads, -1)
     if site.kind in ("k", "v"):
         return x.view(*x.shape[:-1], arch.n_kv_heads, -1)
-    if site.kind == "router":
+    if site.kind in ("router", "experts", "expert_gates"):  # the router flattens batch and sequence
         return x.view(batch, -1, x.shape[-1])
     if site.kind == "attn_pattern":
         return x.transpose(1, 2)  # [B, H, T, kv] -> [B, T, H, kv]: position axis second

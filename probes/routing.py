@@ -27,9 +27,12 @@ How each family's router turns logits into (experts, gates), read from transform
 Every family keeps `top_k` on each layer's router module (`module.top_k`): editing
 `config.num_experts_per_tok` after loading changes nothing, so `k=None` means that module's value.
 
-Sampling noise is a pure function of (seed, layer, batch row, token column, expert), computed by an
-integer hash: the N samples of a batch differ, a step differs from the last, the same seed reproduces,
-and a teacher-forced `trace` over a generated text sees the same noise as its generation did.
+Sampling noise is a pure function of (seed, layer, token column, batch row, pool slot): one seeded
+random stream per (seed, layer, column), read row by row (`uniform_noise`). The N samples of a batch
+differ, a step differs from the last, the same seed reproduces on any device and batch size, and a
+teacher-forced `trace` over a generated text sees the same noise as its generation did. A decode step
+costs one torch call per layer for the noise (at toy scale a rule's cost is its number of tensor
+operations, so the rule does only what it must).
 
 Example:
     >>> from probes import Engine
@@ -182,20 +185,19 @@ def style_of(model_type: str) -> RouterStyle:
     return ROUTER_STYLES[model_type]
 
 
-# ----- seeded noise: a pure function of (seed, layer, row, column, expert) -----
+# ----- seeded noise: a pure function of (seed, layer, column, row, slot) -----
 
 _M32 = 0xFFFFFFFF
 
 
 def _mul32(x: Any, c: int) -> Any:
-    """(x * c) mod 2^32 for 0 <= x < 2^32 without an int64 product overflowing: x * (c mod 2^31) stays
-    below 2^63, and x * 2^31 mod 2^32 is x's lowest bit moved to bit 31."""
+    """(x * c) mod 2^32 for 0 <= x < 2^32 (Python ints here; the same formula works on int64 tensors)."""
     if c < (1 << 31):
         return (x * c) & _M32
     return (x * (c - (1 << 31)) + ((x & 1) << 31)) & _M32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x: Any) -> Any:
     """The `lowbias32` integer hash (C. Wellons): every input bit flips about half the output bits."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
@@ -204,52 +206,82 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=65536)
 def _fold(h: int, key: int) -> int:
     """Fold an integer of any size into a 32-bit hash state (in Python: free)."""
     return _mix32(_mix32(h ^ (key & _M32)) ^ ((key >> 32) & _M32) ^ 0x9E3779B9)
 
 
+def stream_key(seed: int, layer: int, column: int) -> int:
+    """The seed of the random stream of one (seed, layer, column): a 32-bit hash (what torch's CPU
+    Mersenne Twister takes)."""
+    return _fold(_fold(_fold(0x2545F491, int(seed)), int(layer)), int(column))
+
+
 @dataclass
 class Positions:
     """Where router tokens sit: batch row and column (tokens this layer saw before, in one engine call)
-    of each token, [tokens] each. Their hash per seed is computed once and shared by every layer."""
+    of each token, [tokens] each. `grid` = (batch, seq, start) when the tokens are every row of the
+    columns start..start+seq-1 in row-major order (a forward's own layout: noise is drawn per column)."""
 
     rows: torch.Tensor
     cols: torch.Tensor
-
-    def __post_init__(self) -> None:
-        self._hashes: dict[int, torch.Tensor] = {}
+    grid: tuple[int, int, int] | None = None
 
     @classmethod
     def of(cls, n_tokens: int, row: int = 0, start: int = 0, device: Any = None) -> "Positions":
         """`n_tokens` consecutive columns of one batch row (what a teacher-forced trace sees)."""
         return cls(torch.full((n_tokens,), row, dtype=torch.long, device=device),
-                   start + torch.arange(n_tokens, device=device))
+                   start + torch.arange(n_tokens, device=device), (1, n_tokens, start) if row == 0 else None)
+
+    @classmethod
+    def of_forward(cls, batch: int, seq: int, start: int, device: Any = None) -> "Positions":
+        """Every row of a forward over `seq` new columns from `start`, row-major (the router's token order)."""
+        rows = torch.arange(batch, device=device).repeat_interleave(seq)
+        cols = start + torch.arange(seq, device=device).repeat(batch)
+        return cls(rows, cols, (batch, seq, start))
 
     def __getitem__(self, mask: torch.Tensor) -> "Positions":
         return Positions(self.rows[mask], self.cols[mask])
 
-    def token_hash(self, seed: int) -> torch.Tensor:
-        """[tokens, 1] 32-bit hashes of (seed, row, column): batch rows < 2048 and columns < 2M are distinct."""
-        if seed not in self._hashes:
-            token = (self.rows.view(-1, 1).long() << 21) + self.cols.view(-1, 1).long()
-            self._hashes[seed] = _mix32(_mix32(token ^ _fold(0, int(seed))))
-        return self._hashes[seed]
+
+def _stream(seed: int, layer: int, column: int, n_rows: int, width: int) -> torch.Tensor:
+    """Uniform [0, 1) draws [n_rows, width] of one (seed, layer, column) stream. The CPU generator fills a
+    tensor in order, so row r reads the same values whatever the number of rows (checked in the tests)."""
+    gen = torch.Generator(device="cpu").manual_seed(stream_key(seed, layer, column))
+    return torch.rand(n_rows, width, generator=gen)
 
 
-def gumbel_noise(seed: int, layer: int, at: Positions, experts: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise [tokens, n] for `experts` [tokens, n] of the tokens `at`: a pure function of
-    (seed, layer, row, column, expert), from a 32-bit hash (it misses only tails of probability ~1e-10)."""
-    h = _mix32(at.token_hash(seed) ^ _fold(0x2545F491, int(layer)) ^ experts.long())
-    u = (h.double() + 0.5) / float(1 << 32)
-    return -torch.log(-torch.log(u))
+def uniform_noise(seed: int, layer: int, at: Positions, width: int) -> torch.Tensor:
+    """Uniform draws [tokens, width] in [0, 1) for the tokens `at`: a pure function of (seed, layer, column,
+    row, slot), drawn on the CPU (the same on every device and for every batch size: a sample's noise
+    depends on its row, not on how many rows share the batch). One torch call per column: a decode step
+    costs one, a teacher-forced trace one per token."""
+    if at.grid is not None:
+        batch, seq, start = at.grid
+        if seq == 1:
+            u = _stream(seed, layer, start, batch, width)
+        else:
+            u = torch.stack([_stream(seed, layer, start + j, batch, width) for j in range(seq)], 1).view(-1, width)
+    else:
+        rows, cols = at.rows.tolist(), at.cols.tolist()
+        n_rows = max(rows, default=0) + 1
+        streams = {c: _stream(seed, layer, c, n_rows, width) for c in sorted(set(cols))}
+        u = torch.stack([streams[c][r] for r, c in zip(rows, cols)]) if rows else torch.zeros(0, width)
+    return u.to(at.rows.device)
+
+
+def gumbel_noise(seed: int, layer: int, at: Positions, width: int) -> torch.Tensor:
+    """Standard Gumbel noise [tokens, width] (float32) for the tokens `at`; `ExpertSample` adds exactly these
+    to its tail pool (slot j = the pool's j-th most likely expert). A draw of u = 0 (probability 2^-24)
+    gives -inf: that slot is not picked."""
+    return -torch.log(-torch.log(uniform_noise(seed, layer, at, width)))
 
 
 def gumbel_top_k(logits: torch.Tensor, k: int, t_e: float, noise: torch.Tensor) -> torch.Tensor:
     """Positions of k draws without replacement, probabilities proportional to exp(logits / t_e)
     (Gumbel-top-k: the k largest of logits / t_e + Gumbel noise; Kool et al. 2019)."""
-    return torch.topk(logits.double() / t_e + noise, k, dim=-1)[1]
+    return torch.topk(logits.float() / t_e + noise, k, dim=-1)[1]
 
 
 # ----- rules -----
@@ -281,6 +313,7 @@ class RouterRule(Intervention):
         if self.where not in WHERE:
             raise BadInputError(f"where={self.where!r}; use one of {WHERE}")
         self._check(arch)
+        self.__dict__["_specs"] = {}  # per engine call: each router module's spec, read once
         return sites[0]
 
     def edit(self, x: torch.Tensor) -> torch.Tensor:
@@ -291,14 +324,17 @@ class RouterRule(Intervention):
         raise NotImplementedError
 
     def select(self, spec: RouterSpec, logits: torch.Tensor, layer: int,
-               at: Positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gates, indices) [tokens, k] for router logits [tokens, n_experts] of the tokens `at`."""
+               at: Positions, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gates, indices) [tokens, k] for router logits [tokens, n_experts] of the tokens `at`.
+
+        `check` looks for NaN gates (the hook runner skips it in decode steps, where the engine's own
+        check of the next-token scores catches a NaN within the same step)."""
         idx, gates = self.choose(spec, logits, layer, at)
         if idx.shape[-1] < 1:
             raise BadInputError(f"{self.describe()} selected no expert; a token needs at least one")
         if gates is None:
             gates = spec.gates(logits, idx)
-        if not torch.isfinite(gates).all():
+        if check and not torch.isfinite(gates).all():
             raise BadInputError(f"{self.describe()} produced NaN or infinite gates at layer {layer} "
                                 "(are the router logits finite?)")
         return gates, idx
@@ -313,7 +349,7 @@ class RouterRule(Intervention):
         logits, own_gates, own_idx = output[0], output[1], output[2]
         if self.where == "generated" and phase == "context":
             return output
-        spec = RouterSpec.of(module, model_type)
+        spec = self._spec(module, model_type)
         seq = logits.shape[0] // batch
         at = self._positions(batch, seq, start, logits.device)
         if self.where == "generated" and phase == "prefill" and seq > 1:
@@ -325,17 +361,23 @@ class RouterRule(Intervention):
             new_gates, new_idx = new_gates.clone(), new_idx.clone()
             new_gates[keep], new_idx[keep] = sel_gates, sel_idx
         else:
-            new_gates, new_idx = self.select(spec, logits, layer, at)
+            new_gates, new_idx = self.select(spec, logits, layer, at, check=phase != "decode")
         return (logits, new_gates, new_idx, *output[3:])
 
+    def _spec(self, module: Any, model_type: str) -> RouterSpec:
+        """The router's spec, read once per module and engine call (`validate` clears the memo)."""
+        memo = self.__dict__.setdefault("_specs", {})
+        key = (id(module), model_type)
+        if key not in memo:
+            memo[key] = (module, RouterSpec.of(module, model_type))  # the module is kept: ids are not reused
+        return memo[key][1]
+
     def _positions(self, batch: int, seq: int, start: int, device: Any) -> Positions:
-        """The same positions for every layer of one forward: built (and hashed) once, not per layer."""
+        """The same positions for every layer of one forward: built once, not per layer."""
         key = (batch, seq, start, str(device))
         memo = self.__dict__.get("_positions_memo")
         if memo is None or memo[0] != key:
-            rows = torch.arange(batch, device=device).repeat_interleave(seq)
-            cols = start + torch.arange(seq, device=device).repeat(batch)
-            memo = self.__dict__["_positions_memo"] = (key, Positions(rows, cols))
+            memo = self.__dict__["_positions_memo"] = (key, Positions.of_forward(batch, seq, start, device))
         return memo[1]
 
 
@@ -439,7 +481,7 @@ class ExpertSample(RouterRule):
             pool_logits = spec.sample_logits(logits).gather(1, pool)
             if allowed is not None:
                 pool_logits = pool_logits.masked_fill(~allowed.gather(1, pool), -math.inf)
-            noise = gumbel_noise(self.seed, layer, at, pool)
+            noise = gumbel_noise(self.seed, layer, at, self.m)
             picked = gumbel_top_k(pool_logits, k - self.k_h, float(self.t_e), noise)
             if allowed is not None and torch.isinf(pool_logits.gather(1, picked)).any():
                 raise BadInputError(f"{self.describe()}: the tail pool reaches experts this router's group limit "

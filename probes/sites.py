@@ -59,6 +59,12 @@ SITE_KINDS: dict[str, SiteKind] = {
                   "per-head attention output before o_proj (where heads are ablated)"),
     "router": SiteKind("router", "output", 0, "[n_experts]", None,
                        "MoE router logits (before softmax)", moe_only=True),
+    # what the MoE block uses: read after any router rule (probes.routing) replaced the router's choice
+    "experts": SiteKind("router", "output", 2, "[top_k]", None,
+                        "indices of the experts the token is routed to (after any router rule)", moe_only=True),
+    "expert_gates": SiteKind("router", "output", 1, "[top_k]", None,
+                             "gates of those experts, as the MoE block weights them (after any router rule)",
+                             moe_only=True),
 }
 GLOBAL_SITES: dict[str, SiteKind] = {
     "logits": SiteKind("lm_head", "output", 0, "[vocab]", None, "next-token logits"),

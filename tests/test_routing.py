@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 
 from probes import Engine
 from probes.routing import (EVERY_LAYER, ROUTER_STYLES, ExpertSample, ForceExperts, Positions, RouterSpec, TopK,
-                            gumbel_noise, gumbel_top_k)
+                            gumbel_noise, gumbel_top_k, uniform_noise)
 from probes.sites import get_module, list_sites, validate_site
 from probes.wire import intervention_from_spec, intervention_to_spec
 from probes.zoo import TINY_ARCHS, arch_from_config
@@ -57,6 +57,45 @@ def test_router_capture_equals_the_models_own_router_logits(arch):
     for layer in range(n):
         assert trace.activations[f"router.{layer}"].shape == (len(ids), engine.handle.arch.n_experts)
         assert torch.equal(trace.activations[f"router.{layer}"], own[layer].view(len(ids), -1))
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_experts_sites_capture_what_the_moe_block_uses(arch):
+    """`experts.L` and `expert_gates.L` are the router's own (indices, gates), as the MoE block receives them."""
+    engine = engine_for(arch)
+    ids = engine.encode(PROMPT)
+    layers = engine.handle.arch.moe_layers or range(engine.handle.arch.n_layers)
+    own: dict[int, tuple] = {}
+    hooks = [router_module(engine, layer).register_forward_hook(
+        lambda mod, args, out, layer=layer: own.__setitem__(layer, (out[1].detach().clone(), out[2].clone())))
+        for layer in layers]
+    try:
+        trace = engine.trace(ids, capture=[f"{kind}.{layer}" for layer in layers for kind in ("experts", "expert_gates")])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    k = engine.handle.arch.experts_top_k
+    for layer in layers:
+        assert trace.activations[f"experts.{layer}"].shape == (len(ids), k)
+        assert torch.equal(trace.activations[f"experts.{layer}"], own[layer][1].view(len(ids), k))
+        assert torch.equal(trace.activations[f"expert_gates.{layer}"], own[layer][0].view(len(ids), k))
+
+
+def test_experts_sites_show_a_rules_choice():
+    """After Expert-Sample the captured experts are the rule's: the head is the router's top expert, the rest
+    come from the next m, and the gates are the family's renormalised probabilities over that set."""
+    engine = engine_for("qwen2_moe")  # norm_topk_prob: gates are the chosen probabilities, summing to 1
+    rule = ExpertSample(k_h=1, m=5, t_e=1.0, seed=7)
+    trace = engine.trace(PROMPT, capture=["router.1", "experts.1", "expert_gates.1"], interventions=[rule])
+    logits, experts, gates = (trace.activations[s] for s in ("router.1", "experts.1", "expert_gates.1"))
+    ranked = logits.argsort(-1, descending=True)
+    assert torch.equal(experts[:, 0], ranked[:, 0])
+    for row, ranks in zip(experts[:, 1:].tolist(), ranked[:, 1:6].tolist()):
+        assert set(row) <= set(ranks)
+    probs = torch.softmax(logits, -1).gather(1, experts)
+    torch.testing.assert_close(gates, probs / probs.sum(-1, keepdim=True))
+    plain = engine.trace(PROMPT, capture=["experts.1"]).activations["experts.1"]
+    assert not torch.equal(experts, plain)  # the rule did change the choice
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -151,8 +190,7 @@ def test_gumbel_top_k_frequencies_match_the_target_distribution():
     g = torch.tensor([1.0, 0.6, 0.3, 0.0, -0.4, -1.0])
     t_e, n = 0.7, 30000
     logits = g.expand(n, -1)
-    experts = torch.arange(6).expand(n, -1)
-    noise = gumbel_noise(seed=11, layer=2, at=Positions.of(n), experts=experts)
+    noise = gumbel_noise(seed=11, layer=2, at=Positions.of_forward(n, 1, start=5), width=6)
     picks = gumbel_top_k(logits, 2, t_e, noise)
     p = torch.softmax(g.double() / t_e, dim=0)
     first = torch.bincount(picks[:, 0], minlength=6).double()
@@ -168,6 +206,38 @@ def test_gumbel_top_k_frequencies_match_the_target_distribution():
     # and the noise is not degenerate: a wrong temperature is detected
     wrong = torch.softmax(g.double() / 1.4, dim=0)
     assert chisquare(first.numpy(), (wrong * n).numpy()).pvalue < 1e-6
+
+
+def test_expert_sample_draws_its_tail_in_proportion_to_exp_logit_over_t_e():
+    """The rule itself, end to end on router logits: with one expert to sample (k - k_h = 1) from a pool of
+    m, the sampled expert follows softmax(pool logits / T_e); the head is the top k_h, always."""
+    spec = _synthetic_spec(n_experts=12, top_k=3)
+    g = torch.tensor([3.0, 2.5, 1.0, 0.8, 0.5, 0.1, -0.3, -0.6, -1.0, -1.5, -2.0, -3.0])
+    n, t_e = 20000, 1.5
+    at = Positions.of_forward(n, 1, start=9)  # n samples of one token: one stream, n rows
+    rule = ExpertSample(k_h=2, m=5, t_e=t_e, seed=2)
+    _, idx = rule.select(spec, g.expand(n, -1), 0, at)
+    assert (idx[:, :2] == torch.tensor([0, 1])).all()
+    counts = torch.bincount(idx[:, 2], minlength=12).double()
+    assert counts[:2].sum() == 0 and counts[7:].sum() == 0  # only the pool: experts 2..6
+    target = torch.softmax(g[2:7].double() / t_e, dim=0) * n
+    assert chisquare(counts[2:7].numpy(), target.numpy()).pvalue > 1e-3
+    assert chisquare(counts[2:7].numpy(), (torch.softmax(g[2:7].double(), 0) * n).numpy()).pvalue < 1e-6  # T_e matters
+
+
+def test_noise_of_a_row_does_not_depend_on_the_batch_or_the_device_layout():
+    """A sample's noise is a function of (seed, layer, column, row, slot): the same with 4 rows or 128,
+    in a forward over many columns or one at a time, and different for another seed, layer or column."""
+    one = uniform_noise(3, 1, Positions.of_forward(4, 1, start=7), 12)
+    assert torch.equal(one, uniform_noise(3, 1, Positions.of_forward(128, 1, start=7), 12)[:4])
+    wide = uniform_noise(3, 1, Positions.of_forward(4, 3, start=6), 12).view(4, 3, 12)
+    assert torch.equal(wide[:, 1], one)
+    picked = Positions(torch.tensor([2, 0]), torch.tensor([7, 7]))  # a masked subset (where="generated")
+    assert torch.equal(uniform_noise(3, 1, picked, 12), one[[2, 0]])
+    for other in (uniform_noise(4, 1, Positions.of_forward(4, 1, 7), 12), uniform_noise(3, 2, Positions.of_forward(4, 1, 7), 12),
+                  uniform_noise(3, 1, Positions.of_forward(4, 1, 8), 12)):
+        assert not torch.equal(other, one)
+    assert ((one >= 0) & (one < 1)).all() and len(set(one.flatten().tolist())) == one.numel()
 
 
 def test_head_is_never_dropped_and_the_tail_comes_from_the_pool():
@@ -345,7 +415,7 @@ def test_expert_sample_through_the_server_equals_in_process():
     try:
         wait_ready(proc, url, timeout=180)
         rule = ExpertSample(EVERY_LAYER, k_h=1, m=5, t_e=0.8, seed=3)
-        kwargs = dict(n_samples=3, max_new_tokens=6, interventions=[rule], capture=["router.1"])
+        kwargs = dict(n_samples=3, max_new_tokens=6, interventions=[rule], capture=["router.1", "experts.1"])
         with RemoteBackend(url, timeout=60) as remote:
             got = list(remote.generate(PROMPT, **kwargs))
             with pytest.raises(BadInputError, match="tail pool"):
@@ -356,6 +426,7 @@ def test_expert_sample_through_the_server_equals_in_process():
         for a, b in zip(got, want):
             assert math.isclose(a.logprob, b.logprob, abs_tol=1e-5)
             torch.testing.assert_close(a.activations["router.1"], b.activations["router.1"])
+            assert torch.equal(a.activations["experts.1"], b.activations["experts.1"])
     finally:
         stop_server(proc)
     assert "Traceback" not in server_log(proc), server_log(proc)[-3000:]

@@ -90,7 +90,11 @@ def test_small_toy_moe_trains_and_loads_through_the_zoo():
     assert (arch.n_experts, arch.experts_top_k, arch.n_layers) == (32, 4, 2)
     report = moe.report("small")
     assert report["steps"] == moe.SIZES["small"][0].steps and report["seconds"] > 0
-    assert 0.0 <= report["greedy_accuracy"] <= 1.0 and report["heldout_n"] == 100
+    # the report's held-out accuracy is what the cached weights give on those dev problems, inside the band
+    dev = moe.problems("dev", report["heldout_n"], config=moe.task_config("small"))
+    assert report["heldout_n"] == 100
+    assert report["greedy_accuracy"] == round(moe.greedy_accuracy(engine.model, engine.tok, dev), 4)
+    assert 0.5 <= report["greedy_accuracy"] <= 0.95, report
     # chat prompts render to the prompt format; a greedy generation is a verifiable trace
     p = moe.problems("eval", 1, config=moe.task_config("small"))[0]
     assert engine.encode(p.question, chat=True) == engine.encode(p.prompt)

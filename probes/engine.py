@@ -802,6 +802,18 @@ class Engine:
             return input_x_gradient(self.handle, ids, target=target, positions=positions, token=token, foil=foil,
                                     sites=site_list)
 
+    # ----- RLKV head gates (issue 13; probes.gates): in-process only, the model stays frozen -----
+
+    def head_gates(self, sink: int = 128, recent: int = 256, init: float = 1.0, gates: Any = None) -> Any:
+        """A `probes.gates.GateSession`: inside `with engine.head_gates(...) as s:` every KV head attends
+        alpha * full + (1 - alpha) * local (first `sink` + last `recent` positions); `s.alpha` [layers, kv_heads]
+        is the trainable gate (starting at `init`, or `gates`), `s.generate` samples, `s.logprobs` gives
+        gradients. Checks run here, before any model work."""
+        from probes.gates import GateSession
+
+        self._local_only("head gates")
+        return GateSession(self, sink=sink, recent=recent, init=init, gates=gates)
+
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

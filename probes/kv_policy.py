@@ -118,6 +118,12 @@ class KVPolicy(Registered):
         """The most entries a compressed head keeps (None: unbounded); a generation shorter than this drops nothing."""
         return None
 
+    def local_heads(self, layer: int, n_kv_heads: int) -> torch.Tensor | None:
+        """bool [n_kv_heads]: for a positional policy, which heads of `layer` keep only sink + recent entries
+        (the others keep everything), so the cache can use its fast window layout; None (the default) for a
+        policy that decides entry by entry through `keep`/`visible` (the general layout)."""
+        return None
+
     def describe(self) -> str:
         args = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.parameters() if n not in self.tensor_fields)
         return f"KV policy {type(self).__name__}({args})"
@@ -128,6 +134,9 @@ class KeepAll(KVPolicy):
     """Keep every entry: the compressed cache's plumbing with nothing dropped (equals the plain cache)."""
 
     kind: ClassVar[str] = "kv_keep_all"
+
+    def local_heads(self, layer: int, n_kv_heads: int) -> torch.Tensor:
+        return torch.zeros(n_kv_heads, dtype=torch.bool)
 
 
 class WindowPolicy(KVPolicy):
@@ -165,6 +174,9 @@ class WindowPolicy(KVPolicy):
 
     def max_entries(self) -> int:
         return self.sink + self.recent
+
+    def local_heads(self, layer: int, n_kv_heads: int) -> torch.Tensor:
+        return self.is_local(layer, torch.arange(n_kv_heads)).bool().cpu()
 
 
 @dataclass
@@ -425,6 +437,13 @@ class CompressedLayer(_cache_layer_base()):
             out[:, g.heads.cpu()] = (g.cols >= 0).sum(-1).cpu()
         return out
 
+    def entry_counts(self) -> list[int]:
+        """Entries held per sequence over all heads of this layer."""
+        return self.entries().sum(-1).tolist()
+
+    def entry_bytes(self) -> int:
+        return 2 * self.groups[0].keys.shape[-1] * self.groups[0].keys.element_size() if self.groups else 0
+
     def head_positions(self, batch_index: int, head: int) -> list[int]:
         """Token positions a head holds for one sequence, in cache order (what a test inspects)."""
         for g in self.groups:
@@ -458,6 +477,327 @@ class CompressedLayer(_cache_layer_base()):
         self.groups, self.seen = [], 0
 
 
+@dataclass
+class _WindowPending:
+    """This forward's keys and values, handed from `WindowLayer.update` to its `attend`."""
+
+    layer: "WindowLayer"
+    keys: torch.Tensor  # [B, H, t, D]
+    values: torch.Tensor
+    query_cols: torch.Tensor  # [t]
+    query_positions: torch.Tensor  # [B, t]
+
+
+@dataclass
+class _Plan:
+    """What every window layer of one forward shares (they all see the same tokens at the same positions):
+    computed by the first layer of the forward, reused by the others."""
+
+    seen: int  # columns after this forward: the key that tells forwards apart
+    allowed: torch.Tensor  # [B, t, seen] bool: what transformers' mask lets each query read
+    full_visible: torch.Tensor | None  # the mask of the full heads (None: everything present)
+    # local heads, decode (one new token): the slot each sequence writes, which rows write, what the ring shows
+    rows: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
+    write: torch.Tensor | None = None  # [B] bool: the new column is real (not masked)
+    ring_visible: torch.Tensor | None = None  # [B, 1, S] or None
+    # local heads, several new tokens: the window mask over ring + new entries and how to refill the ring
+    window_visible: torch.Tensor | None = None  # [B, t, S + t]
+    take: torch.Tensor | None = None  # [B, S] index into ring + new entries
+    entry_cols: torch.Tensor | None = None  # [B, S + t] column of each entry (-1: none)
+
+
+class WindowState:
+    """Positions and columns the window layers of a `CompressedCache` share: every full head holds the
+    same columns and every local head the same ring slots, so this is kept once, not per layer."""
+
+    def __init__(self, sink: int, recent: int):
+        self.sink, self.recent, self.slots = sink, recent, sink + recent
+        self.count: list[int] = []  # real tokens seen per sequence
+        self.full_pos: torch.Tensor | None = None  # [B, seen] position of each column, -1 = padding or masked
+        self.ring_pos: torch.Tensor | None = None  # [B, S] position held by each slot, -1 = empty
+        self.ring_col: torch.Tensor | None = None  # [B, S] its column
+        self.plan: _Plan | None = None
+
+    def slot_of(self, pos: torch.Tensor) -> torch.Tensor:
+        """Position p lives in slot p below `sink`, else in slot sink + (p - sink) mod recent."""
+        if not self.recent:
+            return pos
+        return torch.where(pos < self.sink, pos, self.sink + (pos - self.sink) % self.recent)
+
+    def plan_for(self, seen: int, mask: torch.Tensor | None, pending: "_WindowPending") -> _Plan:
+        if self.plan is not None and self.plan.seen == seen:
+            return self.plan
+        batch, t = pending.query_positions.shape
+        allowed = _bool_mask(mask, batch, pending.query_cols, seen)  # causal, padding, MaskAttention
+        new_real = allowed[:, -1, -t:]  # the newest query reads every real new column: padding is out
+        new_pos = pending.query_positions.masked_fill(~new_real, -1)
+        self.count = [c + n for c, n in zip(self.count or [0] * batch, new_real.sum(-1).tolist())]
+        self.full_pos = new_pos if self.full_pos is None else torch.cat([self.full_pos, new_pos], dim=1)
+        plan = _Plan(seen, allowed, None if bool(allowed.all()) else allowed)
+        if self.recent and t == 1 and self.ring_pos is not None:
+            plan.rows = torch.arange(batch, device=allowed.device)
+            plan.write = new_pos[:, 0] >= 0
+            plan.slot = self.slot_of(new_pos[:, 0].clamp(min=0))
+            kept_pos, kept_col = self.ring_pos[plan.rows, plan.slot], self.ring_col[plan.rows, plan.slot]
+            self.ring_pos[plan.rows, plan.slot] = torch.where(plan.write, new_pos[:, 0], kept_pos)
+            self.ring_col[plan.rows, plan.slot] = torch.where(plan.write, pending.query_cols[0], kept_col)
+            visible = (self.ring_pos >= 0) & allowed[:, -1].gather(1, self.ring_col.clamp(min=0))
+            plan.ring_visible = None if bool(visible.all()) else visible[:, None, :]
+        elif self.recent:
+            new_cols = pending.query_cols.view(1, -1).expand(batch, -1)
+            pos = new_pos if self.ring_pos is None else torch.cat([self.ring_pos, new_pos], dim=1)
+            cols = new_cols if self.ring_col is None else torch.cat([self.ring_col, new_cols], dim=1)
+            cols = cols.masked_fill(pos < 0, -1)
+            qpos, kpos = pending.query_positions[:, :, None], pos[:, None, :]
+            visible = ((kpos >= 0) & (kpos <= qpos) & ((kpos < self.sink) | (kpos > qpos - self.recent))
+                       & allowed.gather(2, cols.clamp(min=0)[:, None, :].expand(-1, t, -1)))
+            plan.window_visible = visible | ~visible.any(-1, keepdim=True)  # a padding query reads something finite
+            # slot s keeps the newest position p <= last with slot(p) = s, when that position is present
+            last = pos.max(dim=1).values.view(-1, 1)
+            s = torch.arange(self.slots, device=pos.device).view(1, -1)
+            wanted = torch.where(s < self.sink, s, last - (last - s) % self.recent)
+            wanted = wanted.masked_fill((wanted > last) | ((s >= self.sink) & (wanted < self.sink)), -1)
+            match = (pos[:, None, :] == wanted[:, :, None]) & (wanted[:, :, None] >= 0)  # [B, S, n]
+            found = match.any(-1)
+            plan.take = match.to(torch.int8).argmax(-1)
+            plan.entry_cols = cols
+            self.ring_pos = torch.where(found, wanted, -1)
+            self.ring_col = torch.where(found, cols.gather(1, plan.take), -1)
+        self.plan = plan
+        return plan
+
+    def select(self, indices: torch.Tensor) -> None:
+        for name in ("full_pos", "ring_pos", "ring_col"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[indices])
+        self.count = [self.count[i] for i in torch.as_tensor(indices).tolist()]
+        self.plan = None
+
+
+class WindowLayer(_cache_layer_base()):
+    """One layer of a `CompressedCache` under a positional policy (`WindowPolicy`, `KeepAll`): the fast layout.
+
+    Full heads hold every column, as a plain cache does (one [B, heads, columns, D] tensor grown by
+    concatenation; the batch's left padding is stored and masked, but not counted). Local heads hold a
+    fixed ring of `sink + recent` slots per sequence: position p lives in slot p below `sink`, else in
+    slot sink + (p - sink) mod recent, so writing the newest token overwrites exactly the entry that
+    has just left the window. A decode step is then one indexed write and one attention call per head
+    group, with no mask once the ring is full and the batch has no padding; a layer whose heads are all
+    full or all local runs one attention call on the query as it comes. Positions, columns and masks are
+    the same in every layer, so they are computed once per forward (`WindowState`).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, n_kv_heads: int, policy: KVPolicy, owner: "CompressedCache",
+                 local: torch.Tensor):
+        super().__init__()
+        self.layer_idx, self.n_kv_heads, self.policy, self.owner = layer_idx, n_kv_heads, policy, owner
+        local = torch.as_tensor(local, dtype=torch.bool).view(-1)
+        self.local_idx = local.nonzero().view(-1)
+        self.full_idx = (~local).nonzero().view(-1)
+        self.n_local, self.n_full = len(self.local_idx), len(self.full_idx)
+        self.seen = 0
+        self._qidx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.full_keys = self.full_values = None  # [B, h_full, seen, D]
+        self.ring_keys = self.ring_values = None  # [B, h_local, sink + recent, D]
+
+    @property
+    def state(self) -> WindowState:
+        return self.owner.window
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               kwargs: dict[str, Any] | None = None, **extra: Any) -> tuple[_WindowPending, _WindowPending]:
+        if not self.owner.active:
+            raise BadInputError("this KV cache was compressed by a KV policy and has dropped entries: it cannot be "
+                                "forked or reused; fork from a generation without a KV policy")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, _, t, _ = key_states.shape
+        cols = torch.arange(self.seen, self.seen + t, device=key_states.device)
+        pos = (kwargs or {}).get("position_ids")
+        pos = cols.view(1, -1).expand(batch, -1) if pos is None else pos.to(key_states.device).expand(batch, -1)
+        self.seen += t
+        pending = _WindowPending(self, key_states, value_states, cols, pos)
+        return pending, pending
+
+    def _query_index(self, rep: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query heads reading the full and the local KV heads (query head i reads KV head i // rep)."""
+        if rep not in self._qidx:
+            spread = torch.arange(rep)
+            self._qidx[rep] = tuple((idx.view(-1, 1) * rep + spread).flatten().to(device)
+                                    for idx in (self.full_idx, self.local_idx))
+        return self._qidx[rep]
+
+    def _heads(self, x: torch.Tensor, which: torch.Tensor, alone: bool) -> torch.Tensor:
+        return x if alone else x.index_select(1, which.to(x.device))
+
+    def attend(self, module: Any, query: torch.Tensor, pending: _WindowPending, mask: torch.Tensor | None,
+               scaling: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, n_q_heads, t, dim = query.shape
+        rep = n_q_heads // self.n_kv_heads
+        scale = scaling if scaling is not None else dim ** -0.5
+        plan = self.state.plan_for(self.seen, mask, pending)
+        want = self.owner.want_weights
+        weights = query.new_zeros(batch, n_q_heads, t, self.seen) if want else None
+        q_full, q_local = self._query_index(rep, query.device)
+        outs = []
+        if self.n_full:
+            only = not self.n_local
+            k_new, v_new = self._heads(pending.keys, self.full_idx, only), self._heads(pending.values, self.full_idx, only)
+            if self.full_keys is None:
+                self.full_keys, self.full_values = k_new, v_new
+            else:
+                self.full_keys = torch.cat([self.full_keys, k_new], dim=2)
+                self.full_values = torch.cat([self.full_values, v_new], dim=2)
+            o, w = _grouped_attention(self._heads(query, q_full, only), self.full_keys, self.full_values,
+                                      plan.full_visible, scale, rep, want)
+            outs.append((q_full, o))
+            if want:
+                weights[:, q_full] = w
+        if self.n_local:
+            only = not self.n_full
+            k_new, v_new = self._heads(pending.keys, self.local_idx, only), self._heads(pending.values, self.local_idx, only)
+            q = self._heads(query, q_local, only)
+            if plan.slot is not None:  # decode: write the new token over the entry leaving the window, then attend
+                if not bool(plan.write.all()):  # a masked new column is not written
+                    keep = plan.write.view(-1, 1, 1)
+                    k_new = torch.where(keep, k_new[:, :, 0], self.ring_keys[plan.rows, :, plan.slot]).unsqueeze(2)
+                    v_new = torch.where(keep, v_new[:, :, 0], self.ring_values[plan.rows, :, plan.slot]).unsqueeze(2)
+                self.ring_keys[plan.rows, :, plan.slot] = k_new[:, :, 0]
+                self.ring_values[plan.rows, :, plan.slot] = v_new[:, :, 0]
+                o, w = _grouped_attention(q, self.ring_keys, self.ring_values, plan.ring_visible, scale, rep, want)
+                cols = self.state.ring_col.masked_fill(self.state.ring_pos < 0, -1)
+            else:  # several new tokens: attend over ring + new entries under the window mask, then refill the ring
+                keys = k_new if self.ring_keys is None else torch.cat([self.ring_keys, k_new], dim=2)
+                values = v_new if self.ring_values is None else torch.cat([self.ring_values, v_new], dim=2)
+                o, w = _grouped_attention(q, keys, values, plan.window_visible, scale, rep, want)
+                take = plan.take[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+                self.ring_keys, self.ring_values = keys.gather(2, take), values.gather(2, take)
+                cols = plan.entry_cols
+            outs.append((q_local, o))
+            if want:
+                idx = cols.clamp(min=0)[:, None, None, :].expand(-1, w.shape[1], t, -1)
+                weights[:, q_local] = torch.zeros_like(weights[:, q_local]).scatter_add_(
+                    3, idx, w * (cols >= 0)[:, None, None, :])
+        if len(outs) == 1:
+            out = outs[0][1]
+        else:
+            out = query.new_empty(batch, n_q_heads, t, dim)
+            for idx, o in outs:
+                out.index_copy_(1, idx, o)
+        return out.transpose(1, 2).contiguous(), weights
+
+    # ----- what the cache holds -----
+
+    @property
+    def groups(self) -> list[_Group]:
+        """The stored tensors as head groups (full heads, local ring), for inspection."""
+        out, st = [], self.state
+        if self.full_keys is not None:
+            h = self.n_full
+            out.append(_Group(self.full_idx, self.full_keys, self.full_values,
+                              _cols_of(st.full_pos, h), st.full_pos[:, None, :].expand(-1, h, -1)))
+        if self.ring_keys is not None:
+            h = self.n_local
+            cols = st.ring_col.masked_fill(st.ring_pos < 0, -1)
+            out.append(_Group(self.local_idx, self.ring_keys, self.ring_values, cols[:, None, :].expand(-1, h, -1),
+                              st.ring_pos[:, None, :].expand(-1, h, -1)))
+        return sorted(out, key=lambda g: int(g.heads.min()))
+
+    def entries(self) -> torch.Tensor:
+        """[batch, kv_heads] entries each head holds for each sequence (padding and empty slots not counted)."""
+        st = self.state
+        out = torch.zeros(len(st.count), self.n_kv_heads, dtype=torch.long)
+        counts = torch.tensor(st.count, dtype=torch.long).view(-1, 1)
+        if self.n_full:
+            out[:, self.full_idx] = counts
+        if self.n_local:
+            out[:, self.local_idx] = counts.clamp(max=st.slots)
+        return out
+
+    def entry_counts(self) -> list[int]:
+        """Entries held per sequence over all heads of this layer (plain integers: cheap at every step)."""
+        st = self.state
+        return [self.n_full * c + self.n_local * min(c, st.slots) for c in st.count]
+
+    def entry_bytes(self) -> int:
+        t = self.full_keys if self.full_keys is not None else self.ring_keys
+        return 0 if t is None else 2 * t.shape[-1] * t.element_size()
+
+    def head_positions(self, batch_index: int, head: int) -> list[int]:
+        """Token positions a head holds for one sequence, ascending (what a test inspects)."""
+        st = self.state
+        pos = (st.full_pos if head in self.full_idx.tolist() else st.ring_pos)[batch_index]
+        return sorted(pos[pos >= 0].tolist())
+
+    def stored_bytes(self) -> int:
+        return sum(2 * t.numel() * t.element_size() for t in (self.full_keys, self.ring_keys) if t is not None)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise BadInputError("a KV-policy cache has dropped entries and cannot be rolled back")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for name in ("full_keys", "full_values", "ring_keys", "ring_values"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[indices])
+        if self.layer_idx == 0:
+            self.state.select(indices)
+
+    def reset(self) -> None:
+        self.full_keys = self.full_values = self.ring_keys = self.ring_values = None
+        self.seen = 0
+        if self.layer_idx == 0:
+            self.owner.window = WindowState(self.state.sink, self.state.recent)
+
+
+def _cols_of(pos: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, heads, seen]: each column's index, -1 where it holds padding."""
+    cols = torch.arange(pos.shape[1], device=pos.device).view(1, -1).expand(pos.shape[0], -1)
+    return cols.masked_fill(pos < 0, -1)[:, None, :].expand(-1, heads, -1)
+
+
+def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+                       scale: float, rep: int, want_weights: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of query heads [B, h * rep, t, D] over their KV heads [B, h, n, D] without copying keys:
+    the `rep` query heads of a KV head are rows of one [rep * t] block. `visible`: bool [B, t, n] (or
+    [B, 1, n]) shared by the heads, None for all. Returns ([B, h * rep, t, D], weights [B, h * rep, t, n] or None)."""
+    batch, n_q, t, dim = q.shape
+    h, n = keys.shape[1], keys.shape[2]
+    grouped = q.reshape(batch, h, rep * t, dim)
+    mask = None
+    if visible is not None:
+        rows = visible.shape[1]
+        mask = visible[:, None, None].expand(batch, 1, rep, rows, n).reshape(batch, 1, rep * rows, n) \
+            if rows == t else visible[:, None].expand(batch, 1, rep * t, n)
+    if not want_weights:
+        o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+        return o.view(batch, n_q, t, dim), None
+    logits = grouped @ keys.transpose(-1, -2) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+    w = logits.softmax(-1, dtype=torch.float32).to(q.dtype)
+    return (w @ values).view(batch, n_q, t, dim), w.view(batch, n_q, t, n)
+
+
 def _cache_base() -> type:
     from transformers.cache_utils import Cache
 
@@ -470,7 +810,13 @@ class CompressedCache(_cache_base()):
     def __init__(self, policy: KVPolicy, n_layers: int, n_kv_heads: int):
         self.active = False  # set while `compressed_attention` has the model's attention switched
         self.want_weights = False  # attention weights for `attn_pattern.L` captures
-        super().__init__(layers=[CompressedLayer(i, n_kv_heads, policy, self) for i in range(n_layers)])
+        self.window = WindowState(int(getattr(policy, "sink", 0)), int(getattr(policy, "recent", 0)))
+        layers = []
+        for i in range(n_layers):
+            local = policy.local_heads(i, n_kv_heads)
+            layers.append(CompressedLayer(i, n_kv_heads, policy, self) if local is None
+                          else WindowLayer(i, n_kv_heads, policy, self, local))
+        super().__init__(layers=layers)
         self.policy = policy
 
     def entries(self) -> torch.Tensor:
@@ -479,13 +825,12 @@ class CompressedCache(_cache_base()):
 
     def kv_bytes(self) -> list[int]:
         """Bytes of keys and values held for each sequence of the batch (alignment filler excluded)."""
-        per_entry = 0
+        totals: list[int] = []
         for layer in self.layers:
-            if layer.groups:
-                g = layer.groups[0]
-                per_entry = 2 * g.keys.shape[-1] * g.keys.element_size()
-                break
-        return [int(n) * per_entry for n in self.entries().sum(dim=(0, 2)).tolist()]
+            per_entry = layer.entry_bytes()
+            counts = layer.entry_counts()
+            totals = [a + per_entry * b for a, b in zip(totals or [0] * len(counts), counts)]
+        return totals
 
 
 def _bool_mask(mask: torch.Tensor | None, batch: int, query_cols: torch.Tensor, width: int) -> torch.Tensor:
@@ -544,7 +889,7 @@ def _merge(groups: list[_Group]) -> list[_Group]:
 
 def _policy_attention(module: Any, query: torch.Tensor, key: Any, value: Any, attention_mask: Any,
                       dropout: float = 0.0, scaling: float | None = None, **kwargs: Any):
-    if not isinstance(key, _Pending):
+    if not isinstance(key, (_Pending, _WindowPending)):
         # Another cache (a trace run while a compressed generation holds the model): plain attention.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -594,16 +939,25 @@ def new_cache(handle: Any, policy: KVPolicy) -> CompressedCache:
 
 @contextlib.contextmanager
 def compressed_attention(model: Any, cache: CompressedCache, want_weights: bool = False) -> Iterator[None]:
-    """Switch the model's attention to the compressed one for the duration (the engine lock is held)."""
+    """Switch the model's attention to the compressed one for the duration (the engine lock is held).
+
+    Generations may overlap in one thread (a stream left unfinished is closed later by the garbage
+    collector, in the middle of the next one), so the switch is counted per model and the saved
+    implementation comes back only when the last one ends."""
     register_attention()
-    saved = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION_NAME)
+    depth = getattr(model, "_kv_policy_depth", 0)
+    if depth == 0:
+        model._kv_policy_saved = model.config._attn_implementation
+        model.set_attn_implementation(ATTENTION_NAME)
+    model._kv_policy_depth = depth + 1
     cache.active, cache.want_weights = True, want_weights
     try:
         yield
     finally:
         cache.active = False
-        model.set_attn_implementation(saved)
+        model._kv_policy_depth -= 1
+        if model._kv_policy_depth == 0:
+            model.set_attn_implementation(model._kv_policy_saved)
 
 
 def kv_bytes_per_sequence(cache: Any, pad_counts: list[int]) -> list[int]:

@@ -152,6 +152,48 @@ def test_a_batch_of_different_lengths_equals_each_prompt_alone(llama):
                                    atol=1e-5, rtol=0)
 
 
+def test_head_budget_in_a_padded_sampled_batch_equals_each_prompt_alone(llama):
+    """The window layout's rings are per sequence: left padding moves each sequence's slots, not its window."""
+    full = torch.tensor([[True, False], [False, False]])
+    policy = HeadBudget(full_heads=full, sink=2, recent=3)
+    prompts = [PROMPT, "hello there", "a b c d e"]
+    together = list(llama.generate(prompts=prompts, max_new_tokens=7, interventions=[policy]))
+    for b, prompt in enumerate(prompts):
+        alone = list(llama.generate(prompt, max_new_tokens=7, interventions=[policy]))
+        mine = [r for r in together if r.batch_index == b]
+        assert [r.token_id for r in mine] == [r.token_id for r in alone]
+        assert [r.kv_bytes for r in mine] == [r.kv_bytes for r in alone]
+        torch.testing.assert_close(torch.tensor([r.logprob for r in mine]), torch.tensor([r.logprob for r in alone]),
+                                   atol=1e-5, rtol=0)
+
+
+def test_a_prompt_shorter_than_the_sink_fills_the_window_while_generating(llama):
+    """Two prompt tokens, sink 4 + recent 2: the sink fills up with generated tokens first, then the ring turns."""
+    sink, recent = 4, 2
+    ids = llama.encode("hello there")
+    local = torch.ones(2, 2, dtype=torch.bool)
+    stream = llama.generate(ids, max_new_tokens=10, interventions=[SinkRecent(sink=sink, recent=recent)])
+    recs = list(stream)
+    ref = reference_logprobs(llama, ids + [r.token_id for r in recs[:-1]], local, sink, recent)
+    for t, r in enumerate(recs):
+        row = ref[len(ids) - 1 + t]
+        assert r.token_id == int(row.argmax())
+        assert r.logprob == pytest.approx(float(row[r.token_id]), abs=1e-4)
+    fed = len(ids) + len(recs) - 1
+    assert stream.cache.layers[0].head_positions(0, 0) == [0, 1, 2, 3, fed - 2, fed - 1]
+
+
+def test_keep_all_and_head_budget_run_without_a_per_head_python_loop(llama):
+    """The fast layout: a decode step of a layer whose heads are all full feeds the query to one attention
+    call as it comes (no head indexing); positions are computed once per forward, not once per layer."""
+    from probes.kv_policy import WindowLayer
+
+    stream = llama.generate(PROMPT, max_new_tokens=3, interventions=[KeepAll()])
+    list(stream)
+    assert all(isinstance(layer, WindowLayer) and layer.n_local == 0 for layer in stream.cache.layers)
+    assert stream.cache.window.plan.seen == stream.cache.layers[1].seen  # one shared plan per forward
+
+
 def test_knorm_keeps_the_smallest_key_norms(llama):
     """A token-dropping press is one subclass: after the prompt each head holds its `budget` keys with
     the smallest norms (RoPE keeps norms, so the `k.L` site's norms decide)."""

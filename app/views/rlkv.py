@@ -1,0 +1,189 @@
+"""RLKV head maps (Du et al. 2025): which KV heads a model needs for reasoning, and what a cache that keeps
+only those heads in full costs and saves.
+
+The map is learned (a gates file from `thoughtscope rlkv train`) or read from attention statistics
+for any model without training. A sparsity slider binarises it (the top 1 - s heads keep the full
+cache, the others sink + recent entries) and shows the KV memory; a generation under that compressed
+cache is tagged with its error mode; an evaluation (a JSON file from `thoughtscope eval rlkv`, or a
+small one run here) gives accuracy against sparsity for RLKV and its baselines; the gates' training
+log gives the training curves. The computations live in `analyses.rlkv`; this page reads widgets,
+calls them and draws.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import streamlit as st
+
+from analyses.rlkv.evaluate import compressed_generation, evaluate_rlkv
+from analyses.rlkv.heads import attention_head_scores, full_heads_from_scores, kv_fraction, problem_texts
+from analyses.rlkv.probe import read_gates
+from analyses.tasks import load_task
+from app.context import FinishedGenerations, shows_errors
+from app.export import show_figure
+from app.figures.rlkv import accuracy_figure, generation_figure, head_map_figure, memory_figure, training_figure
+from app.registry import PageSpec
+
+PAGE = PageSpec("RLKV head maps", ":material/memory:", 60, requires=("generate", "kv_policy"))
+
+LEARNED = "learned gates (a gates file)"
+ATTENTION = "attention statistics (no training)"
+
+
+@st.cache_resource
+def results() -> FinishedGenerations:
+    """Head maps, generations and evaluations of this process, newest 32 kept."""
+    return FinishedGenerations(max_entries=32)
+
+
+def head_map_section(ctx, store) -> dict[str, Any] | None:
+    st.subheader("1. Head map")
+    source = st.radio("Map from", [LEARNED, ATTENTION], horizontal=True, key="rlkv_source")
+    c1, c2 = st.columns(2)
+    sink = c1.number_input("Sink tokens (local heads)", 0, 512, 4, key="rlkv_sink")
+    recent = c2.number_input("Recent tokens (local heads)", 1, 4096, 32, key="rlkv_recent")
+    if source == LEARNED:
+        path = st.text_input("Gates file or folder (`thoughtscope rlkv train --out DIR`)", key="rlkv_gates_path").strip()
+        if not path:
+            st.info("Give the folder of a training run, or switch to attention statistics.")
+            return None
+        with shows_errors() as spot:
+            found = read_gates(path, ctx.backend)
+        if spot.failed:
+            return None
+        return {"kind": "learned", "scores": found["gates"].tolist(), "sink": int(sink), "recent": int(recent),
+                "log": found["log"], "source": found["path"],
+                "tiebreak": None if found["pressure"] is None else found["pressure"].tolist()}
+    if not ctx.backend.capabilities().get("attention"):
+        st.warning("This backend cannot capture attention patterns; load a gates file instead.")
+        return None
+    left, right = st.columns([3, 1])
+    n = left.slider("Traces (task problems, greedy, full cache)", 1, 32, 4, key="rlkv_attn_n")
+    right.write("")
+    run = right.button("Compute", key="rlkv_attn_run", icon=":material/play_arrow:")
+    key = ctx.result_key("rlkv-attention", n=n, sink=int(sink), recent=int(recent), seed=ctx.seed,
+                         tokens=ctx.settings.max_new_tokens)
+    found = store.get(key)
+    if run:
+        with shows_errors() as spot, st.spinner(f"Reading attention on {n} traces\u2026"):
+            texts = problem_texts(ctx.backend, load_task("arith", n, seed=ctx.seed),
+                                  max_new_tokens=ctx.settings.max_new_tokens)
+            bar = st.progress(0.0)
+            scores = attention_head_scores(ctx.backend, texts, int(sink), int(recent),
+                                           progress=lambda stage, done, total: bar.progress(done / total))
+            found = {"kind": "attention", "scores": scores.tolist(), "sink": int(sink), "recent": int(recent), "n": n}
+            store.put(key, found)
+        if spot.failed:
+            return None
+    if found is None:
+        st.info("Press **Compute** for each KV head's attention mass outside its sink + recent window.")
+    return found
+
+
+def sparsity_section(ctx, head_map: dict[str, Any]) -> np.ndarray:
+    st.subheader("2. Sparsity")
+    s = st.slider("Sparsity: fraction of KV heads made local", 0.0, 0.95, 0.5, 0.05, key="rlkv_sparsity")
+    full = full_heads_from_scores(head_map["scores"], s, head_map.get("tiebreak"))
+    info = ctx.backend.info()
+    arch = info["arch"]
+    bytes_per_entry = 2 * arch["head_dim"] * (2 if "16" in info.get("dtype", "") else 4)
+    length = max(256, ctx.settings.max_new_tokens + 128)
+    cols = st.columns(3)
+    cols[0].metric("Heads with the full cache", f"{int(full.sum())} of {full.size}")
+    cols[1].metric(f"KV memory at {length} tokens", f"{kv_fraction(full, length, head_map['sink'], head_map['recent']):.0%}")
+    cols[2].metric("KV memory at 4096 tokens", f"{kv_fraction(full, 4096, head_map['sink'], head_map['recent']):.0%}")
+    data = {**{k: v for k, v in head_map.items() if k != "log"}, "full_heads": full.tolist(), "sparsity": s}
+    show_figure(head_map_figure(data), data, "rlkv_head_map")
+    mem = {"full_heads": full.tolist(), "sink": head_map["sink"], "recent": head_map["recent"],
+           "bytes_per_entry": bytes_per_entry, "max_length": 4096}
+    show_figure(memory_figure(mem), mem, "rlkv_memory")
+    return full
+
+
+def generation_section(ctx, store, head_map: dict[str, Any], full: np.ndarray) -> None:
+    st.subheader("3. A generation under compression")
+    from probes.kv_policy import HeadBudget
+
+    answer = st.text_input("Known answer (optional: tells correct from wrong)", key="rlkv_answer").strip() or None
+    run = st.button("Generate", type="primary", key="rlkv_generate", icon=":material/play_arrow:")
+    policy = HeadBudget(full_heads=full.tolist(), sink=head_map["sink"], recent=head_map["recent"])
+    key = ctx.cache_key(kind="rlkv-generation", full=full.tolist(), sink=head_map["sink"], recent=head_map["recent"],
+                        answer=answer)
+    found = store.get(key)
+    if run:
+        with shows_errors() as spot, st.spinner("Generating with the full cache and the compressed one\u2026"):
+            found = compressed_generation(ctx.backend, ctx.model_input(), policy, chat=ctx.chat, answer=answer,
+                                          max_new_tokens=ctx.settings.max_new_tokens,
+                                          sampling=ctx.settings.sampling(), seed=ctx.seed)
+            store.put(key, found)
+        if spot.failed:
+            return
+    if found is None:
+        return
+    left, right = st.columns(2)
+    left.caption(f"full cache: **{found['full_mode']}**")
+    left.text(found["full_text"])
+    right.caption(f"compressed: **{found['mode']}**")
+    right.text(found["text"])
+    show_figure(generation_figure(found), found, "rlkv_generation",
+                provenance=ctx.provenance(interventions=[policy], settings={"sparsity": st.session_state["rlkv_sparsity"]}))
+
+
+def evaluation_section(ctx, store, head_map: dict[str, Any] | None) -> None:
+    st.subheader("4. Accuracy against sparsity")
+    path = st.text_input("An evaluation JSON (`thoughtscope eval rlkv --json > eval.json`)", key="rlkv_eval_path").strip()
+    report = None
+    if path:
+        with shows_errors():
+            try:
+                report = json.loads(Path(path).read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                from thoughtscope.errors import BadInputError
+
+                raise BadInputError(f"cannot read {path}: {err}") from err
+    c1, c2, c3 = st.columns(3)
+    n = c1.slider("Or run one here: evaluation problems", 2, 100, 4, key="rlkv_eval_n")
+    levels = c2.multiselect("Sparsities", [0.2, 0.4, 0.5, 0.6, 0.8], default=[0.5], key="rlkv_eval_levels")
+    c3.write("")
+    run = c3.button("Run evaluation", key="rlkv_eval_run", icon=":material/play_arrow:")
+    gates = head_map.get("source") if head_map and head_map["kind"] == "learned" else None
+    key = ctx.result_key("rlkv-eval", n=n, levels=sorted(levels), gates=gates, tokens=ctx.settings.max_new_tokens)
+    if run and levels:
+        with shows_errors(), st.status(f"Evaluating on {n} problems\u2026", expanded=True) as status:
+            bar = st.progress(0.0)
+            found = evaluate_rlkv(ctx.backend, "arith", levels, gates=gates, n=n, n_dev=2, n_calibration=2,
+                                  random_seeds=1, snapkv_windows=[4], max_new_tokens=ctx.settings.max_new_tokens,
+                                  sink=head_map["sink"] if head_map else 4, recent=head_map["recent"] if head_map else 32,
+                                  progress=lambda stage, done, total: bar.progress(done / total, text=stage))
+            store.put(key, found.to_dict())
+            status.update(label="Evaluated", state="complete", expanded=False)
+    report = report or store.get(key)
+    if report is None:
+        return
+    show_figure(accuracy_figure(report), report, "rlkv_accuracy", provenance=report.get("provenance"))
+    st.dataframe([{"method": r["method"], "sparsity": r["sparsity"], "seed": r["setting"].get("seed"),
+                   "accuracy": r["accuracy"]["estimate"], "95% low": r["accuracy"]["low"],
+                   "95% high": r["accuracy"]["high"], "McNemar p": (r.get("vs_full") or {}).get("p_value"),
+                   "KV / full": r["kv_fraction"], "tokens/s / full": r["tps_ratio"], **r["error_modes"]}
+                  for r in report["rows"]], hide_index=True, key="rlkv_eval_table")
+    for line in report.get("notes", []):
+        st.caption(line)
+
+
+def render(ctx) -> None:
+    st.title("RLKV head maps")
+    st.caption("Du et al. 2025: gates learned with RL mix each KV head's full and local attention; heads whose gates "
+               "stay high are the reasoning heads that keep the full cache, the others keep a sink + recent window.")
+    store = results()
+    head_map = head_map_section(ctx, store)
+    if head_map is not None:
+        full = sparsity_section(ctx, head_map)
+        generation_section(ctx, store, head_map, full)
+        if head_map.get("log"):
+            st.subheader("Training curves")
+            show_figure(training_figure(head_map), {"log": head_map["log"]}, "rlkv_training")
+    evaluation_section(ctx, store, head_map)

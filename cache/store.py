@@ -65,7 +65,9 @@ from typing import Any
 
 import filelock
 import platformdirs
-import safetensors.torch
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_from_bytes  # safetensors only, never pickle
+from safetensors.torch import save as safetensors_to_bytes
 import torch
 
 from thoughtscope.errors import BadInputError, CacheError
@@ -374,7 +376,7 @@ class ActivationStore:
                 "if this recurs)."
             )
         try:
-            tensors = safetensors.torch.load(data)
+            tensors = safetensors_from_bytes(data)
         except Exception as err:  # safetensors raises several kinds on bad bytes
             self._discard(key, shard, path)
             raise CacheError(
@@ -715,8 +717,8 @@ def _checked_tensors(tensors: Any) -> dict[str, torch.Tensor]:
 def _serialize(tensors: dict[str, torch.Tensor], key: str) -> bytes:
     """The shard's bytes; known before writing, so the cap is checked on the exact size."""
     try:
-        return safetensors.torch.save(tensors, metadata={"thoughtscope_cache_key": key})
-    except (ValueError, TypeError, safetensors.SafetensorError) as err:
+        return safetensors_to_bytes(tensors, metadata={"thoughtscope_cache_key": key})
+    except (ValueError, TypeError, SafetensorError) as err:
         raise BadInputError(f"These tensors cannot be stored as safetensors: {err}.") from err
 
 

@@ -1,0 +1,21 @@
+"""Amortized visual attribution (METHODS.md method 4; vSTREAM, Kang et al. 2026, arXiv 2604.16587):
+which image regions a vision-language model's reasoning spans draw on.
+
+- `regions`: grid blocks, Ward clusters of visual-token features, pixel boxes (toy-vlm objects);
+- `attribution`: exhaustive causal effects (attention to a region masked in every layer, the drop
+  in a span's log-prob), attention features per layer and head, the raw-attention baseline;
+- `estimator`: `AmortizedAttribution`, the linear 1 - Pearson estimator (fit / predict / save / load).
+
+Not built yet (issue 14): streaming during generation, the faithfulness study (LDS, deletion,
+input x gradient, Captum), the CLI, the page and the benchmarks; see docs/visual_attribution.md.
+"""
+
+from analyses.visual_attribution.attribution import (attention_features, check_spans, exhaustive_effects,
+                                                     raw_attention, span_logprobs)
+from analyses.visual_attribution.estimator import AmortizedAttribution, pearson_loss
+from analyses.visual_attribution.regions import (Region, box_regions, cell_map, cluster_regions, grid_regions,
+                                                 positions)
+
+__all__ = ["AmortizedAttribution", "Region", "attention_features", "box_regions", "cell_map", "check_spans",
+           "cluster_regions", "exhaustive_effects", "grid_regions", "pearson_loss", "positions", "raw_attention",
+           "span_logprobs"]

@@ -1,0 +1,127 @@
+"""Visual attribution of reasoning spans: exhaustive causal effects, attention features, raw attention.
+
+For a traced sequence holding one image, a reasoning span (token positions [start, end)) and a set
+of image regions (analyses.visual_attribution.regions):
+
+- `exhaustive_effects`: the drop in the span's log-probability (nats) when attention to a region's
+  visual tokens is masked in every layer (MaskAttention, the masked-trace slot): one teacher-forced
+  pass per region plus one unmasked pass, all spans of the sequence read from the same passes.
+  This is vSTREAM's ground-truth effect (Kang et al. 2026, arXiv 2604.16587).
+- `attention_features`: per (span, region), the attention the span's tokens pay to the region's
+  tokens, per layer and head (averaged over the span's queries, summed over the region's keys): the
+  amortized estimator's input, read from one pass with `attn_pattern` captured.
+- `raw_attention`: the mean of those features over layers and heads (the attention baseline).
+
+Everything goes through the Backend (in-process or a model server); images travel as bytes.
+
+Example:
+    >>> from probes import Engine
+    >>> from probes.vision import spec_of
+    >>> import numpy as np
+    >>> engine = Engine.from_id("tiny-random:llava")
+    >>> spec = spec_of(engine)
+    >>> image = np.zeros((32, 32, 3), dtype=np.uint8)
+    >>> trace = engine.trace("see <image> a b c", images=[image])
+    >>> from analyses.visual_attribution.regions import grid_regions
+    >>> regions = grid_regions(spec, 2, 2)
+    >>> spans = [(len(trace.token_ids) - 3, len(trace.token_ids))]
+    >>> exhaustive_effects(engine, "see <image> a b c", image, spans, regions).shape
+    (1, 4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from analyses.visual_attribution.regions import Region, positions
+from thoughtscope.errors import BadInputError
+
+Progress = Callable[[int, int], None] | None
+
+
+def check_spans(spans: Sequence[Sequence[int]], n_tokens: int, image_end: int) -> list[tuple[int, int]]:
+    """Spans as (start, end) token positions, each non-empty, inside the sequence, after position 0."""
+    out = []
+    for span in spans:
+        if len(span) != 2:
+            raise BadInputError(f"a span is (start, end) token positions; got {span!r}")
+        start, end = int(span[0]), int(span[1])
+        if not 1 <= start < end <= n_tokens:
+            raise BadInputError(f"span {span!r} is not a non-empty range inside 1..{n_tokens} (the traced tokens)")
+        out.append((start, end))
+    if not out:
+        raise BadInputError("give at least one span to attribute")
+    return out
+
+
+def _spec_and_trace(backend: Any, text: Any, image: Any, capture: Sequence[str] = ()):
+    from probes.backend import require
+    from probes.vision import spec_of
+
+    require(backend, "vision", "trace", "interventions")
+    spec = spec_of(backend)
+    return spec, backend.trace(text, capture=list(capture), images=[image])
+
+
+def span_logprobs(logprobs: torch.Tensor, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    lp = torch.as_tensor(logprobs).double()
+    return np.array([float(lp[s:e].sum()) for s, e in spans])
+
+
+def exhaustive_effects(backend: Any, text: Any, image: Any, spans: Sequence[Sequence[int]],
+                       regions: Sequence[Region], on_progress: Progress = None) -> np.ndarray:
+    """[n_spans, n_regions]: the span's log-prob drop (nats) with attention to the region masked in
+    every layer. One unmasked pass plus one masked pass per region."""
+    from probes.interventions import MaskAttention
+
+    spec, base = _spec_and_trace(backend, text, image)
+    ids = base.token_ids
+    spans = check_spans(spans, len(ids), 0)
+    pos = [positions(spec, ids, r) for r in regions]
+    if not regions:
+        raise BadInputError("give at least one region")
+    base_lp = span_logprobs(base.logprobs, spans)
+    out = np.zeros((len(spans), len(regions)))
+    for j, p in enumerate(pos):
+        masked = backend.trace(text, images=[image], interventions=[MaskAttention(positions=list(p))])
+        out[:, j] = base_lp - span_logprobs(masked.logprobs, spans)
+        if on_progress is not None:
+            on_progress(j + 1, len(pos))
+    return out
+
+
+def attention_features(backend: Any, text: Any, image: Any, spans: Sequence[Sequence[int]],
+                       regions: Sequence[Region], trace: Any = None) -> np.ndarray:
+    """[n_spans, n_regions, n_layers * n_heads]: attention from the span's tokens to the region's
+    tokens, per layer and head (mean over the span's queries, sum over the region's keys). Pass a
+    `trace` that captured every `attn_pattern.L` to reuse it (streaming does)."""
+    from probes.vision import spec_of
+
+    spec = spec_of(backend)
+    n_layers = backend.info()["arch"]["n_layers"]
+    sites = [f"attn_pattern.{layer}" for layer in range(n_layers)]
+    if trace is None:
+        _, trace = _spec_and_trace(backend, text, image, capture=sites)
+    missing = [s for s in sites if s not in trace.activations]
+    if missing:
+        raise BadInputError(f"the trace lacks {missing[:3]}...: capture every attn_pattern layer")
+    ids = trace.token_ids
+    spans = check_spans(spans, len(ids), 0)
+    pos = [positions(spec, ids, r) for r in regions]
+    # [layers, seq(query), heads, kv]
+    pat = torch.stack([trace.activations[s].float() for s in sites])
+    feats = np.zeros((len(spans), len(regions), pat.shape[0] * pat.shape[2]))
+    for i, (s, e) in enumerate(spans):
+        rows = pat[:, s - 1:e - 1]  # the queries that predict the span's tokens
+        for j, p in enumerate(pos):
+            feats[i, j] = rows[..., p].sum(-1).mean(1).reshape(-1).numpy()
+    return feats
+
+
+def raw_attention(features: np.ndarray) -> np.ndarray:
+    """The attention baseline: features averaged over layers and heads -> [n_spans, n_regions]."""
+    return np.asarray(features).mean(-1)

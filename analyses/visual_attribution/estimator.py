@@ -1,0 +1,164 @@
+"""The amortized attribution estimator: a linear map from attention features to causal effects.
+
+vSTREAM (Kang et al. 2026, arXiv 2604.16587) trains a linear model on (span, region) pairs whose
+features are the span's attention to the region per layer and head and whose targets are the
+exhaustive effects, with a 1 - Pearson loss: what matters is the ranking and shape of the effects
+over a span's regions, not their scale. Our reconstruction: the loss is averaged over groups (one
+group = one span's regions), features are standardised on the training pairs, and after the fit a
+least-squares scale and offset (`calibration_`) put predictions back in nats.
+
+scikit-learn style: constructor arguments are stored as given, learned state ends in `_`; saved as
+safetensors (the weights) + JSON (settings and feature names), never pickle.
+
+Example:
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(400, 6)); w = np.array([1.0, -2.0, 0.0, 0.5, 0.0, 3.0])
+    >>> est = AmortizedAttribution(epochs=300).fit(X, X @ w, groups=np.repeat(np.arange(50), 8))
+    >>> bool(np.corrcoef(est.predict(X), X @ w)[0, 1] > 0.99)
+    True
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from thoughtscope.errors import BadInputError
+
+VERSION = 1
+
+
+def pearson_loss(pred: torch.Tensor, target: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+    """1 - Pearson correlation, averaged over groups (rows sharing a group id, numbered 0..G-1); groups
+    whose target is constant carry no ranking and are left out."""
+    if groups is None:
+        groups = torch.zeros(len(pred), dtype=torch.long)
+    n_groups = int(groups.max()) + 1
+    count = torch.zeros(n_groups, dtype=pred.dtype).index_add_(0, groups, torch.ones_like(pred))
+
+    def centred(x: torch.Tensor) -> torch.Tensor:
+        mean = torch.zeros(n_groups, dtype=x.dtype).index_add_(0, groups, x) / count.clamp(min=1)
+        return x - mean[groups]
+
+    p, t = centred(pred), centred(target)
+
+    def per_group(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n_groups, dtype=x.dtype).index_add_(0, groups, x)
+
+    tt = per_group(t * t)
+    keep = (count >= 2) & (tt > 1e-24)
+    if not bool(keep.any()):
+        raise BadInputError("no group has a varying target: the effects are all equal within every span")
+    r = per_group(p * t)[keep] / ((per_group(p * p)[keep] * tt[keep]).sqrt() + 1e-12)
+    return (1 - r).mean()
+
+
+class AmortizedAttribution:
+    """Linear estimator of exhaustive effects from attention features (fit / predict / save / load)."""
+
+    def __init__(self, epochs: int = 200, lr: float = 0.05, l2: float = 1e-4, seed: int = 0):
+        self.epochs = epochs
+        self.lr = lr
+        self.l2 = l2
+        self.seed = seed
+
+    def _check_x(self, X: Any, fitting: bool = False) -> np.ndarray:
+        x = np.asarray(X, dtype=np.float64)
+        if x.ndim != 2 or x.shape[0] < 1:
+            raise BadInputError(f"features must be a 2-d array [pairs, features]; got shape {x.shape}")
+        if not np.isfinite(x).all():
+            raise BadInputError("features contain NaN or infinite values")
+        if not fitting and x.shape[1] != self.n_features_in_:
+            raise BadInputError(f"this estimator was fitted on {self.n_features_in_} features; got {x.shape[1]}")
+        return x
+
+    def fit(self, X: Any, y: Any, groups: Any = None, feature_names: list[str] | None = None,
+            on_progress: Any = None) -> "AmortizedAttribution":
+        """Fit on pairs: X [n, F] features, y [n] effects, groups [n] (span ids; default: one group)."""
+        if not (isinstance(self.epochs, int) and self.epochs >= 1) or not self.lr > 0 or self.l2 < 0:
+            raise BadInputError("epochs must be a positive integer, lr > 0 and l2 >= 0")
+        x = self._check_x(X, fitting=True)
+        t = np.asarray(y, dtype=np.float64).reshape(-1)
+        if len(t) != len(x):
+            raise BadInputError(f"{len(x)} feature rows but {len(t)} targets")
+        g = None if groups is None else torch.as_tensor(np.unique(np.asarray(groups), return_inverse=True)[1])
+        self.n_features_in_ = x.shape[1]
+        self.feature_names_ = list(feature_names) if feature_names is not None else [f"f{i}" for i in range(x.shape[1])]
+        self.mean_ = x.mean(0)
+        self.scale_ = np.where(x.std(0) > 0, x.std(0), 1.0)
+        xs = torch.as_tensor((x - self.mean_) / self.scale_, dtype=torch.float64)
+        target = torch.as_tensor(t)
+        gen = torch.Generator().manual_seed(int(self.seed))
+        w = (torch.randn(x.shape[1], generator=gen, dtype=torch.float64) * 0.01).requires_grad_(True)
+        opt = torch.optim.Adam([w], lr=self.lr)
+        self.history_ = []
+        for epoch in range(self.epochs):
+            opt.zero_grad()
+            loss = pearson_loss(xs @ w, target, g) + self.l2 * (w * w).sum()
+            loss.backward()
+            opt.step()
+            self.history_.append(float(loss.detach()))
+            if on_progress is not None:
+                on_progress(epoch + 1, self.epochs)
+        self.weights_ = w.detach().numpy().copy()
+        score = xs.numpy() @ self.weights_
+        a, c = np.polyfit(score, t, 1) if score.std() > 0 else (0.0, float(t.mean()))
+        self.calibration_ = (float(a), float(c))
+        return self
+
+    def scores(self, X: Any) -> np.ndarray:
+        """Uncalibrated scores (what the Pearson loss ranks)."""
+        x = self._check_x(X)
+        return ((x - self.mean_) / self.scale_) @ self.weights_
+
+    def predict(self, X: Any) -> np.ndarray:
+        """Predicted effects in nats (scores put on the training effects' scale)."""
+        a, c = self.calibration_
+        return a * self.scores(X) + c
+
+    @property
+    def coef_(self) -> np.ndarray:
+        """Weights on the raw (unstandardised) features, calibration included."""
+        return self.calibration_[0] * self.weights_ / self.scale_
+
+    def save(self, path: str | Path) -> Path:
+        """Write `<path>.safetensors` (weights, mean, scale) and `<path>.json` (settings); returns the JSON path."""
+        from safetensors.torch import save_file
+
+        if not hasattr(self, "weights_"):
+            raise BadInputError("fit the estimator before saving it")
+        stem = Path(path).with_suffix("")
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: torch.as_tensor(getattr(self, f"{k}_")) for k in ("weights", "mean", "scale")},
+                  str(stem.with_suffix(".safetensors")))
+        meta = {"version": VERSION, "params": {"epochs": self.epochs, "lr": self.lr, "l2": self.l2, "seed": self.seed},
+                "n_features_in": self.n_features_in_, "feature_names": self.feature_names_,
+                "calibration": list(self.calibration_), "final_loss": self.history_[-1] if self.history_ else None}
+        stem.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+        return stem.with_suffix(".json")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AmortizedAttribution":
+        from safetensors.torch import load_file
+
+        stem = Path(path).with_suffix("")
+        try:
+            meta = json.loads(stem.with_suffix(".json").read_text())
+            tensors = load_file(str(stem.with_suffix(".safetensors")))
+        except (OSError, ValueError) as err:
+            raise BadInputError(f"no saved estimator at {stem} (.json + .safetensors): {err}") from err
+        if meta.get("version") != VERSION:
+            raise BadInputError(f"{stem}.json is estimator version {meta.get('version')}, this code reads {VERSION}")
+        est = cls(**meta["params"])
+        est.n_features_in_ = int(meta["n_features_in"])
+        est.feature_names_ = list(meta["feature_names"])
+        est.calibration_ = tuple(meta["calibration"])
+        est.history_ = []
+        for k in ("weights", "mean", "scale"):
+            setattr(est, f"{k}_", tensors[k].numpy().astype(np.float64))
+        return est

@@ -1,0 +1,403 @@
+"""Images in the engine: checking and decoding them, turning them into a vision-language model's
+inputs, and mapping a pixel region of an image to the visual tokens that carry it.
+
+A prompt for a VLM holds the model's image placeholder (`<image>`) once per image, where the image
+goes; the engine expands each placeholder into the model's image tokens (`expand`) and computes
+the pixel inputs (`pixel_inputs`). Two families are supported, each with its own token layout:
+
+- `llava` (`LlavaForConditionalGeneration`: LLaVA-1.5, the toy-vlm): a square image of
+  `image_size` pixels cut into `patch_size` patches, one token per patch in reading order (plus the
+  CLS token first when `vision_feature_select_strategy == "full"`).
+- `idefics3` (`Idefics3ForConditionalGeneration`, `SmolVLMForConditionalGeneration`): the same
+  patches merged `scale_factor` x `scale_factor` by the connector's pixel shuffle, so one token
+  covers a block of patches; the tokens sit between `<fake_token_around_image><global-img>` and
+  `<fake_token_around_image>` (one global image, no splitting into tiles).
+
+Our preprocessing, not the HF processors': every image is resized (bicubic, no crop) to the tower's
+square input and normalised with the model's mean and std, so every pixel is seen and a pixel box
+maps to tokens by scaling alone (`box_tokens`). Qwen2-VL (3-D rotary positions) and other VLM
+families are not supported by the engine's decoding loop.
+
+Images travel as bytes: in-process as PIL images, uint8 arrays or encoded bytes, through the model
+server as base64 PNG strings (`image_to_b64`); a path on the server's disk is never accepted.
+
+Example:
+    >>> import numpy as np
+    >>> spec = VisionSpec("llava", image_token_id=7, image_size=48, patch_size=16)
+    >>> ids, groups = expand(spec, [1, 7, 9], 1)
+    >>> len(ids), groups[0][:3]
+    (11, [1, 2, 3])
+    >>> box_tokens(spec, ids, (0, 0, 20, 10), (48, 48))  # top-left and top cells
+    [1, 2]
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from thoughtscope.errors import BadInputError
+
+MAX_IMAGE_BYTES = 8 * 1024 * 1024  # encoded size (a server request body is 8 MiB by default)
+MAX_IMAGE_SIDE = 4096
+MAX_IMAGES = 16  # per request
+# Modes converted to RGB; anything else (16-bit, float, CMYK, ...) is refused with a message.
+ACCEPTED_MODES = ("RGB", "RGBA", "L", "LA", "P")
+FAMILY_OF_MODEL_TYPE = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3"}
+IMAGE_PLACEHOLDER = "<image>"
+
+
+# ----- images: check, decode, encode -------------------------------------------------------------
+
+
+def load_image(image: Any):
+    """An RGB `PIL.Image` from a PIL image, a uint8 array (HxW or HxWx3/4), encoded bytes (PNG, JPEG,
+    ...) or a base64 string of them (a `data:image/...;base64,` prefix is allowed). Checks size and
+    mode; raises `BadInputError` for anything else (paths included: images travel as bytes)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        img = image
+    elif isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
+            raise BadInputError(f"an image array must be uint8 HxW, HxWx3 or HxWx4; got {image.dtype} {image.shape}")
+        img = Image.fromarray(image)
+    elif isinstance(image, (bytes, bytearray, str)):
+        data = _b64_bytes(image) if isinstance(image, str) else bytes(image)
+        if len(data) > MAX_IMAGE_BYTES:
+            raise BadInputError(f"the image is {len(data)} bytes encoded; the limit is {MAX_IMAGE_BYTES} "
+                                "(send a smaller or compressed image)")
+        try:
+            img = Image.open(io.BytesIO(data))
+            img.load()
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
+            raise BadInputError(f"these bytes are not an image PIL can read ({err.__class__.__name__}); "
+                                "send PNG or JPEG bytes") from err
+    else:
+        raise BadInputError(f"an image is a PIL image, a uint8 array, PNG/JPEG bytes or base64 of them; "
+                            f"got {type(image).__name__} (paths are not accepted: send the bytes)")
+    w, h = img.size
+    if not (1 <= w <= MAX_IMAGE_SIDE and 1 <= h <= MAX_IMAGE_SIDE):
+        raise BadInputError(f"the image is {w}x{h}; each side must be 1..{MAX_IMAGE_SIDE} pixels (resize it)")
+    if img.mode not in ACCEPTED_MODES:
+        raise BadInputError(f"image mode {img.mode!r} is not supported; convert it to RGB "
+                            f"(accepted modes: {', '.join(ACCEPTED_MODES)})")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _b64_bytes(text: str) -> bytes:
+    if text.startswith("data:"):
+        text = text.partition(",")[2]
+    if len(text) > MAX_IMAGE_BYTES * 4 // 3 + 8:
+        raise BadInputError(f"the base64 image is longer than the {MAX_IMAGE_BYTES}-byte limit allows")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise BadInputError("an image string must be base64-encoded image bytes (paths are not accepted)") from err
+
+
+def image_to_b64(image: Any) -> str:
+    """Base64 PNG of an image (how images travel to the model server)."""
+    buf = io.BytesIO()
+    load_image(image).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def image_size(image: Any) -> tuple[int, int]:
+    """(width, height) of an image in any accepted form."""
+    return load_image(image).size
+
+
+# ----- the token layout of one VLM family ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """How one model sees an image: family, its image token, input side, patch size, how many patches
+    one token covers per side (`merge`), tokens before the patch tokens (`lead`: CLS), the token ids
+    wrapped around each image (`before`, `after`), and the normalisation."""
+
+    family: str
+    image_token_id: int
+    image_size: int
+    patch_size: int
+    merge: int = 1
+    lead: int = 0
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    placeholder: str = IMAGE_PLACEHOLDER
+    extras: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def grid(self) -> int:
+        """Tokens per side of the image."""
+        return self.image_size // self.patch_size // self.merge
+
+    @property
+    def n_tokens(self) -> int:
+        """Image tokens per image."""
+        return self.lead + self.grid * self.grid
+
+    @property
+    def cell(self) -> float:
+        """Side, in input pixels, of the square one token covers."""
+        return self.image_size / self.grid
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extras")
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "VisionSpec":
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def vision_spec(model: Any, tokenizer: Any) -> VisionSpec | None:
+    """The `VisionSpec` of a loaded model, None for a text-only model. An unsupported VLM raises."""
+    from thoughtscope.errors import ModelLoadError
+
+    config = model.config
+    if getattr(config, "vision_config", None) is None:
+        return None
+    model_type = config.model_type
+    family = FAMILY_OF_MODEL_TYPE.get(model_type)
+    if family is None:
+        raise ModelLoadError(f"{model_type} vision-language models are not supported by the engine; it runs "
+                             f"{', '.join(sorted(FAMILY_OF_MODEL_TYPE))} (LLaVA, Idefics3/SmolVLM)")
+    vc = config.vision_config
+    mean, std = _normalisation(config)
+    if family == "llava":
+        if not isinstance(config.vision_feature_layer, int):
+            raise ModelLoadError("Llava with several vision feature layers is not supported")
+        lead = 1 if config.vision_feature_select_strategy == "full" else 0
+        return VisionSpec("llava", int(config.image_token_id), int(vc.image_size), int(vc.patch_size), 1, lead,
+                          mean=mean, std=std)
+    fake = tokenizer.convert_tokens_to_ids("<fake_token_around_image>")
+    glob = tokenizer.convert_tokens_to_ids("<global-img>")
+    if fake is None or glob is None or fake == tokenizer.unk_token_id or glob == tokenizer.unk_token_id:
+        raise ModelLoadError("this Idefics3/SmolVLM tokenizer lacks <fake_token_around_image> or <global-img>")
+    return VisionSpec("idefics3", int(config.image_token_id), int(vc.image_size), int(vc.patch_size),
+                      int(config.scale_factor), 0, (fake, glob), (fake,), mean=mean, std=std)
+
+
+def _normalisation(config: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The image mean/std saved beside a model folder's weights (HF processor files), else 0.5/0.5."""
+    folder = Path(str(getattr(config, "_name_or_path", "") or ""))
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = folder / name
+        if folder.parts and path.is_file():
+            try:
+                d = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            d = d.get("image_processor", d)
+            if "image_mean" in d and "image_std" in d:
+                return tuple(float(v) for v in d["image_mean"]), tuple(float(v) for v in d["image_std"])
+    return (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+
+
+# ----- prompts: placeholders -> image tokens ----------------------------------------------------------
+
+
+def expand(spec: VisionSpec, ids: Sequence[int], n_images: int) -> tuple[list[int], list[list[int]]]:
+    """Replace each placeholder token in `ids` by the image's tokens; return the new ids and, per
+    image, the positions of its image tokens. Ids already expanded (a generated sequence fed back)
+    are returned as they are. The placeholder count must equal `n_images`."""
+    ids = [int(i) for i in ids]
+    groups = image_token_groups(spec, ids, check=False)
+    if groups and all(len(g) == spec.n_tokens for g in groups):
+        if len(groups) != n_images:
+            raise BadInputError(f"the prompt holds {len(groups)} expanded images but {n_images} images were given")
+        return ids, groups
+    n_place = ids.count(spec.image_token_id)
+    if n_place != n_images:
+        raise BadInputError(f"the prompt holds {n_place} image placeholders ({spec.placeholder!r}) but {n_images} "
+                            f"images were given: put {spec.placeholder} in the prompt once per image, where it goes")
+    out: list[int] = []
+    groups = []
+    for i in ids:
+        if i != spec.image_token_id:
+            out.append(i)
+            continue
+        out.extend(spec.before)
+        groups.append(list(range(len(out), len(out) + spec.n_tokens)))
+        out.extend([spec.image_token_id] * spec.n_tokens)
+        out.extend(spec.after)
+    return out, groups
+
+
+def image_token_groups(spec: VisionSpec, ids: Sequence[int], check: bool = True) -> list[list[int]]:
+    """Positions of each image's tokens in an expanded sequence (runs of the image token)."""
+    groups: list[list[int]] = []
+    prev = -2
+    for p, i in enumerate(ids):
+        if int(i) != spec.image_token_id:
+            continue
+        if p == prev + 1 and groups and len(groups[-1]) < spec.n_tokens:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+        prev = p
+    if check and any(len(g) != spec.n_tokens for g in groups):
+        raise BadInputError(f"this sequence is not expanded: each image takes {spec.n_tokens} image tokens")
+    return groups
+
+
+def pixel_inputs(spec: VisionSpec, images: Sequence[Sequence[Any]], dtype: torch.dtype = torch.float32,
+                 device: Any = "cpu") -> dict[str, torch.Tensor]:
+    """Model keyword inputs for a batch: `images[b]` are the images of sequence b, in prompt order."""
+    rows = [[preprocess(spec, im) for im in row] for row in images]
+    if spec.family == "llava":
+        flat = [x for row in rows for x in row]
+        if not flat:
+            return {}
+        return {"pixel_values": torch.stack(flat).to(device, dtype)}
+    counts = {len(row) for row in rows}
+    if len(counts) != 1:
+        raise BadInputError("Idefics3/SmolVLM batches need the same number of images in every sequence")
+    if not counts.pop():
+        return {}
+    pv = torch.stack([torch.stack(row) for row in rows])
+    return {"pixel_values": pv.to(device, dtype),
+            "pixel_attention_mask": torch.ones(pv.shape[0], pv.shape[1], *pv.shape[-2:], dtype=torch.bool,
+                                               device=device)}
+
+
+def preprocess(spec: VisionSpec, image: Any) -> torch.Tensor:
+    """[3, S, S] normalised pixels: resized (bicubic, no crop) to the tower's input side."""
+    from PIL import Image
+
+    img = load_image(image)
+    s = spec.image_size
+    if img.size != (s, s):
+        img = img.resize((s, s), Image.Resampling.BICUBIC)
+    x = np.asarray(img, dtype=np.float64) / 255.0
+    x = (x - np.asarray(spec.mean)) / np.asarray(spec.std)
+    return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1).astype(np.float32)))
+
+
+# ----- regions -> visual tokens -----------------------------------------------------------------------
+
+
+def box_cells(spec: VisionSpec, box: Sequence[float], size: tuple[int, int]) -> list[int]:
+    """Token cells (reading order, 0..grid^2-1) a pixel box (x0, y0, x1, y1; exclusive ends) of an
+    image of `size` (width, height) overlaps, after the resize to the tower's input."""
+    if len(box) != 4:
+        raise BadInputError(f"a box is (x0, y0, x1, y1) in pixels; got {box!r}")
+    x0, y0, x1, y1 = (float(v) for v in box)
+    w, h = size
+    if not (0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h):
+        raise BadInputError(f"box {tuple(box)} is not a non-empty region inside the {w}x{h} image")
+    sx, sy = spec.image_size / w, spec.image_size / h
+    c = spec.cell
+    cols = range(int(x0 * sx // c), min(spec.grid, int(-(-(x1 * sx) // c))))
+    rows = range(int(y0 * sy // c), min(spec.grid, int(-(-(y1 * sy) // c))))
+    return [r * spec.grid + col for r in rows for col in cols]
+
+
+def box_tokens(spec: VisionSpec, ids: Sequence[int], box: Sequence[float], size: tuple[int, int],
+               image_index: int = 0) -> list[int]:
+    """Positions in the expanded sequence `ids` of the visual tokens covering a pixel box of image
+    `image_index` (of `size` = (width, height) pixels as given to the model)."""
+    groups = image_token_groups(spec, ids)
+    if not 0 <= image_index < len(groups):
+        raise BadInputError(f"image {image_index} is not in this sequence (it holds {len(groups)} images)")
+    group = groups[image_index]
+    return [group[spec.lead + k] for k in box_cells(spec, box, size)]
+
+
+def cell_boxes(spec: VisionSpec, size: tuple[int, int]) -> list[tuple[int, int, int, int]]:
+    """The pixel box (in the original image) of each token cell, reading order."""
+    w, h = size
+    g = spec.grid
+    return [(round(c * w / g), round(r * h / g), round((c + 1) * w / g), round((r + 1) * h / g))
+            for r in range(g) for c in range(g)]
+
+
+def spec_of(backend: Any) -> VisionSpec:
+    """The `VisionSpec` of a backend's model (from `info()["vision"]`, so it works through a server)."""
+    d = backend.info().get("vision")
+    if not d:
+        raise BadInputError(f"{backend.info().get('model_id', 'this model')} is a text-only model: it takes no "
+                            "images (use a VLM such as toy-vlm or tiny-random:llava)")
+    return VisionSpec.from_dict(d)
+
+
+def prepare(spec: VisionSpec | None, model_id: str, rows: Sequence[list[int]], images: Any,
+            dtype: torch.dtype = torch.float32, device: Any = "cpu") -> tuple[list[list[int]], dict[str, Any]]:
+    """(expanded ids per row, model keyword inputs) for rows of token ids and their images.
+
+    `images` is None, or one entry per row: an image or a list of images. Every check runs here,
+    before any model work."""
+    if images is None:
+        return [list(r) for r in rows], {}
+    if spec is None:
+        raise BadInputError(f"{model_id} is a text-only model: it takes no images "
+                            "(use a VLM such as toy-vlm or tiny-random:llava)")
+    if isinstance(images, (str, bytes)) or not isinstance(images, (list, tuple)):
+        raise BadInputError("images must be a list: one image (or a list of images) per prompt")
+    if len(images) != len(rows):
+        raise BadInputError(f"{len(images)} image entries for {len(rows)} prompts: give one per prompt")
+    per_row = [list(x) if isinstance(x, (list, tuple)) else [x] for x in images]
+    if sum(len(r) for r in per_row) > MAX_IMAGES * max(1, len(rows)):
+        raise BadInputError(f"at most {MAX_IMAGES} images per prompt")
+    decoded = [[load_image(im) for im in row] for row in per_row]
+    out = []
+    for ids, row in zip(rows, decoded):
+        new, _ = expand(spec, ids, len(row))
+        out.append(new)
+    return out, pixel_inputs(spec, decoded, dtype, device)
+
+
+# ----- tiny random VLMs (tests only) ------------------------------------------------------------------
+
+# `tiny-random:<name>`: a 2-layer text model of probes.zoo's tiny shape inside a 1-layer vision tower,
+# 16 image tokens in a 4 x 4 grid (Llava: 32-pixel input, patch 8; SmolVLM: 64-pixel input, patch 8,
+# 2 x 2 pixel shuffle).
+TINY_VLMS = ("llava", "smolvlm")
+
+
+def tiny_vlm(name: str, text_kwargs: dict[str, Any], tokenizer: Any, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of a random tiny VLM; `tokenizer` gains the family's image tokens."""
+    import transformers
+
+    if name == "llava":
+        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_PLACEHOLDER]})
+        vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=32, patch_size=8)
+        config = transformers.LlavaConfig(
+            vision_config=vision, text_config=transformers.LlamaConfig(vocab_size=len(tokenizer), **text_kwargs),
+            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER), image_seq_length=16,
+            vision_feature_layer=-1, vision_feature_select_strategy="default")
+        cls = transformers.LlavaForConditionalGeneration
+    elif name == "smolvlm":
+        tokenizer.add_special_tokens({"additional_special_tokens": [
+            IMAGE_PLACEHOLDER, "<fake_token_around_image>", "<global-img>"]})
+        vision = transformers.SmolVLMVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=2, image_size=64, patch_size=8)
+        text = transformers.LlamaConfig(vocab_size=len(tokenizer), **text_kwargs)
+        config = transformers.SmolVLMConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                                            scale_factor=2,
+                                            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER))
+        cls = transformers.SmolVLMForConditionalGeneration
+    else:
+        from thoughtscope.errors import UnknownModelError
+
+        raise UnknownModelError(f"unknown tiny VLM {name!r}; choose one of {TINY_VLMS}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = cls(config).to(dtype)
+    with torch.no_grad():  # peaked logits, as for probes.zoo's tiny text models
+        model.get_output_embeddings().weight.mul_(40.0)
+    return model, tokenizer

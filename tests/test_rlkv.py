@@ -471,4 +471,14 @@ def test_the_page_maps_binarises_generates_and_loads_gates(tmp_path, monkeypatch
     helpers.assert_clean(at)
     titles = helpers.chart_titles(at)
     assert titles[0].startswith("Learned head gates") and "Gate training" in titles
+    # an `eval rlkv --json` file draws the accuracy-vs-sparsity curves and the table of every run
+    report = evaluate_rlkv(Engine.from_id("tiny-random:llama"), "arith", [0.5], n=2, n_dev=1, n_calibration=1, sink=1,
+                           recent=4, random_seeds=1, snapkv_windows=[2], max_new_tokens=4, methods="random,streaming")
+    (tmp_path / "eval.json").write_text(json.dumps(report.to_dict()))
+    at.text_input(key="rlkv_eval_path").set_value(str(tmp_path / "eval.json")).run()
+    helpers.assert_clean(at)
+    assert "Accuracy vs sparsity, 95% intervals (evaluation split, n = 2)" in helpers.chart_titles(at)
+    table = at.dataframe[-1].value
+    assert list(table["method"]) == ["full cache", "random", "streaming"]
+    assert list(table["correct"]) == [row["error_modes"]["correct"] for row in report.rows()]
     page.results.clear()

@@ -472,27 +472,46 @@ class ExpertSample(RouterRule):
 
     def choose(self, spec, logits, layer, at):
         k = self.k or spec.top_k
-        choice, allowed = spec.choice_scores(logits)
-        if self.k_h == k:
-            idx = spec.family_topk(choice, k)
+        if self.k_h == k:  # no tail to sample: the family's own top-k (with the model's k, its own routing)
+            choice = spec.choice_scores(logits)[0]
+            return self._weighted(spec, logits, spec.family_topk(choice, k), choice, k)
+        # A softmax (or raw-logit) router without group limits ranks experts as their logits rank, so the rule
+        # ranks the logits themselves and samples from the top-k values: no softmax over all experts per token
+        # (a rule's cost at toy scale is its number of tensor operations).
+        by_logits = spec.style.score in ("softmax", "logits") and not spec.n_group
+        if by_logits:
+            values, ranked = torch.topk(logits, self.k_h + self.m, dim=-1)
+            pool_logits, choice, allowed = values[:, self.k_h:].float(), None, None
         else:
+            choice, allowed = spec.choice_scores(logits)
             ranked = torch.topk(choice, self.k_h + self.m, dim=-1)[1]
-            head, pool = ranked[:, :self.k_h], ranked[:, self.k_h:]
-            pool_logits = spec.sample_logits(logits).gather(1, pool)
+            pool_logits = spec.sample_logits(logits).gather(1, ranked[:, self.k_h:])
             if allowed is not None:
-                pool_logits = pool_logits.masked_fill(~allowed.gather(1, pool), -math.inf)
-            noise = gumbel_noise(self.seed, layer, at, self.m)
-            picked = gumbel_top_k(pool_logits, k - self.k_h, float(self.t_e), noise)
-            if allowed is not None and torch.isinf(pool_logits.gather(1, picked)).any():
-                raise BadInputError(f"{self.describe()}: the tail pool reaches experts this router's group limit "
-                                    "excludes; use a smaller m")
-            idx = torch.cat([head, pool.gather(1, picked)], dim=-1)
+                pool_logits = pool_logits.masked_fill(~allowed.gather(1, ranked[:, self.k_h:]), -math.inf)
+        noise = gumbel_noise(self.seed, layer, at, self.m)
+        picked = gumbel_top_k(pool_logits, k - self.k_h, float(self.t_e), noise)
+        if allowed is not None and torch.isinf(pool_logits.gather(1, picked)).any():
+            raise BadInputError(f"{self.describe()}: the tail pool reaches experts this router's group limit "
+                                "excludes; use a smaller m")
+        idx = torch.cat([ranked[:, :self.k_h], ranked[:, self.k_h:].gather(1, picked)], dim=-1)
+        if by_logits and self.tail_gates == "router" and spec.style.score == "softmax" and spec.normalize:
+            # renormalised probabilities over the chosen set are the softmax of their logits
+            chosen = torch.cat([values[:, :self.k_h], values[:, self.k_h:].gather(1, picked)], dim=-1)
+            gates = torch.softmax(chosen, dim=-1, dtype=torch.float32) * (spec.scaling if spec.style.scaled else 1.0)
+            return idx, gates.to(logits.dtype) if spec.style.gate_dtype == "logits" else gates
+        return self._weighted(spec, logits, idx, choice, k)
+
+    def _weighted(self, spec: RouterSpec, logits: torch.Tensor, idx: torch.Tensor, choice: torch.Tensor | None,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, gates) of the chosen experts `idx` under this rule's `tail_gates`."""
         if self.tail_gates == "router":
             return idx, spec.gates(logits, idx, choice)
         if self.tail_gates == "uniform":
             gates = spec.gates(logits, idx, choice)
             return idx, gates.mean(dim=-1, keepdim=True).expand_as(gates).contiguous()
         # displaced: the model's own top-k gates by rank; rank k_h + j's gate goes to the j-th sampled expert
+        if choice is None:
+            choice = spec.choice_scores(logits)[0]
         ranked = torch.topk(choice, k, dim=-1)[1]
         return torch.cat([ranked[:, :self.k_h], idx[:, self.k_h:]], dim=-1), spec.gates(logits, ranked, choice)
 

@@ -286,3 +286,60 @@ def test_cli_refuses_a_bad_grid_before_loading_a_model():
 
     result = CliRunner().invoke(build(), ["eval", "expert-sample", "--model", "tiny-random:qwen3_moe", "--grid", "2:4"])
     assert result.exit_code != 0 and "k_h:m:T_e" in str(result.exception or result.output)
+
+
+# ----- the benchmark -----
+
+
+def test_expert_sample_overhead_bench_row(moe):
+    from analyses.moe_router.bench import bench_expert_sample_overhead
+
+    row = bench_expert_sample_overhead(moe, n_problems=2, max_new_tokens=4, rounds=1)
+    assert row["bench"] == "expert_sample_overhead" and row["target"] == 1.10
+    assert row["tokens"]["greedy"] == row["tokens"]["expert_sample"] == 2 * 4  # tiny-random never stops early
+    assert row["ratio"] == pytest.approx(row["greedy_tokens_per_s"] / row["expert_sample_tokens_per_s"], rel=0.01)
+    assert row["setting"] == {"k_h": 1, "m": 4, "t_e": 1.0, "tail_gates": "router", "where": "all"}
+
+
+# ----- the page -----
+
+
+@pytest.fixture()
+def page_on_tiny_moe(monkeypatch):
+    import app.views.moe_router as page
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:qwen3_moe")
+    page.results.clear()
+    yield page
+    page.results.clear()
+
+
+def test_the_page_routes_a_generation_and_draws_every_figure(page_on_tiny_moe, moe, tmp_path):
+    from app.figures.moe_router import FIGURES
+    from app.export import figure_registry
+    from tests import apptest_helpers as helpers
+
+    assert set(FIGURES) <= set(figure_registry())
+    at = helpers.open_page("moe_router", max_new_tokens=5)
+    helpers.assert_clean(at)
+    assert helpers.chart_titles(at) == []
+    at.radio(key="moe_routing").set_value("Expert-Sample").run()
+    at.slider(key="moe_samples").set_value(3).run()
+    at.button(key="moe_generate").click().run()
+    helpers.assert_clean(at)
+    titles = helpers.chart_titles(at)
+    assert len(titles) == 3 and titles[0].startswith("Router scores at layer 0 for token 0")
+    assert "head 1 of 2" in titles[0] and titles[1].startswith("Experts used at every layer (sample 0) under expert-sample")
+    assert titles[2].startswith("Where 3 samples part")
+    at.slider(key="moe_view_k_h").set_value(2).run()
+    assert "head 2 of 2" in helpers.chart_titles(at)[0]
+    # pass@n from an evaluation JSON, as `thoughtscope eval expert-sample --json` writes it
+    report = evaluate_expert_sample(moe, "arith", n=2, n_dev=2, n_samples=2, grid=[ExpertSetting(1, 3, 1.0)],
+                                    temperatures=[1.0], max_new_tokens=3, n_resamples=100)
+    path = tmp_path / "es.json"
+    path.write_text(json.dumps(report.to_dict()))
+    at.text_input(key="moe_eval_path").set_value(str(path)).run()
+    helpers.assert_clean(at)
+    assert "pass@n on 2 evaluation problems (95% bootstrap intervals)" in helpers.chart_titles(at)
+    at.text_input(key="moe_eval_path").set_value(str(tmp_path / "missing.json")).run()
+    assert any("cannot read" in e.value for e in at.error)

@@ -329,7 +329,7 @@ def test_the_page_routes_a_generation_and_draws_every_figure(page_on_tiny_moe, m
     helpers.assert_clean(at)
     titles = helpers.chart_titles(at)
     assert len(titles) == 3 and titles[0].startswith("Router scores at layer 0 for token 0")
-    assert "head 1 of 2" in titles[0] and titles[1].startswith("Experts used at every layer (sample 0) under expert-sample")
+    assert "head 1 of 2" in titles[0] and titles[1].startswith("Experts used at every layer (sample 0)<br><sup>under expert-sample")
     assert titles[2].startswith("Where 3 samples part")
     at.slider(key="moe_view_k_h").set_value(2).run()
     assert "head 2 of 2" in helpers.chart_titles(at)[0]
@@ -343,3 +343,25 @@ def test_the_page_routes_a_generation_and_draws_every_figure(page_on_tiny_moe, m
     assert "pass@n on 2 evaluation problems (95% bootstrap intervals)" in helpers.chart_titles(at)
     at.text_input(key="moe_eval_path").set_value(str(tmp_path / "missing.json")).run()
     assert any("cannot read" in e.value for e in at.error)
+
+
+# ----- on the organism (toy-moe:small: trained once, under a minute, cached) -----
+
+
+@pytest.mark.model
+def test_on_toy_moe_fewer_experts_cost_accuracy_and_expert_sample_diversifies():
+    from probes import Engine
+    from probes.toys import moe as toy
+
+    engine = Engine.from_id("toy-moe:small")
+    active = evaluate_active_experts(engine, "auto", n=40, n_resamples=200)
+    accuracy = {r["active_experts"]: r["accuracy"]["estimate"] for r in active.rows}
+    # the model's own k: the toy's own greedy decoding scores the same problems the same way
+    problems = toy.problems("eval", 40, config=toy.task_config("small"))
+    texts = toy.greedy_continuations(engine.model, engine.tok, [p.prompt for p in problems], max_new_tokens=48)
+    assert accuracy[4] == pytest.approx(np.mean([toy.is_correct(t, p) for t, p in zip(texts, problems)]))
+    assert accuracy[4] >= 0.6 and accuracy[1] < accuracy[4]
+    items = load_items("toy-moe:small", "evaluation", 20)
+    samples = draw_samples(engine, items, Method("es", expert=ExpertSetting(2, 8, 2.0)), 4)
+    assert max(len(set(a)) for a in samples.answers) > 1  # greedy tokens, yet different answers
+    assert samples.pass_at(4).estimate >= samples.pass_at(1).estimate > 0.2

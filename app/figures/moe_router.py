@@ -66,11 +66,12 @@ def scores_figure(data: Any) -> go.Figure:
         fig.add_trace(go.Scatter(x=[ranks[i] for i in used], y=[probs[i] for i in used], mode="markers",
                                  name="used by the token", marker=dict(symbol="circle-open", size=13,
                                                                        line=dict(width=2, color=PALETTE[3]))))
-    for rank, text, dash in ((d.get("cumulative_head"), f"cumulative p={d.get('p', 0.5):g}", "dot"),
-                             (d.get("gap_head"), "largest gap", "dash")):
+    # the two rules' head ends, labelled on opposite sides of their lines so equal or neighbouring ends stay legible
+    for rank, text, dash, side in ((d.get("cumulative_head"), f"cumulative p={d.get('p', 0.5):g}", "dot", "top right"),
+                                   (d.get("gap_head"), "largest gap", "dash", "top left")):
         if rank:
             fig.add_vline(x=rank + 0.5, line=dict(color=PALETTE[7], dash=dash, width=1),
-                          annotation_text=text, annotation_position="top")
+                          annotation_text=text, annotation_position=side)
     fig.update_layout(xaxis_title="rank of the expert (sorted router probability)", yaxis_title="router probability",
                       barmode="overlay", legend=dict(orientation="h", y=-0.3), bargap=0.15)
     token = str(d.get("token", "")).strip() or repr(d.get("token", ""))
@@ -98,10 +99,9 @@ def heatmap_figure(data: Any) -> go.Figure:
                                hoverongaps=False, xgap=1, ygap=1,
                                hovertemplate="%{y} at token %{x}<br>gate %{z:.3f}<extra></extra>"))
     fig.update_layout(xaxis_title="generated token", yaxis_title="layer and expert", yaxis_autorange="reversed",
-                      xaxis_tickangle=-60)
-    rule = d.get("rule")
-    title = f"Experts used at every layer (sample {d.get('sample', 0)})" + (f" under {rule}" if rule else "")
-    return export_size(styled(fig, title[:140]), width=max(720, 40 * len(tokens) + 200),
+                      xaxis_tickangle=-60, yaxis_dtick=1 if len(rows) <= 80 else None)
+    title = f"Experts used at every layer (sample {d.get('sample', 0)})" + _rule_line(d.get("rule"))
+    return export_size(styled(fig, title), width=max(720, 40 * len(tokens) + 200),
                        height=max(360, 120 + 14 * len(rows)))
 
 
@@ -131,8 +131,13 @@ def divergence_figure(data: Any) -> go.Figure:
     fig.update_xaxes(title_text="generated step", row=2, col=1)
     fig.update_annotations(font_size=12)
     n = d.get("n_samples", len(tokens))
-    return export_size(styled(fig, f"Where {n} samples part" + (f" under {d['rule']}" if d.get("rule") else "")[:120]),
+    return export_size(styled(fig, f"Where {n} samples part" + _rule_line(d.get("rule"))),
                        width=max(720, 36 * steps + 200), height=max(420, 200 + 22 * (len(tokens) + len(d["layers"]))))
+
+
+def _rule_line(rule: str | None) -> str:
+    """The router rule as a smaller second title line (a rule's description is long)."""
+    return f"<br><sup>under {rule}</sup>" if rule else "<br><sup>the model's own routing</sup>"
 
 
 def pass_at_figure(data: Any) -> go.Figure:

@@ -365,3 +365,13 @@ def test_on_toy_moe_fewer_experts_cost_accuracy_and_expert_sample_diversifies():
     samples = draw_samples(engine, items, Method("es", expert=ExpertSetting(2, 8, 2.0)), 4)
     assert max(len(set(a)) for a in samples.answers) > 1  # greedy tokens, yet different answers
     assert samples.pass_at(4).estimate >= samples.pass_at(1).estimate > 0.2
+
+
+def test_the_page_on_a_dense_model_says_why_it_is_empty(monkeypatch):
+    from tests import apptest_helpers as helpers
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
+    at = helpers.open_page("moe_router")
+    helpers.assert_clean(at)
+    assert at.title[0].value == "MoE router & Expert-Sample"
+    assert "has no MoE router" in at.info[0].value and not at.button

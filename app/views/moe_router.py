@@ -24,7 +24,8 @@ from app.export import show_figure
 from app.registry import PageSpec
 from thoughtscope.errors import BadInputError
 
-PAGE = PageSpec("MoE router & Expert-Sample", ":material/alt_route:", 65, requires=("generate", "router"))
+# "router" is checked in `render`, after the title: on a dense model the page still opens and says why it is empty
+PAGE = PageSpec("MoE router & Expert-Sample", ":material/alt_route:", 65, requires=("generate",))
 
 OWN = "the model's own top-k"
 EXPERT_SAMPLE = "Expert-Sample"
@@ -168,6 +169,10 @@ def render(ctx) -> None:
     st.caption("Chen et al. 2026 (abstract only; our reconstruction): a fine-grained MoE router is certain about a "
                "few head experts and uncertain about its tail. Expert-Sample keeps the head and samples the rest "
                "of the k experts from the tail, for diverse answers with greedy tokens.")
+    if not ctx.backend.capabilities().get("router"):
+        st.info(f"`{ctx.model_id}` has no MoE router (a dense model, or a backend without router rules). Pick an "
+                "MoE model in the sidebar: toy-moe, tiny-random:qwen3_moe, or an hf: Qwen3-MoE / OLMoE / Mixtral.")
+        return
     store = results()
     found = generation_section(ctx, store)
     if found is not None:

@@ -275,7 +275,7 @@ def gumbel_noise(seed: int, layer: int, at: Positions, width: int) -> torch.Tens
     """Standard Gumbel noise [tokens, width] (float32) for the tokens `at`; `ExpertSample` adds exactly these
     to its tail pool (slot j = the pool's j-th most likely expert). A draw of u = 0 (probability 2^-24)
     gives -inf: that slot is not picked."""
-    return -torch.log(-torch.log(uniform_noise(seed, layer, at, width)))
+    return uniform_noise(seed, layer, at, width).log_().neg_().log_().neg_()  # a fresh tensor: in place is safe
 
 
 def gumbel_top_k(logits: torch.Tensor, k: int, t_e: float, noise: torch.Tensor) -> torch.Tensor:
@@ -497,7 +497,9 @@ class ExpertSample(RouterRule):
         if by_logits and self.tail_gates == "router" and spec.style.score == "softmax" and spec.normalize:
             # renormalised probabilities over the chosen set are the softmax of their logits
             chosen = torch.cat([values[:, :self.k_h], values[:, self.k_h:].gather(1, picked)], dim=-1)
-            gates = torch.softmax(chosen, dim=-1, dtype=torch.float32) * (spec.scaling if spec.style.scaled else 1.0)
+            gates = torch.softmax(chosen, dim=-1, dtype=torch.float32)
+            if spec.style.scaled:
+                gates = gates * spec.scaling
             return idx, gates.to(logits.dtype) if spec.style.gate_dtype == "logits" else gates
         return self._weighted(spec, logits, idx, choice, k)
 

@@ -1,0 +1,65 @@
+"""Visual attribution (issue 14): regions and the amortized estimator on synthetic features (no model).
+The parts that run a VLM are in tests/test_visual_attribution_engine.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from analyses.visual_attribution import (AmortizedAttribution, box_regions, cell_map, cluster_regions, grid_regions,
+                                         pearson_loss)
+from probes.vision import VisionSpec
+from thoughtscope.errors import BadInputError
+
+
+def test_regions_cover_the_grid_and_refuse_what_does_not_fit():
+    spec = VisionSpec("llava", image_token_id=7, image_size=64, patch_size=16)  # 4 x 4 tokens
+    blocks = grid_regions(spec, 2, 2)
+    assert [r.cells for r in blocks] == [(0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15)]
+    # two flat halves of different colour: Ward with K=2 recovers them, as connected regions
+    feats = np.zeros((16, 3))
+    feats[[0, 1, 4, 5, 8, 9, 12, 13]] = 1.0
+    feats += np.random.default_rng(0).normal(scale=0.01, size=feats.shape)
+    halves = cluster_regions(spec, feats, 2)
+    assert [r.cells for r in halves] == [(0, 1, 4, 5, 8, 9, 12, 13), (2, 3, 6, 7, 10, 11, 14, 15)]
+    assert box_regions(spec, [(0, 0, 10, 40)], (64, 64))[0].cells == (0, 4, 8)
+    assert cell_map(spec, halves, [1.0, 2.0])[0].tolist() == [1.0, 1.0, 2.0, 2.0]
+    with pytest.raises(BadInputError, match="K=17"):
+        cluster_regions(spec, feats, 17)
+    with pytest.raises(BadInputError, match="inside"):
+        box_regions(spec, [(50, 50, 70, 60)], (64, 64))
+    with pytest.raises(BadInputError, match="does not fit"):
+        grid_regions(spec, 5, 1)
+
+
+def test_the_estimator_recovers_planted_linear_weights(tmp_path):
+    rng = np.random.default_rng(0)
+    n_spans, n_regions, n_feat = 80, 8, 12
+    X = rng.normal(size=(n_spans * n_regions, n_feat)) * rng.uniform(0.5, 3, size=n_feat)
+    w = rng.normal(size=n_feat)
+    w[[2, 7]] = 0.0
+    y = X @ w + 0.5 + rng.normal(scale=0.01, size=len(X))
+    groups = np.repeat(np.arange(n_spans), n_regions)
+    est = AmortizedAttribution(epochs=400, lr=0.05, l2=0.0, seed=0).fit(X, y, groups)
+    assert not hasattr(AmortizedAttribution(), "weights_")  # learned state appears only with fit
+    cos = est.coef_ @ w / (np.linalg.norm(est.coef_) * np.linalg.norm(w))
+    assert cos > 0.999
+    assert np.allclose(est.coef_, w, atol=0.05)  # the calibration puts the scale back
+    assert np.corrcoef(est.predict(X), y)[0, 1] > 0.999
+    assert est.history_[-1] < 1e-3
+    est.save(tmp_path / "est")
+    again = AmortizedAttribution.load(tmp_path / "est")
+    assert np.array_equal(again.predict(X), est.predict(X)) and again.epochs == 400
+    assert (tmp_path / "est.safetensors").is_file() and (tmp_path / "est.json").is_file()
+    with pytest.raises(BadInputError, match="features"):
+        est.predict(X[:, :3])
+
+
+def test_pearson_loss_ignores_scale_and_constant_groups():
+    t = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+    g = torch.tensor([0, 0, 0, 1, 1, 1])
+    assert float(pearson_loss(10 * t + 3, t, g)) == pytest.approx(0.0, abs=1e-9)
+    assert float(pearson_loss(-t, t, g)) == pytest.approx(2.0, abs=1e-9)
+    with pytest.raises(BadInputError):
+        pearson_loss(t[3:], t[3:])

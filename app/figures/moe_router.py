@@ -144,13 +144,16 @@ def pass_at_figure(data: Any) -> go.Figure:
     """data: an `eval expert-sample` report (`methods`: name, pass_at {n: interval}): pass@n with 95% bands."""
     d = _data(data)
     fig = go.Figure()
+    top = max((int(n) for m in d["methods"] for n in m["pass_at"]), default=1)
     for i, method in enumerate(d["methods"]):
         ns = sorted(int(n) for n in method["pass_at"])
         rows = [method["pass_at"][str(n)] for n in ns]
         colour = PALETTE[i % len(PALETTE)]
+        if ns == [1] and top > 1:  # a deterministic method (greedy): its n samples are one, pass@n = pass@1
+            ns, rows = [1, top], rows * 2
         if len(ns) > 1:
             fig.add_trace(go.Scatter(x=ns + ns[::-1], y=[r["high"] for r in rows] + [r["low"] for r in rows[::-1]],
-                                     fill="toself", fillcolor=colour, opacity=0.15, line=dict(width=0),
+                                     fill="toself", fillcolor=colour, opacity=0.15, line=dict(width=0), mode="lines",
                                      hoverinfo="skip", showlegend=False))
         fig.add_trace(go.Scatter(
             x=ns, y=[r["estimate"] for r in rows], mode="lines+markers", name=method["name"],
@@ -160,8 +163,10 @@ def pass_at_figure(data: Any) -> go.Figure:
             customdata=[[r["low"], r["high"]] for r in rows],
             hovertemplate=method["name"] + "<br>pass@%{x}: %{y:.3f} [%{customdata[0]:.3f}, %{customdata[1]:.3f}]"
                                            "<extra></extra>"))
+    ticks = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= top]
     fig.update_layout(xaxis_title="n (samples per problem)", yaxis_title="pass@n (unbiased estimator)",
-                      xaxis_type="log", yaxis_range=[0, 1.02], legend=dict(orientation="h", y=-0.3))
+                      xaxis=dict(type="log", tickvals=ticks, ticktext=[str(n) for n in ticks], minor=dict(showgrid=False)),
+                      yaxis_range=[0, 1.02], legend=dict(orientation="h", y=-0.3))
     n = d.get("n_eval")
     return export_size(styled(fig, f"pass@n on {n} evaluation problems (95% bootstrap intervals)" if n else
                               "pass@n (95% bootstrap intervals)"), height=460)

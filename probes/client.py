@@ -175,8 +175,9 @@ class RemoteBackend:
     def generate(self, prompt: Any = None, *, prompts: Sequence[Any] | None = None, n_samples: int = 1,
                  max_new_tokens: int = 64, sampling: Any = None, seed: int = 0, capture: Sequence[str] = (),
                  interventions: Sequence[Any] = (), top_k: int = 5, stop: Sequence[str] = (),
-                 chat: bool = False, request_id: str | None = None) -> RemoteStream:
-        """Stream one record per new token (see `Engine.generate`). The request starts on the first `next`."""
+                 chat: bool = False, request_id: str | None = None, images: Any = None) -> RemoteStream:
+        """Stream one record per new token (see `Engine.generate`). The request starts on the first `next`.
+        `images` (a VLM) travel as base64 PNG, never as paths."""
         request_id = request_id or uuid.uuid4().hex
         body: dict[str, Any] = {
             "prompt": prompt, "prompts": None if prompts is None else list(prompts), "n_samples": n_samples,
@@ -186,17 +187,21 @@ class RemoteBackend:
         }
         if sampling is not None:
             body["sampling"] = sampling_to_spec(sampling)
+        if images is not None:
+            body["images"] = _images_to_wire([images] if prompts is None else images)
         return RemoteStream(self, request_id, body)
 
     def trace(self, text: Any, capture: Sequence[str] = (), interventions: Sequence[Any] = (),
-              chat: bool = False) -> Trace:
+              chat: bool = False, images: Sequence[Any] | None = None) -> Trace:
         body = {"text": text, "capture": list(capture),
                 "interventions": [intervention_to_spec(iv) for iv in interventions], "chat": chat}
+        if images is not None:
+            body["images"] = _images_to_wire([images])[0]
         return trace_from_json(self._call("POST", "/trace", json=body))
 
     def capture(self, text: Any, capture: Sequence[str], interventions: Sequence[Any] = (),
-                chat: bool = False) -> dict[str, torch.Tensor]:
-        return self.trace(text, capture=capture, interventions=interventions, chat=chat).activations
+                chat: bool = False, images: Sequence[Any] | None = None) -> dict[str, torch.Tensor]:
+        return self.trace(text, capture=capture, interventions=interventions, chat=chat, images=images).activations
 
     def capture_batch(self, sequences: Sequence[list[int]], capture: Sequence[str], prefix: Any = None,
                       stop_after_last_site: bool = True,
@@ -322,3 +327,14 @@ def _error_of(response: httpx.Response) -> ThoughtscopeError:
         except ValueError:
             err.retry_after = 1.0
     return err
+
+
+def _images_to_wire(per_prompt: Any) -> list[list[str]]:
+    """One list of base64 PNG strings per prompt (an entry may be one image or a list of images);
+    bad images fail here, before the request."""
+    from probes.vision import image_to_b64
+
+    if isinstance(per_prompt, (str, bytes)) or not isinstance(per_prompt, (list, tuple)):
+        raise BadInputError("images must be a list: one image (or a list of images) per prompt")
+    return [[image_to_b64(im) for im in (entry if isinstance(entry, (list, tuple)) else [entry])]
+            for entry in per_prompt]

@@ -251,10 +251,14 @@ class Engine:
         top_k: int = 5,
         stop: Sequence[str] = (),
         chat: bool = False,
+        images: Any = None,
     ) -> GenerationStream:
         """Stream one `TokenRecord` per new token, for one prompt or a batch (`prompts`, `n_samples` each).
 
         Records of a batch come step by step: at each step one record per unfinished sequence.
+        A vision-language model takes `images` (probes.vision): with `prompt`, the image(s) of that
+        prompt; with `prompts`, one image or list of images per prompt. The prompt holds `<image>`
+        once per image; `TokenRecord`s cover the generated tokens only.
         """
         self._local_only("streaming generation")
         if (prompt is None) == (prompts is None):
@@ -263,6 +267,8 @@ class Engine:
         if not batch_prompts or n_samples < 1:
             raise BadInputError("nothing to generate: give at least one prompt and n_samples >= 1")
         ids = [self.encode(p, chat=chat) for p in batch_prompts for _ in range(n_samples)]
+        per_prompt = None if images is None else ([images] if prompts is None else images)
+        ids, vision = self._vision_inputs(ids, per_prompt, n_samples)
         check_seed(seed)
         if any(not isinstance(x, str) or not x for x in stop):
             raise BadInputError("stop strings must be non-empty text (an empty one would end every generation at once)")
@@ -273,7 +279,7 @@ class Engine:
         hooks, masks = self._split_interventions(interventions)
         stream = GenerationStream(self, iter(()))
         run = self._generate(stream, ids, max_new_tokens, sampling or Sampling(), seed, sites, hooks, masks,
-                             top_k, tuple(stop))
+                             top_k, tuple(stop), vision)
         stream._run = run
         return stream
 
@@ -282,7 +288,7 @@ class Engine:
             yield from self._generate_unlocked(*args)
 
     @torch.no_grad()
-    def _generate_unlocked(self, stream, ids, max_new, sampling, seed, sites, hooks, masks, top_k, stop):
+    def _generate_unlocked(self, stream, ids, max_new, sampling, seed, sites, hooks, masks, top_k, stop, vision=None):
         import contextlib
 
         from probes.attention_masks import AttentionMasker
@@ -319,16 +325,17 @@ class Engine:
             # too, sees the mask (it predicts the first generated token).
             split = 1 if masks else 0
             runner.ctx.phase, runner.ctx.seq = ("context" if split else "prefill"), input_ids.shape[1] - split
+            pixels = dict(vision or {})  # image inputs go with the first forward only (it holds the image tokens)
             if split and input_ids.shape[1] > 1:
-                self._forward(input_ids[:, :-1], mask[:, :-1], positions[:, :-1], cache)
-                feed = input_ids[:, -1:]
+                self._forward(input_ids[:, :-1], mask[:, :-1], positions[:, :-1], cache, pixels)
+                feed, pixels = input_ids[:, -1:], {}
             else:
                 feed = input_ids
             feed_mask = mask.clone()
             if split:
                 feed_mask[:, masked_cols] = 0
                 runner.ctx.phase = "decode"
-            logits = self._forward(feed, feed_mask, positions[:, -feed.shape[1]:], cache)
+            logits = self._forward(feed, feed_mask, positions[:, -feed.shape[1]:], cache, pixels)
             stream.cache = cache
             for t in range(max_new):
                 next_ids, recs = self._step_records(logits, sampling, gen, top_k, step, t, runner, described)
@@ -402,13 +409,18 @@ class Engine:
 
     @torch.no_grad()
     def trace(self, text: Prompt, capture: Sequence[str] = (), interventions: Sequence[Any] = (),
-              chat: bool = False) -> Trace:
-        """One teacher-forced pass over `text`: all positions' activations, log-probs and entropies."""
+              chat: bool = False, images: Sequence[Any] | None = None) -> Trace:
+        """One teacher-forced pass over `text`: all positions' activations, log-probs and entropies.
+
+        With `images` (a VLM; probes.vision) each `<image>` in `text` becomes the image's tokens:
+        `token_ids` and every per-position row include them (`probes.vision.box_tokens` finds a region's).
+        """
         ids = self.encode(text, chat=chat)
+        (ids,), vision = self._vision_inputs([ids], None if images is None else [images])
         sites = self._check_sites(capture)
         hooks, masks = self._split_interventions(interventions)
         self._check_teacher_forced(masks, [len(ids)])
-        acts, logits = self._capture_forward(ids, sites, hooks, masks)
+        acts, logits = self._capture_forward(ids, sites, hooks, masks, vision)
         input_ids = torch.tensor([ids], device=logits.device)
         logp = torch.log_softmax(logits.float(), dim=-1)
         entropies = -(logp.exp() * logp).sum(-1)
@@ -502,7 +514,7 @@ class Engine:
 
     @torch.no_grad()
     def capture(self, text: Prompt, capture: Sequence[str], interventions: Sequence[Any] = (),
-                chat: bool = False) -> dict[str, torch.Tensor]:
+                chat: bool = False, images: Sequence[Any] | None = None) -> dict[str, torch.Tensor]:
         """One forward, the named sites out: {site: [seq, ...]}. `trace` without the statistics.
 
         >>> acts = Engine.from_id("tiny-random:llama").capture("hello world", ["resid_post.0"])
@@ -510,13 +522,22 @@ class Engine:
         torch.Size([2, 64])
         """
         ids = self.encode(text, chat=chat)
+        (ids,), vision = self._vision_inputs([ids], None if images is None else [images])
         sites = self._check_sites(capture)
         hooks, masks = self._split_interventions(interventions)
         self._check_teacher_forced(masks, [len(ids)])
-        return self._capture_forward(ids, sites, hooks, masks)[0]
+        return self._capture_forward(ids, sites, hooks, masks, vision)[0]
+
+    def _vision_inputs(self, rows: list[list[int]], images: Any, n_samples: int = 1):
+        """(rows with each `<image>` expanded into image tokens, pixel inputs), checked before model work."""
+        from probes.vision import prepare
+
+        if isinstance(images, (list, tuple)) and n_samples > 1:
+            images = [im for im in images for _ in range(n_samples)]
+        return prepare(self.handle.vision, self.handle.model_id, rows, images, self.handle.dtype, self.handle.device)
 
     def _capture_forward(self, ids: list[int], sites: list[Site], hooks: list[Intervention],
-                         masks: Sequence[MaskAttention] = ()):
+                         masks: Sequence[MaskAttention] = (), vision: dict[str, Any] | None = None):
         """(activations {site: [seq, ...]}, logits [seq, vocab]) of one teacher-forced forward."""
         from probes.attention_masks import AttentionMasker
 
@@ -525,7 +546,7 @@ class Engine:
         input_ids = torch.tensor([ids], device=self.handle.device)
         with self.lock, HookRunner(self.handle, sites, hooks) as runner, AttentionMasker(self.handle, masks):
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
-            logits = self.model(input_ids=input_ids, use_cache=False).logits[0]
+            logits = self.model(input_ids=input_ids, use_cache=False, **(vision or {})).logits[0]
         return {name: v[0] for name, v in runner.captured.items()}, logits
 
     def _remote_trace(self, ids: list[int], sites: list[Site], hooks: list[Intervention]):
@@ -731,9 +752,9 @@ class Engine:
 
         return DynamicCache(config=self.model.config)
 
-    def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
+    def _forward(self, input_ids, mask, positions, cache, extra: dict[str, Any] | None = None) -> torch.Tensor:
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **(extra or {}))
         return out.logits[:, -1]
 
     def _left_pad(self, ids: list[list[int]], masks: list[MaskAttention]):

@@ -468,7 +468,8 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
         engine = state.ready_engine()
         interventions = [intervention_from_spec(s) for s in body.interventions]
         result = await state.run(request, lambda: engine.trace(body.text, capture=body.capture,
-                                                                interventions=interventions, chat=body.chat))
+                                                                interventions=interventions, chat=body.chat,
+                                                                images=body.images))
         return strict(trace_to_json(result))
 
     @app.post("/capture_batch")
@@ -560,7 +561,8 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
             stream = await anyio.to_thread.run_sync(lambda: engine.generate(
                 body.prompt, prompts=body.prompts, n_samples=body.n_samples, max_new_tokens=body.max_new_tokens,
                 sampling=Sampling(**body.sampling.model_dump()), seed=body.seed, capture=body.capture,
-                interventions=interventions, top_k=body.top_k, stop=body.stop, chat=body.chat))
+                interventions=interventions, top_k=body.top_k, stop=body.stop, chat=body.chat,
+                images=None if body.images is None else body.images[0] if body.prompts is None else body.images))
         except BaseException:
             ticket.release()
             state.generations.pop(request_id, None)

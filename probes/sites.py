@@ -92,6 +92,11 @@ FAMILIES: dict[str, dict[str, str]] = {
     # multi-head latent attention (DeepSeek-V2/V3) has no per-head key/value projections: k/v sites
     # do not exist; `q_proj` exists when q_lora_rank is None (V2-Lite), else the query is `q_b_proj`'s output
     "mla": {part: path for part, path in _DECODER.items() if part not in ("k_proj", "v_proj")},
+    # vision-language models: the sites are those of the language model inside (probes.vision)
+    "llava": {**_DECODER, "layers": "model.language_model.layers", "final_norm": "model.language_model.norm",
+              "embed": "model.language_model.embed_tokens"},
+    "idefics3": {**_DECODER, "layers": "model.text_model.layers", "final_norm": "model.text_model.norm",
+                 "embed": "model.text_model.embed_tokens"},
 }
 MODEL_TYPE_FAMILY: dict[str, str] = {
     **{t: "decoder"
@@ -100,6 +105,9 @@ MODEL_TYPE_FAMILY: dict[str, str] = {
     "gpt_oss": "gpt_oss",
     "deepseek_v2": "mla",
     "deepseek_v3": "mla",
+    "llava": "llava",
+    "idefics3": "idefics3",
+    "smolvlm": "idefics3",
 }
 
 

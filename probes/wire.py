@@ -114,6 +114,10 @@ class SamplingSpec(_Body):
     top_k: int = Field(0, ge=0)
 
 
+# An image travels as base64 of its encoded bytes (PNG from the client; probes.vision checks it).
+ImageB64 = Annotated[str, Field(max_length=12 * 1024 * 1024)]
+
+
 class GenerateRequest(_Body):
     """POST /generate. Mirrors `Engine.generate`; `request_id` lets a client cancel before the first token."""
 
@@ -129,6 +133,7 @@ class GenerateRequest(_Body):
     stop: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=32)
     chat: bool = False
     request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+    images: list[list[ImageB64]] | None = Field(None, max_length=MAX_BATCH)  # per prompt, for a VLM
 
 
 class TraceRequest(_Body):
@@ -138,6 +143,7 @@ class TraceRequest(_Body):
     capture: list[SiteName] = Field(default_factory=list, max_length=512)
     interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     chat: bool = False
+    images: list[ImageB64] | None = Field(None, max_length=16)  # for a VLM: one per <image> in text
 
 
 MAX_SEQUENCES = 256  # sequences per capture_batch / entropy-fit request

@@ -127,11 +127,13 @@ class ArchInfo:
 
 def arch_from_config(config: Any) -> ArchInfo:
     cfg = getattr(config, "text_config", None) or config
+    # a VLM is named by its own type (llava, smolvlm): its language model's modules sit elsewhere
+    model_type = config.model_type if getattr(config, "vision_config", None) is not None else cfg.model_type
     n_heads = cfg.num_attention_heads
     d_model = cfg.hidden_size
     n_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
     return ArchInfo(
-        model_type=cfg.model_type,
+        model_type=model_type,
         n_layers=cfg.num_hidden_layers,
         n_heads=n_heads,
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
@@ -182,6 +184,19 @@ class ModelHandle:
         return family_of(self.arch.model_type)
 
     @property
+    def vision(self) -> Any:
+        """The `probes.vision.VisionSpec` of a vision-language model (None for a text-only one)."""
+        if "vision" not in self._extras:
+            from probes.vision import vision_spec
+
+            self._extras["vision"] = None if self.remote else vision_spec(self.model, self.tokenizer)
+        return self._extras["vision"]
+
+    @property
+    def is_vlm(self) -> bool:
+        return self.vision is not None
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
@@ -221,6 +236,7 @@ class ModelHandle:
             "arch": self.arch.to_dict(),
             "chat_template": self.has_chat_template,
             "remote": self.remote,
+            "vision": self.vision.to_dict() if self.vision is not None else None,
         }
 
 
@@ -233,6 +249,8 @@ def list_models() -> list[dict[str, str]]:
     ]
     rows += [{"id": name, "what": f"trained here on first use: {what}"} for name, (_, what) in TOY_MODELS.items()]
     rows += [{"id": f"tiny-random:{a}", "what": f"random 2-layer {a}, for tests only"} for a in TINY_ARCHS]
+    rows += [{"id": f"tiny-random:{a}", "what": f"random tiny {a} vision-language model, for tests only"}
+             for a in _tiny_vlms()]
     rows += [{"id": f"hf:{repo}", "what": "found in the local Hugging Face cache"} for repo in local_hf_models()]
     return rows
 
@@ -410,9 +428,23 @@ def _load_smollm2(dtype: torch.dtype):
     return model, tok
 
 
+def _tiny_vlms() -> tuple[str, ...]:
+    from probes.vision import TINY_VLMS
+
+    return TINY_VLMS
+
+
 def _load_tiny_random(arch: str, dtype: torch.dtype):
+    if arch in _tiny_vlms():
+        from transformers import AutoTokenizer
+
+        from probes.vision import tiny_vlm
+
+        _quiet_transformers()
+        return tiny_vlm(arch, dict(_TINY_COMMON), AutoTokenizer.from_pretrained(smollm2_files()), dtype)
     if arch not in TINY_ARCHS:
-        raise UnknownModelError(f"unknown tiny-random architecture {arch!r}; choose one of {sorted(TINY_ARCHS)}")
+        raise UnknownModelError(f"unknown tiny-random architecture {arch!r}; choose one of "
+                                f"{sorted(TINY_ARCHS) + sorted(_tiny_vlms())}")
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -451,7 +483,7 @@ def _load_toy(model_id: str, dtype: torch.dtype):
 
 
 def _load_hf(ref: str, dtype: torch.dtype, device_map: str | None, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if not ref:
         raise UnknownModelError("hf: needs a repo id or a local folder, e.g. hf:Qwen/Qwen3-0.6B")
@@ -468,7 +500,7 @@ def _load_hf(ref: str, dtype: torch.dtype, device_map: str | None, trust_remote_
     source = str(local) if local.exists() else ref
     try:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, **kwargs)
+        model = _hf_model_class(source, trust_remote_code).from_pretrained(source, local_files_only=True, **kwargs)
     except OSError as err:
         raise UnknownModelError(
             f"hf:{ref} is not in the local Hugging Face cache nor a folder here ({err.__class__.__name__}). "
@@ -481,6 +513,15 @@ def _load_hf(ref: str, dtype: torch.dtype, device_map: str | None, trust_remote_
             ) from err
         raise ModelLoadError(f"could not load hf:{ref}: {err}") from err
     return model, tok
+
+
+def _hf_model_class(source: str, trust_remote_code: bool) -> Any:
+    """AutoModelForImageTextToText for a vision-language model (a config with a vision_config), else
+    AutoModelForCausalLM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
 
 
 def _load_ndif(model_id: str, dtype: torch.dtype) -> ModelHandle:

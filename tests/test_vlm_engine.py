@@ -1,0 +1,176 @@
+"""Vision-language models in the engine (issue 14, part 1): image checks, placeholder expansion, the
+region -> visual-token mapping of each family (checked against what the model computes), generation
+equal to Hugging Face's, and a VLM trace through the model server equal to the in-process one.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from probes import vision
+from probes.engine import Engine
+from thoughtscope.errors import BadInputError
+
+VLMS = ["tiny-random:llava", "tiny-random:smolvlm"]
+PROMPT = "look <image> what is it"
+
+
+@pytest.fixture(scope="module", params=VLMS)
+def vlm(request):
+    return Engine.from_id(request.param, device="cpu")
+
+
+def _image(seed: int = 0, size=(40, 50)) -> np.ndarray:
+    return (np.random.default_rng(seed).random((*size, 3)) * 255).astype(np.uint8)
+
+
+def test_capabilities_and_info_say_vision(vlm, llama):
+    assert vlm.capabilities()["vision"] and not llama.capabilities()["vision"]
+    spec = vision.spec_of(vlm)
+    assert spec.grid == 4 and spec.n_tokens == 16
+    assert vlm.info()["arch"]["model_type"] in ("llava", "smolvlm")
+    assert any(row["site"] == "resid_post.1" for row in vlm.sites())
+
+
+def test_placeholders_expand_like_the_family_says(vlm):
+    spec = vision.spec_of(vlm)
+    t = vlm.trace(PROMPT, images=[_image()])
+    (group,) = vision.image_token_groups(spec, t.token_ids)
+    assert len(group) == 16 and group == list(range(group[0], group[0] + 16))
+    before = t.token_ids[group[0] - len(spec.before):group[0]]
+    after = t.token_ids[group[-1] + 1:group[-1] + 1 + len(spec.after)]
+    assert before == list(spec.before) and after == list(spec.after)
+    assert len(t.token_ids) == len(vlm.encode(PROMPT)) - 1 + 16 + len(spec.before) + len(spec.after)
+    # an expanded sequence fed back is not expanded again
+    assert vlm.trace(t.token_ids, images=[_image()]).token_ids == t.token_ids
+
+
+def test_region_tokens_follow_the_model(vlm):
+    """A pixel box's tokens are the ones whose patches the box's pixels reach (patch embeddings of the
+    vision tower, merged as the connector merges them), and feature k lands at the k-th image token."""
+    spec = vision.spec_of(vlm)
+    model = vlm.model
+    tower = getattr(model.model, "vision_tower", None) or model.model.vision_model
+    embed = tower.embeddings if hasattr(tower, "embeddings") else tower.vision_model.embeddings
+    img = _image(1, size=(spec.image_size, spec.image_size))
+    box = (3, 20, 17, 30)  # pixels of the tower's input (no resize)
+    changed = img.copy()
+    changed[box[1]:box[3], box[0]:box[2]] = 255 - changed[box[1]:box[3], box[0]:box[2]]
+    grid = spec.image_size // spec.patch_size
+
+    def patches(im):
+        pv = vision.preprocess(spec, im)[None]
+        with torch.no_grad():
+            if spec.family == "llava":
+                return embed(pv)[0, 1:]  # CLS first
+            mask = torch.ones(1, grid, grid, dtype=torch.bool)
+            return embed(pv, patch_attention_mask=mask)[0]
+
+    diff = (patches(changed) - patches(img)).abs().sum(-1)
+    touched = sorted({(p // grid // spec.merge) * spec.grid + (p % grid) // spec.merge
+                      for p in diff.nonzero().flatten().tolist()})
+    expected = {"llava": [8, 9, 10, 12, 13, 14], "idefics3": [4, 5]}[spec.family]  # 8- and 16-pixel cells
+    assert touched == vision.box_cells(spec, box, (spec.image_size, spec.image_size)) == expected
+    # the k-th image feature is the input embedding at the k-th image token
+    ids, kw = vlm._vision_inputs([vlm.encode(PROMPT)], [[img]])
+    with torch.no_grad():
+        feats = model.model.get_image_features(**kw).pooler_output[0]
+        embeds = model(input_ids=torch.tensor(ids), **kw, output_hidden_states=True).hidden_states[0][0]
+    group = vision.image_token_groups(spec, ids[0])[0]
+    assert torch.allclose(embeds[group], feats.reshape(-1, feats.shape[-1]))
+    # a box in an image of another size maps after scaling; a box outside the image is refused
+    assert vision.box_tokens(spec, ids[0], (0, 0, 25, 20), (50, 40)) == [group[k] for k in (0, 1, 4, 5)]
+    with pytest.raises(BadInputError, match="inside"):
+        vision.box_tokens(spec, ids[0], (40, 30, 60, 45), (50, 40))
+
+
+def test_generation_equals_hugging_face_generate(vlm):
+    img = _image(2)
+    recs = list(vlm.generate(PROMPT, images=[img], max_new_tokens=5, capture=["resid_post.0"]))
+    ids, kw = vlm._vision_inputs([vlm.encode(PROMPT)], [[img]])
+    with torch.no_grad():
+        out = vlm.model.generate(input_ids=torch.tensor(ids), **kw, max_new_tokens=5, do_sample=False)
+    assert [r.token_id for r in recs] == out[0, len(ids[0]):].tolist()
+    # a batch of two prompts with their own images gives each its own continuation
+    batch = list(vlm.generate(prompts=[PROMPT, PROMPT], images=[img, _image(3)], max_new_tokens=5))
+    assert [r.token_id for r in batch if r.batch_index == 0] == [r.token_id for r in recs]
+    # the image matters: another image, another trace
+    t1, t2 = vlm.trace(PROMPT, images=[img]), vlm.trace(PROMPT, images=[_image(3)])
+    assert not torch.allclose(t1.logprobs[-2:], t2.logprobs[-2:])
+
+
+def test_bad_images_fail_before_model_work(vlm, llama):
+    from PIL import Image
+
+    def boom(*a, **k):
+        raise AssertionError("the model ran")
+
+    forward, vlm.model.forward = vlm.model.forward, boom
+    try:
+        with pytest.raises(BadInputError, match="not an image"):
+            vlm.trace(PROMPT, images=[b"this is not a png"])
+        with pytest.raises(BadInputError, match="each side"):
+            vlm.trace(PROMPT, images=[np.zeros((1, 5000, 3), dtype=np.uint8)])
+        with pytest.raises(BadInputError, match="mode"):
+            vlm.trace(PROMPT, images=[Image.fromarray(np.zeros((8, 8), dtype=np.float32), mode="F")])
+        with pytest.raises(BadInputError, match="placeholder"):
+            vlm.trace("no image here", images=[_image()])
+        with pytest.raises(BadInputError, match="paths"):
+            vlm.trace(PROMPT, images=["/etc/passwd"])
+        with pytest.raises(BadInputError, match="limit"):
+            vision.load_image(b"\x89PNG" + bytes(vision.MAX_IMAGE_BYTES))
+        with pytest.raises(BadInputError, match="text-only"):
+            llama.trace("a <image>", images=[_image()])
+    finally:
+        vlm.model.forward = forward
+    buf = io.BytesIO()
+    Image.fromarray(_image()).save(buf, format="PNG")  # PNG bytes and their base64 are accepted
+    assert vision.load_image(buf.getvalue()).size == (50, 40)
+    assert vision.load_image(vision.image_to_b64(buf.getvalue())).size == (50, 40)
+
+
+def test_vlm_trace_and_generation_through_the_server_equal_in_process():
+    from probes.server_bench import served
+
+    img = _image(4)
+    with served("tiny-random:llava") as (engine, remote):
+        assert remote.capabilities()["vision"] and remote.info()["vision"] == engine.info()["vision"]
+        local = engine.trace(PROMPT, capture=["resid_post.1", "attn_pattern.0"], images=[img])
+        served_trace = remote.trace(PROMPT, capture=["resid_post.1", "attn_pattern.0"], images=[img])
+        assert served_trace.token_ids == local.token_ids
+        assert torch.allclose(served_trace.logprobs[1:], local.logprobs[1:], atol=1e-5)
+        for site in ("resid_post.1", "attn_pattern.0"):
+            assert torch.allclose(served_trace.activations[site], local.activations[site], atol=1e-5)
+        a = [r.token_id for r in engine.generate(PROMPT, images=[img], max_new_tokens=4)]
+        b = [r.token_id for r in remote.generate(PROMPT, images=[img], max_new_tokens=4)]
+        assert a == b
+        with pytest.raises(BadInputError, match="placeholder"):
+            remote.trace("no image", images=[img])
+
+
+def test_toy_vlm_runs_in_the_engine_as_its_own_code_does():
+    """The engine's image path gives toy-vlm (here untrained, seeded) the inputs its own training code
+    uses: the same trace log-probs, the same greedy traces, the same region -> token mapping."""
+    from probes.toys import vlm
+    from probes.zoo import ModelHandle, arch_from_config
+
+    tok = vlm.make_tokenizer()
+    model = vlm.build_model(vlm.CONFIGS["small"], tok).eval()
+    engine = Engine(ModelHandle("toy-vlm:untrained", model, tok, arch_from_config(model.config), "untrained",
+                                torch.device("cpu"), torch.float32))
+    spec = vision.spec_of(engine)
+    assert (spec.family, spec.grid, spec.n_tokens, spec.mean) == ("llava", 3, 9, (0.5, 0.5, 0.5))
+    for ex in vlm.examples("eval", 2, seed=8):
+        t = engine.trace(vlm.prompt_text(ex.question) + " " + ex.trace + " <eos>", images=[ex.image])
+        ours = vlm.trace_logprobs(model, tok, ex)[0]
+        assert torch.allclose(t.logprobs[vlm.prompt_length(ex.question):], ours, atol=1e-4)
+        for obj in ex.objects:
+            assert vision.box_tokens(spec, t.token_ids, obj.box, (vlm.IMAGE_SIZE, vlm.IMAGE_SIZE)) == \
+                vlm.box_token_indices(torch.tensor([t.token_ids]), obj.box, spec.image_token_id)
+        records = engine.generate(vlm.prompt_text(ex.question), images=[ex.image], max_new_tokens=12)
+        text = engine.decode([r.token_id for r in records], skip_special_tokens=True).strip()
+        assert text == vlm.generate_traces(model, tok, [ex], max_new_tokens=12)[0]

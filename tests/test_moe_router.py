@@ -113,6 +113,14 @@ def test_bad_expert_sample_settings_are_refused_before_any_model_work(moe, forwa
     assert forwards == []
 
 
+def test_a_bad_rule_for_a_router_map_is_refused_before_any_model_work(moe, forwards):
+    with pytest.raises(BadInputError, match="tail pool m=0"):
+        generation_map(moe, PROMPT, n_samples=2, max_new_tokens=3, rule=ExpertSample(k_h=1, m=0))
+    with pytest.raises(BadInputError, match="n_samples"):
+        generation_map(moe, PROMPT, n_samples=0)
+    assert forwards == []
+
+
 def test_a_dense_model_is_refused_before_any_model_work(llama):
     calls = []
     handle = llama.model.register_forward_pre_hook(lambda *a: calls.append(1))

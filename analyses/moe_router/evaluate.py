@@ -5,7 +5,7 @@ Chen et al., "Certain Head, Uncertain Tail: Expert-Sample for Test-Time Scaling 
 abstract is public; the evaluation here is our reconstruction (METHODS.md section 6):
 
 1. Expert-Sample's k_h, m, T_e and tail-gate weighting are chosen on the development split from a
-   small grid (`DEFAULT_GRID`), by dev pass@N (ties: dev pass@1); Expert-Sample combined with token
+   small grid (`default_grid`), by dev pass@N (ties: dev pass@1); Expert-Sample combined with token
    temperature takes that setting and chooses its temperature on development too. Every setting and
    score of the grid is in the report (`analyses.evaluation.choose_on_dev`).
 2. Then each method runs once on the evaluation split: greedy; token temperature sampling at each T
@@ -148,7 +148,8 @@ class Method:
                 "active_experts": self.active_experts}
 
 
-def _arch(backend: Any) -> Any:
+def arch_of(backend: Any) -> Any:
+    """The backend's `ArchInfo` rebuilt from `info()["arch"]` (what router rules validate against)."""
     from probes.zoo import ArchInfo
 
     d = backend.info()["arch"]
@@ -160,7 +161,7 @@ def require_moe(backend: Any) -> Any:
     """The backend's ArchInfo, or a clear error for a dense model (before any model work)."""
     from probes.backend import require
 
-    arch = _arch(backend)
+    arch = arch_of(backend)
     if not arch.is_moe:
         raise BadInputError(f"{backend.info().get('model_id')} is a dense model ({arch.model_type}): it has no MoE "
                             "router to read or sample. Use an MoE model: toy-moe, or hf: Qwen3-MoE, OLMoE, Mixtral...")

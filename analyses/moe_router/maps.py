@@ -87,10 +87,9 @@ def generation_map(backend: Any, prompt: Any, *, n_samples: int = 1, max_new_tok
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise BadInputError(f"n_samples must be an integer >= 1, got {n_samples!r}")
     if rule is not None:
-        from probes.zoo import ArchInfo
+        from analyses.moe_router.evaluate import arch_of
 
-        fields = ArchInfo.__dataclass_fields__
-        rule.validate(ArchInfo(**{k: tuple(v) if k == "moe_layers" else v for k, v in arch.items() if k in fields}))
+        rule.validate(arch_of(backend))  # a bad rule is refused before any model work
     sites = [f"{kind}.{layer}" for layer in layers for kind in ("router", "experts", "expert_gates")]
     kwargs: dict[str, Any] = dict(n_samples=n_samples, max_new_tokens=max_new_tokens, seed=seed, capture=sites,
                                   interventions=[rule] if rule is not None else [], top_k=0, chat=chat, stop=list(stop))

@@ -52,11 +52,12 @@ def test_exhaustive_effects_are_zero_where_the_model_cannot_see_the_region(llava
     assert np.all(effects[0] == 0.0)
     assert np.all(np.abs(effects[1]) > 1e-4)  # the text after the image does read every block
     # the effect equals the drop computed by hand from two traces
-    masked = llava.trace(TEXT, images=[_image()], interventions=[MaskAttention(positions=positions(spec, ids, regions[2]))])
+    masked = llava.trace(TEXT, images=[_image()],
+                         interventions=[MaskAttention(positions=positions(spec, ids, regions[2]))])
     base = llava.trace(TEXT, images=[_image()])
     s, e = after
-    assert effects[1, 2] == pytest.approx(float(base.logprobs[s:e].double().sum() - masked.logprobs[s:e].double().sum()),
-                                          abs=1e-9)
+    by_hand = float(base.logprobs[s:e].double().sum() - masked.logprobs[s:e].double().sum())
+    assert effects[1, 2] == pytest.approx(by_hand, abs=1e-9)
 
 
 def test_attention_features_sum_the_regions_attention(llava):
@@ -71,8 +72,8 @@ def test_attention_features_sum_the_regions_attention(llava):
     g = image_token_groups(spec, t.token_ids)[0]
     assert feats[0, 5, 4 + 2] == pytest.approx(float(pat[:, 2, g[5]].mean()), abs=1e-6)
     # over every region, the attention to the whole image
-    assert feats[0].sum(0)[3] == pytest.approx(float(t.activations["attn_pattern.0"][span[0] - 1:span[1] - 1, 3][:, g].sum(-1).mean()),
-                                               abs=1e-5)
+    whole = t.activations["attn_pattern.0"][span[0] - 1:span[1] - 1, 3][:, g].sum(-1).mean()
+    assert feats[0].sum(0)[3] == pytest.approx(float(whole), abs=1e-5)
     assert raw_attention(feats).shape == (1, 16)
 
 

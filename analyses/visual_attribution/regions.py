@@ -51,7 +51,8 @@ def grid_regions(spec: VisionSpec, rows: int, cols: int) -> list[Region]:
     out = []
     for i in range(rows):
         for j in range(cols):
-            cells = tuple(r * g + c for r in range(r_edges[i], r_edges[i + 1]) for c in range(c_edges[j], c_edges[j + 1]))
+            rows, cols_ = range(r_edges[i], r_edges[i + 1]), range(c_edges[j], c_edges[j + 1])
+            cells = tuple(r * g + c for r in rows for c in cols_)
             out.append(Region(f"block {i},{j}", tuple(sorted(cells))))
     return out
 

@@ -790,8 +790,9 @@ def model_folder(size: str = "full") -> Path:
 
 
 def load(size: str = "full", dtype: torch.dtype = torch.float32, progress: bool = True):
-    """(model, tokenizer) of a toy-vlm size, trained on first use (full: ~15 min on 2 cores; small:
-    under a minute) and cached as safetensors. The model uses eager attention (attention weights)."""
+    """(model, tokenizer) of a toy-vlm size, trained on first use (full: 716 CPU s on one thread, about
+    12 minutes of a quiet core; small: under a minute) and cached as safetensors. The model uses eager
+    attention (attention weights)."""
     from transformers import LlavaForConditionalGeneration
 
     from probes.toys.common import train_once

@@ -15,7 +15,7 @@ import streamlit as st
 
 from app.context import FinishedGenerations, GenerationSettings, PageContext
 from thoughtscope.errors import ThoughtscopeError
-from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, local_hf_models
+from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, TOY_MODELS, local_hf_models
 
 MODEL_ENV = "THOUGHTSCOPE_MODEL"  # set by `thoughtscope app --model` (or by hand)
 SERVER_ENV = "THOUGHTSCOPE_SERVER"  # set by `thoughtscope app --server`
@@ -68,7 +68,8 @@ def finished_generations() -> FinishedGenerations:
 
 @st.cache_data(ttl=300, show_spinner=False)
 def model_choices() -> list[str]:
-    return [DEFAULT_MODEL, *[f"hf:{r}" for r in local_hf_models()], *[f"tiny-random:{a}" for a in TINY_ARCHS]]
+    return [DEFAULT_MODEL, *TOY_MODELS, *[f"hf:{r}" for r in local_hf_models()],
+            *[f"tiny-random:{a}" for a in TINY_ARCHS]]
 
 
 def _pick_model() -> str:
@@ -76,7 +77,8 @@ def _pick_model() -> str:
     wanted = os.environ.get(MODEL_ENV, DEFAULT_MODEL)
     options = choices if wanted in choices else [wanted, *choices]
     picked = st.selectbox("Model", [*options, CUSTOM], index=options.index(wanted), key="model_pick",
-                          help="zoo models, hf: models in the local Hugging Face cache; tiny-random ids are for tests")
+                          help="zoo models (toy-* models are trained here on first use, minutes, then cached), "
+                               "hf: models in the local Hugging Face cache; tiny-random ids are for tests")
     if picked == CUSTOM:
         picked = st.text_input("Model id", placeholder="hf:<repo id or folder> or ndif:<repo id>",
                                key="model_custom").strip()

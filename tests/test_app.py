@@ -62,6 +62,8 @@ def test_home_names_the_model_in_full_and_links_the_docs():
     model_line = next(m.value for m in at.markdown if m.value.startswith("**Model**"))
     assert f"`{MODEL}`" in model_line  # the whole id, never cut like a metric would
     assert "tiny-random:llama" in at.sidebar.caption[0].value
+    models = at.sidebar.selectbox(key="model_pick").options
+    assert models[:4] == ["smollm2-135m", "toy-reasoner", "toy-moe", "toy-vlm"]  # the toys open from the sidebar
     pages = " ".join(m.value for m in at.markdown)
     assert "METHODS.md" not in pages  # a file outside the repository
     assert "docs/app.md" in [e.label for e in at.expander]

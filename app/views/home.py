@@ -15,12 +15,23 @@ PAGE = PageSpec("Home", ":material/home:", 0)
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # References to design notes that live outside the repository ("(METHODS.md section 1)") say nothing to a
 # reader of the app; the page's own documentation in docs/ is linked instead.
-_OUTSIDE_REFERENCE = re.compile(r"\s*\((?:see )?METHODS\.md[^)]*\)")
+_OUTSIDE_REFERENCE = re.compile(r"\s*\((?:see )?METHODS\.md(?:\s+(?:section|method)\s+\d+)?\)"  # a parenthesis
+                                 r"|[;,]\s*METHODS\.md(?:\s+(?:section|method)\s+\d+)?"  # the last item of one
+                                 r"|(?:see )?METHODS\.md(?:\s+(?:section|method)\s+\d+)?[;,]\s*")  # any other item
+
+
+def without_outside_references(text: str) -> str:
+    """`text` without its references to design notes outside the repository.
+
+    >>> without_outside_references("Expert-Sample (Chen et al., reconstructed; METHODS.md section 6).")
+    'Expert-Sample (Chen et al., reconstructed).'
+    """
+    return _OUTSIDE_REFERENCE.sub("", text)
 
 
 def page_summary(doc: str, title: str) -> str:
     """A page module's docstring as one line, without the title it usually starts with."""
-    first = _OUTSIDE_REFERENCE.sub("", " ".join(doc.strip().split("\n\n")[0].split()))
+    first = without_outside_references(" ".join(doc.strip().split("\n\n")[0].split()))
     for prefix in (f"{title}:", f"{title} -", title):
         if first.lower().startswith(prefix.lower()):
             return first[len(prefix):].strip()
@@ -64,5 +75,5 @@ def render(ctx) -> None:
     for path in sorted(DOCS.glob("*.md")):
         with st.expander(f"docs/{path.name}"):
             # images are relative files the app does not serve: their alt text stands in
-            text = re.sub(r"!\[([^\]]*)\]\([^)]*\)", r"*(figure: \1)*", path.read_text())
+            text = re.sub(r"!\[([^\]]*)\]\([^)]*\)", r"*(figure: \1)*", without_outside_references(path.read_text()))
             st.markdown(text)

@@ -1,5 +1,6 @@
-"""What the toy models share: where a trained toy lives, training it once under a lock, and
-word-level tokenizers (numbers and words as single tokens, so traces are short and labels exact).
+"""What the toy models share: where a trained toy lives, training it once under a lock,
+word-level tokenizers (numbers and words as single tokens, so traces are short and labels exact),
+and the chained-arithmetic problem the reasoning and MoE toys are trained on.
 
 Example:
     >>> tok = word_tokenizer(["Q", ":", "1", "+", "2", "=", "3"])
@@ -15,6 +16,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +110,39 @@ def word_tokenizer(words: Sequence[str], specials: Sequence[str] = SPECIALS, cha
     if chat_template:
         tok.chat_template = chat_template
     return tok
+
+
+def apply_op(a: int, op: str, b: int) -> int:
+    """One step of a chained problem: `+` or `-`."""
+    return a + b if op == "+" else a - b
+
+
+@dataclass(frozen=True)
+class ChainProblem:
+    """`start op1 b1 op2 b2 ...`, evaluated left to right; each toy adds its own prompt and trace.
+
+    >>> p = ChainProblem(12, (("+", 7), ("-", 5)))
+    >>> p.values, p.answer, p.question
+    ([19, 14], 14, '12 + 7 - 5 = ?')
+    """
+
+    start: int
+    ops: tuple[tuple[str, int], ...]
+
+    @property
+    def values(self) -> list[int]:
+        """The running value after each operation; the last is the answer."""
+        out, value = [], self.start
+        for op, b in self.ops:
+            value = apply_op(value, op, b)
+            out.append(value)
+        return out
+
+    @property
+    def answer(self) -> int:
+        return self.values[-1]
+
+    @property
+    def question(self) -> str:
+        """The user turn of a chat prompt: "12 + 7 - 5 = ?"."""
+        return " ".join([str(self.start), *(f"{op} {b}" for op, b in self.ops), "= ?"])

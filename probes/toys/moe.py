@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from thoughtscope.errors import BadInputError, UnknownModelError
-from probes.toys.common import toy_folder, train_once, training_report, word_tokenizer
+from probes.toys.common import ChainProblem, toy_folder, train_once, training_report, word_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -81,34 +81,9 @@ class TaskConfig:
     max_value: int = 99
 
 
-def _apply(a: int, op: str, b: int) -> int:
-    return a + b if op == "+" else a - b
-
-
 @dataclass(frozen=True)
-class Problem:
-    """`start op1 b1 op2 b2 ...`, evaluated left to right."""
-
-    start: int
-    ops: tuple[tuple[str, int], ...]
-
-    @property
-    def values(self) -> list[int]:
-        """The running value after each operation; the last is the answer."""
-        out, value = [], self.start
-        for op, b in self.ops:
-            value = _apply(value, op, b)
-            out.append(value)
-        return out
-
-    @property
-    def answer(self) -> int:
-        return self.values[-1]
-
-    @property
-    def question(self) -> str:
-        """The user turn of a chat prompt: "12 + 7 - 5 + 9 = ?"."""
-        return " ".join([str(self.start), *(f"{op} {b}" for op, b in self.ops), "= ?"])
+class Problem(ChainProblem):
+    """A chained problem with toy-moe's prompt and worked trace."""
 
     @property
     def prompt(self) -> str:

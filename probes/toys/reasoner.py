@@ -74,7 +74,7 @@ from typing import Any
 
 import torch
 
-from probes.toys.common import toy_folder, train_once, word_tokenizer
+from probes.toys.common import ChainProblem, apply_op, toy_folder, train_once, word_tokenizer
 from thoughtscope.errors import BadInputError, UnknownModelError
 
 log = logging.getLogger(__name__)
@@ -132,39 +132,14 @@ class TaskConfig:
 # ----------------------------------------------------------------------------- ground truth
 
 
-def _apply(a: int, op: str, b: int) -> int:
-    return a + b if op == "+" else a - b
-
-
 def is_hard(a: int, op: str, b: int) -> bool:
     """A carry (units digits sum past 9) or a borrow (units digit of `a` below that of `b`)."""
     return (a % 10 + b % 10 >= 10) if op == "+" else (a % 10 < b % 10)
 
 
 @dataclass(frozen=True)
-class Problem:
-    """`start op1 b1 op2 b2 ...` evaluated left to right."""
-
-    start: int
-    ops: tuple[tuple[str, int], ...]
-
-    @property
-    def values(self) -> list[int]:
-        """The running value after each operation (the last one is the answer)."""
-        out, value = [], self.start
-        for op, b in self.ops:
-            value = _apply(value, op, b)
-            out.append(value)
-        return out
-
-    @property
-    def answer(self) -> int:
-        return self.values[-1]
-
-    @property
-    def question(self) -> str:
-        """The user turn of a chat prompt: "17 + 8 - 12 = ?"."""
-        return " ".join([str(self.start), *(f"{op} {b}" for op, b in self.ops), "= ?"])
+class Problem(ChainProblem):
+    """A chained problem with toy-reasoner's key, prompt and trace."""
 
     @property
     def key(self) -> str:
@@ -267,7 +242,7 @@ def sample_trace(problem: Problem, rng: random.Random, max_value: int = 99) -> t
     a = problem.start
     settle = 0
     for op, b in problem.ops:
-        c = _apply(a, op, b)
+        c = apply_op(a, op, b)
         hard = is_hard(a, op, b)
         if rng.random() < (BACKTRACK_RATE_HARD if hard else BACKTRACK_RATE_EASY):
             wrong = rng.choice([c + d for d in WRONG_OFFSETS if 0 <= c + d <= max_value])
@@ -381,7 +356,7 @@ def step_is_correct(step_text: str) -> bool | None:
     if not match:
         return None
     a, op, b, c = match.groups()
-    return _apply(int(a), op, int(b)) == int(c)
+    return apply_op(int(a), op, int(b)) == int(c)
 
 
 def extract_answer(text: str) -> str | None:

@@ -110,8 +110,8 @@ def test_eval_vis_attr_on_the_small_toy_vlm():
 
 
 def test_the_page_draws_raw_attention_then_exhaustive_effects_for_a_span(monkeypatch):
-    """The page on tiny-random:llava: generate, a heat map of the first span's raw attention over the
-    image, then its exhaustive effects on demand; their numbers are the analysis functions' own."""
+    """The page on tiny-random:llava: generate (streamed), a heat map of the first span's raw attention
+    over the image, then its exhaustive effects on demand; their numbers are the analysis functions' own."""
     import json
 
     from tests import apptest_helpers as helpers
@@ -126,15 +126,41 @@ def test_the_page_draws_raw_attention_then_exhaustive_effects_for_a_span(monkeyp
     at.button(key="va_exhaustive").click().run()
     helpers.assert_clean(at)
     charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
-    assert len(charts) == 2 and "nats" in charts[1]["layout"]["title"]["text"]
+    assert len(charts) == 2 and "log-prob drop" in charts[1]["layout"]["title"]["text"]
+    run = at.session_state["va_run"]
+    span = run["spans"][0]
+    engine = Engine.from_id("tiny-random:llava", device="cpu")
+    regions = grid_regions(spec_of(engine), 4, 4)
+    shown = np.array(charts[0]["data"][1]["z"]).reshape(-1)
+    assert np.allclose(shown, span.attention, atol=1e-6)
+    ours = exhaustive_effects(engine, run["ids"], run["image"], [(span.start, span.end)], regions)[0]
     grid = np.array(charts[1]["data"][1]["z"])
     assert grid.shape == (4, 4) and np.abs(grid).max() > 0
-    run = at.session_state["va_run"]
-    engine = Engine.from_id("tiny-random:llava", device="cpu")
-    spec = spec_of(engine)
-    tokens = engine.token_texts(run["trace"].token_ids)
-    first = next(i for i in range(run["start"], len(tokens)) if tokens[i].strip() not in (",", ".", ":"))
-    end = next((i for i in range(first, len(tokens)) if tokens[i].strip().endswith((",", ".", ":"))), len(tokens))
-    ours = exhaustive_effects(engine, run["text"], run["image"], [(first, end)], grid_regions(spec, 4, 4))[0]
     assert np.allclose(grid.reshape(-1), ours, atol=1e-5)
 
+
+def test_streaming_predictions_equal_offline_predictions_on_the_same_trace(llava):
+    """Spans finished during generation get the raw attention and predicted effects that the offline
+    functions compute from a teacher-forced trace of the finished sequence."""
+    from analyses.visual_attribution import AmortizedAttribution
+    from analyses.visual_attribution.stream import stream_attribution
+    from probes.vision import expand
+
+    spec = spec_of(llava)
+    regions = grid_regions(spec, 2, 2)
+    rng = np.random.default_rng(0)
+    n_feat = 2 * 4  # layers x heads
+    est = AmortizedAttribution(epochs=20).fit(rng.normal(size=(40, n_feat)), rng.normal(size=40))
+    prompt = "look <image> then"
+    events = list(stream_attribution(llava, prompt, _image(5), regions, est, max_new_tokens=12,
+                                     delimiters=("e", "a", "s")))  # a random model rarely writes punctuation
+    spans = [e.span for e in events if e.span is not None]
+    assert len(spans) >= 2 and len(events) == 12
+    ids, _ = expand(spec, llava.encode(prompt), 1)
+    full = ids + [e.record.token_id for e in events]
+    offline = attention_features(llava, full, _image(5), [(s.start, s.end) for s in spans], regions)
+    for s, feats in zip(spans, offline):
+        assert np.allclose(s.features, feats, atol=1e-5)
+        assert np.allclose(s.attention, raw_attention(feats[None])[0], atol=1e-5)
+        assert np.allclose(s.predicted, est.predict(feats), atol=1e-4)
+    assert all(a.end <= b.start for a, b in zip(spans, spans[1:]))

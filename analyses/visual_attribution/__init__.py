@@ -4,10 +4,12 @@ which image regions a vision-language model's reasoning spans draw on.
 - `regions`: grid blocks, Ward clusters of visual-token features, pixel boxes (toy-vlm objects);
 - `attribution`: exhaustive causal effects (attention to a region masked in every layer, the drop
   in a span's log-prob), attention features per layer and head, the raw-attention baseline;
-- `estimator`: `AmortizedAttribution`, the linear 1 - Pearson estimator (fit / predict / save / load).
+- `estimator`: `AmortizedAttribution`, the linear 1 - Pearson estimator (fit / predict / save / load);
+- `stream`: `stream_attribution`, per-span attention and predicted effects during generation;
+- `evaluate`: the toy-vlm faithfulness study behind `thoughtscope eval vis-attr`.
 
-Not built yet (issue 14): streaming during generation, the faithfulness study (LDS, deletion,
-input x gradient, Captum), the CLI, the page and the benchmarks; see docs/visual_attribution.md.
+Not built yet (issue 14): the linear datamodeling score, deletion curves, input x gradient and
+Captum baselines; see docs/visual_attribution.md.
 """
 
 from analyses.visual_attribution.attribution import (attention_features, check_spans, exhaustive_effects,

@@ -1,12 +1,15 @@
 """Visual attribution: which image regions each span of a vision-language model's answer draws on.
 
-Compose a toy-vlm scene (or use a seeded random image for other VLMs), generate, then pick a span of
-the answer: its raw attention to every visual token is drawn over the image at once, and the
-exhaustive causal effect (attention to each token masked in every layer; the drop of the span's
-log-prob) on demand. Everything goes through the Backend (`analyses.visual_attribution`).
+Compose a toy-vlm scene (or use a seeded random image for other VLMs) and generate: the answer
+streams, and each span, as soon as it ends, gets a heat map over the image from the attention rows
+the generation already computed: raw attention, or the amortized estimator's predicted effects
+once it is fitted (toy-vlm: "Fit the estimator" fits it on training scenes, exhaustive effects as
+targets). Afterwards pick any span; its exhaustive effects (attention to each visual token masked
+in every layer: the drop of the span's log-prob) are computed on demand. Everything goes through
+the Backend (`analyses.visual_attribution`); every figure exports.
 
-Not built yet: the live, span-by-span heat map during streaming and the amortized estimator on this
-page (it needs a fitted estimator: `thoughtscope eval vis-attr` fits one); see docs/visual_attribution.md.
+Not built: uploading an image (a seeded random image stands in for non-toy VLMs), the faithfulness
+plots (`thoughtscope eval vis-attr` prints them as a table); see docs/visual_attribution.md.
 """
 
 from __future__ import annotations
@@ -16,21 +19,23 @@ from typing import Any
 import numpy as np
 import streamlit as st
 
-from analyses.visual_attribution import attention_features, exhaustive_effects, grid_regions, raw_attention
+from analyses.visual_attribution import exhaustive_effects, grid_regions
 from app.context import shows_errors
 from app.export import show_figure
 from app.figures.visual_attribution import heatmap_figure
 from app.registry import PageSpec
 
-PAGE = PageSpec("Visual attribution", ":material/image_search:", 60, requires=("vision", "trace", "interventions"))
+PAGE = PageSpec("Visual attribution", ":material/image_search:", 60,
+                requires=("vision", "generate", "trace", "interventions", "attention"))
+N_FIT_SCENES = 10
 
 
 def _is_toy(ctx) -> bool:
     return str(ctx.model_id).startswith("toy-vlm")
 
 
-def _scene(ctx, spec) -> tuple[np.ndarray, str, Any]:
-    """(image, prompt with <image>, toy example or None) from the widgets."""
+def _scene(ctx, spec) -> tuple[np.ndarray, str]:
+    """(image, prompt with <image>) from the widgets."""
     c1, c2 = st.columns(2)
     seed = int(c1.number_input("Scene seed", 0, 10_000, 0, key="va_seed"))
     if _is_toy(ctx):
@@ -38,72 +43,96 @@ def _scene(ctx, spec) -> tuple[np.ndarray, str, Any]:
 
         ex = vlm.examples("eval", 1, seed=seed)[0]
         question = c2.text_input("Question", ex.question, key=f"va_q{seed}")
-        return ex.image, vlm.prompt_text(question), ex
+        return ex.image, vlm.prompt_text(question)
     side = spec.image_size
     image = (np.random.default_rng(seed).random((side, side, 3)) * 255).astype(np.uint8)
     prompt = c2.text_input("Prompt (put <image> where the image goes)", "Describe <image> in a few words:", key="va_p")
-    return image, prompt, None
+    return image, prompt
 
 
-def _spans(tokens: list[str], start: int) -> list[tuple[int, int]]:
-    """Spans of the generated text: runs of tokens ended by ',' '.' ':' or the end (at least one token)."""
-    spans, lo = [], start
-    for i, t in enumerate(tokens[start:], start):
-        if t.strip() in (",", ".", ":") or t.strip().endswith((",", ".", ":")):
-            if i > lo:
-                spans.append((lo, i))
-            lo = i + 1
-    if lo < len(tokens):
-        spans.append((lo, len(tokens)))
-    return spans
+def _estimator(ctx) -> Any:
+    """The fitted estimator of this model (toy-vlm: fitted here on demand), or None."""
+    key = f"va_est::{ctx.model_id}"
+    if _is_toy(ctx) and st.button(f"Fit the estimator ({N_FIT_SCENES} training scenes)", key="va_fit"):
+        from analyses.visual_attribution.estimator import AmortizedAttribution
+        from analyses.visual_attribution.evaluate import toy_scene
+        from probes.toys import vlm
+
+        with shows_errors(), st.spinner("exhaustive effects on training scenes..."):
+            scenes = [toy_scene(ctx.backend, ex) for ex in vlm.examples("train", N_FIT_SCENES, seed=ctx.seed)]
+            groups, offset = [], 0
+            for s in scenes:
+                groups.append(np.repeat(offset + np.arange(s.effects.shape[0]), s.effects.shape[1]))
+                offset += s.effects.shape[0]
+            st.session_state[key] = AmortizedAttribution(seed=ctx.seed).fit(
+                np.concatenate([s.features.reshape(-1, s.features.shape[-1]) for s in scenes]),
+                np.concatenate([s.effects.reshape(-1) for s in scenes]), np.concatenate(groups))
+    est = st.session_state.get(key)
+    st.caption("amortized estimator: " + ("fitted" if est is not None else
+                                          "not fitted (raw attention only)" + ("" if _is_toy(ctx) else
+                                                                               ": fitting needs toy-vlm scenes")))
+    return est
+
+
+def _data(image: np.ndarray, grid: int, scores: np.ndarray, method: str, unit: str, title: str) -> dict[str, Any]:
+    small = image[:: max(1, image.shape[0] // 96), :: max(1, image.shape[1] // 96)]
+    return {"image": small.tolist(), "scores": np.asarray(scores).reshape(grid, grid).round(6).tolist(),
+            "method": method, "unit": unit, "title": title}
 
 
 def render(ctx) -> None:
-    from probes.vision import spec_of
+    from analyses.visual_attribution.stream import stream_attribution
+    from probes.vision import expand, spec_of
 
     st.title("Visual attribution")
     spec = spec_of(ctx.backend)
-    image, prompt, _ = _scene(ctx, spec)
+    image, prompt = _scene(ctx, spec)
+    est = _estimator(ctx)
+    regions = grid_regions(spec, spec.grid, spec.grid)
     st.caption(f"{spec.family} token grid {spec.grid} x {spec.grid}: one region per visual token")
+    answer, live = st.empty(), st.empty()  # the streamed answer, then the finished one
     if st.button("Generate", key="va_generate"):
         with shows_errors():
-            records = list(ctx.backend.generate(prompt, images=[image], max_new_tokens=ctx.settings.max_new_tokens))
-            ids = [r.token_id for r in records]
-            text = prompt + " " + ctx.backend.decode(ids) if _is_toy(ctx) else prompt + ctx.backend.decode(ids)
-            n_layers = ctx.backend.info()["arch"]["n_layers"]
-            trace = ctx.backend.trace(text, images=[image], capture=[f"attn_pattern.{i}" for i in range(n_layers)])
-            st.session_state["va_run"] = {"text": text, "image": image, "trace": trace,
-                                          "start": len(trace.token_ids) - len(ids)}
+            ids, _ = expand(spec, ctx.backend.encode(prompt), 1)
+            text, spans, generated = "", [], []
+            for event in stream_attribution(ctx.backend, prompt, image, regions, est,
+                                            max_new_tokens=ctx.settings.max_new_tokens):
+                text += event.record.text
+                generated.append(event.record.token_id)
+                answer.markdown("**Answer:** " + text)
+                if event.span is not None:  # the heat map of the span that just ended
+                    s = event.span
+                    spans.append(s)
+                    method = "amortized" if s.predicted is not None else "raw attention"
+                    scores = s.predicted if s.predicted is not None else s.attention
+                    live.plotly_chart(heatmap_figure(_data(image, spec.grid, scores, method, "",
+                                                           f"live: span {s.index} {s.text!r}, {method}")),
+                                      theme=None, config={"displaylogo": False})
+            st.session_state["va_run"] = {"ids": ids + generated, "image": image, "spans": spans, "text": text}
+            st.session_state.pop("va_exh", None)
     run = st.session_state.get("va_run")
+    live.empty()  # the pickable figures below replace the live one
     if not run:
         st.info("Generate to see the answer's spans and where each one looks.")
         return
-    trace = run["trace"]
-    tokens = ctx.backend.token_texts(trace.token_ids)  # pieces that concatenate to the text
-    spans = _spans(tokens, run["start"])
-    st.markdown("**Answer:** " + "".join(tokens[run["start"]:]))
+    answer.markdown("**Answer:** " + run["text"])
+    spans = run["spans"]
     if not spans:
         st.warning("the answer holds no span to attribute")
         return
-    labels = [f"{i}: {''.join(tokens[s:e]).strip()}" for i, (s, e) in enumerate(spans)]
+    labels = [f"{s.index}: {s.text}" for s in spans]
     pick = st.selectbox("Span", list(range(len(spans))), format_func=lambda i: labels[i], key="va_span")
-    regions = grid_regions(spec, spec.grid, spec.grid)
-    with shows_errors() as spot:
-        feats = attention_features(ctx.backend, run["text"], run["image"], [spans[pick]], regions, trace=trace)
-    if spot.failed:
-        return
-    scores = raw_attention(feats)[0]
-    small = run["image"][:: max(1, run["image"].shape[0] // 96), :: max(1, run["image"].shape[1] // 96)]
-    data = {"image": small.tolist(), "scores": scores.reshape(spec.grid, spec.grid).round(6).tolist(),
-            "method": "raw attention", "unit": "attention", "title": f"span {labels[pick]!r}: raw attention"}
+    span = spans[pick]
+    methods = ["raw attention"] + (["amortized"] if span.predicted is not None else [])
+    method = st.radio("Scores", methods, horizontal=True, key="va_method")
+    scores, unit = (span.attention, "attention") if method == "raw attention" else (span.predicted, "nats")
+    data = _data(run["image"], spec.grid, scores, method, unit, f"span {labels[pick]!r}: {method}")
     show_figure(heatmap_figure(data), data, "vis_attr_heatmap")
     if st.button("Exhaustive effects for this span", key="va_exhaustive"):
         with shows_errors():
-            eff = exhaustive_effects(ctx.backend, run["text"], run["image"], [spans[pick]], regions)[0]
-            data = {**data, "scores": eff.reshape(spec.grid, spec.grid).round(6).tolist(),
-                    "method": "exhaustive effect", "unit": "nats",
-                    "title": f"span {labels[pick]!r}: log-prob drop with each token masked (nats)"}
-            st.session_state["va_exh"] = (run["text"], pick, data)
+            eff = exhaustive_effects(ctx.backend, run["ids"], run["image"], [(span.start, span.end)], regions)[0]
+            st.session_state["va_exh"] = (pick, _data(run["image"], spec.grid, eff, "exhaustive effect", "nats",
+                                                      f"span {labels[pick]!r}: log-prob drop, each token masked"))
     done = st.session_state.get("va_exh")
-    if done and done[:2] == (run["text"], pick):  # only for the span it was computed for
-        show_figure(heatmap_figure(done[2]), done[2], "vis_attr_exhaustive", figure="vis_attr_heatmap")
+    if done and done[0] == pick:  # only for the span it was computed for
+        show_figure(heatmap_figure(done[1]), done[1], "vis_attr_exhaustive", figure="vis_attr_heatmap")

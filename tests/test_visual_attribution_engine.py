@@ -106,6 +106,10 @@ def test_eval_vis_attr_on_the_small_toy_vlm():
         m = out["metrics"][key]
         assert -1 <= m["low"] <= m["estimate"] <= m["high"] <= 1
     assert out["costs"]["exhaustive_s_per_span"] > out["costs"]["amortized_s_per_span"] > 0
+    # deleting the single cell exhaustive ablation ranks first costs the most any single cell can
+    top1 = {m: out["metrics"][f"{m}_deletion_top1"]["estimate"] for m in ("exhaustive", "amortized", "attention")}
+    assert top1["exhaustive"] >= max(top1["amortized"], top1["attention"]) - 1e-9
+    assert out["metrics"]["amortized_lds"]["n"] == n_spans and "amortized_vs_attention_lds" in out["comparison"]
     assert out["provenance"]["model"] == "toy-vlm:small" and out["provenance"]["command"] == "eval vis-attr"
 
 

@@ -2,8 +2,9 @@
 
 The estimator is trained on `--n-train` training scenes (exhaustive effects as targets) and every
 method is scored on `--n` evaluation scenes (disjoint layouts: probes.toys.vlm splits) against the
-exhaustive effects: Pearson / Spearman over each span's regions, ground-truth hit rate, R^2, per-span
-cost; 95% bootstrap intervals over spans and a sign test of amortized vs raw attention. `--server URL`
+exhaustive effects: Pearson / Spearman over each span's regions, ground-truth hit rate, R^2, the
+linear datamodeling score, top-k deletion, per-span cost; 95% bootstrap intervals over spans and sign
+tests of amortized vs raw attention. `--server URL`
 runs it against a model server (images travel as PNG bytes). The JSON carries a `provenance` record.
 
     thoughtscope eval vis-attr --model toy-vlm --n 40 --n-train 40 --json
@@ -29,6 +30,8 @@ def register(cli: typer.Typer) -> None:
         n: int = typer.Option(40, "--n", help="held-out (eval split) scenes"),
         n_train: int = typer.Option(40, "--n-train", help="training scenes for the estimator"),
         epochs: int = typer.Option(300, "--epochs", help="estimator epochs (full batch, Adam)"),
+        lds_subsets: int = typer.Option(8, "--lds-subsets", help="random half-size cell sets per scene for the LDS "
+                                        "(0 skips it)"),
         seed: int = typer.Option(0, "--seed"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
@@ -38,7 +41,8 @@ def register(cli: typer.Typer) -> None:
 
         b = backend(model, server, token)
         with TerminalProgress(enabled=not as_json) as progress:
-            result = run_study(b, n_train=n_train, n_eval=n, seed=seed, epochs=epochs, progress=progress)
+            result = run_study(b, n_train=n_train, n_eval=n, seed=seed, epochs=epochs, n_subsets=lds_subsets,
+                               progress=progress)
         record = provenance(b.info(), data="probes.toys.vlm scenes", split="train (estimator) / eval (scores)",
                             seed=seed, settings=result.settings, command="eval vis-attr")
         emit(with_provenance(result.to_dict(), record), as_json)

@@ -8,11 +8,14 @@ on held-out scenes each method's scores are compared with the exhaustive effects
 - Pearson and Spearman correlation over a span's regions (averaged over spans), and R^2 of the
   calibrated amortized predictions (raw attention has no scale: no R^2);
 - ground-truth hit rate: the top-scored region is the span's true cell (exhaustive included);
+- linear datamodeling score (LDS): over random half-size sets of cells, the Spearman correlation
+  between the sum of a method's scores over the set and the span's actual drop with the set masked;
+- deletion: the span's drop with a method's top-k cells masked (higher = the method found what matters);
 - per-span cost (seconds) of each method on this machine.
 
 95% percentile-bootstrap intervals over held-out spans (analyses.evaluation); the amortized estimator
-against raw attention with a paired sign test on per-span Spearman. Not measured here: the linear
-datamodeling score, deletion curves, input x gradient, Captum's FeatureAblation, streaming overhead.
+against raw attention with paired sign tests (Spearman, LDS, deletion). Not measured here: input x
+gradient (the gradient slot takes no images yet) and Captum's FeatureAblation.
 
 Example:
     >>> from probes import Engine
@@ -43,6 +46,9 @@ class SceneResult:
     features: np.ndarray
     seconds_exhaustive: float
     seconds_features: float
+    text: str = ""
+    image: Any = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -75,7 +81,54 @@ def toy_scene(backend: Any, example: Any) -> SceneResult:
     mid = time.perf_counter()
     feats = attention_features(backend, text, example.image, spans, regions)
     end = time.perf_counter()
-    return SceneResult([s.cell for s in example.spans], effects, feats, mid - start, end - mid)
+    return SceneResult([s.cell for s in example.spans], effects, feats, mid - start, end - mid, text, example.image,
+                       spans)
+
+
+def masked_drops(backend: Any, scene: SceneResult, cell_sets: list[tuple[int, ...]]) -> np.ndarray:
+    """[sets, spans]: each span's log-prob drop (nats) with attention to a set of cells masked in every
+    layer, all of them at once (one masked pass per set, every span read from it)."""
+    from analyses.visual_attribution.attribution import span_logprobs
+    from analyses.visual_attribution.regions import Region, positions
+    from probes.interventions import MaskAttention
+    from probes.vision import spec_of
+
+    spec = spec_of(backend)
+    base = backend.trace(scene.text, images=[scene.image])
+    base_lp = span_logprobs(base.logprobs, scene.spans)
+    out = np.zeros((len(cell_sets), len(scene.spans)))
+    for k, cells in enumerate(cell_sets):
+        pos = positions(spec, base.token_ids, Region("set", tuple(cells)))
+        masked = backend.trace(scene.text, images=[scene.image], interventions=[MaskAttention(positions=pos)])
+        out[k] = base_lp - span_logprobs(masked.logprobs, scene.spans)
+    return out
+
+
+def faithfulness(backend: Any, scene: SceneResult, scores: dict[str, np.ndarray], n_subsets: int = 8,
+                 deletion_k: tuple[int, ...] = (1, 2), seed: int = 0) -> dict[str, list[float]]:
+    """Per span and method: the linear datamodeling score (Spearman, over `n_subsets` random half-size
+    sets of cells, between the sum of the method's scores over the set and the span's actual drop with
+    the whole set masked) and the drop after deleting the method's top-k cells."""
+    rng = np.random.default_rng([seed, len(scene.text)])
+    n_cells = scene.effects.shape[1]
+    subsets = [tuple(sorted(rng.choice(n_cells, size=n_cells // 2, replace=False).tolist())) for _ in range(n_subsets)]
+    out: dict[str, list[float]] = {}
+    if n_subsets >= 3:
+        actual = masked_drops(backend, scene, subsets)  # [subsets, spans]
+        for name, sc in scores.items():
+            out[f"{name}_lds"] = [_spearman(np.array([sc[i, list(c)].sum() for c in subsets]), actual[:, i])
+                                  for i in range(len(scene.spans))]
+    wanted: dict[tuple[int, ...], None] = {}
+    tops = {(name, i, k): tuple(sorted(np.argsort(-sc[i])[:k].tolist()))
+            for name, sc in scores.items() for i in range(len(scene.spans)) for k in deletion_k}
+    for cells in tops.values():
+        wanted.setdefault(cells)
+    sets = list(wanted)
+    drops = masked_drops(backend, scene, sets) if sets else np.zeros((0, len(scene.spans)))
+    index = {c: j for j, c in enumerate(sets)}
+    for (name, i, k), cells in tops.items():
+        out.setdefault(f"{name}_deletion_top{k}", []).append(float(drops[index[cells], i]))
+    return out
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -93,8 +146,10 @@ def _pearson(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, epochs: int = 300,
+              n_subsets: int = 8, deletion_k: tuple[int, ...] = (1, 2),
               progress: Callable[[str, int, int], None] | None = None) -> StudyResult:
-    """Train the estimator on `n_train` training scenes, score every method on `n_eval` eval scenes."""
+    """Train the estimator on `n_train` training scenes, score every method on `n_eval` eval scenes
+    (with `n_subsets` random cell sets per scene for the LDS, 0 to skip it, and top-k deletion)."""
     from analyses.evaluation import bootstrap_interval, sign_test
     from probes.backend import require
     from probes.toys import vlm
@@ -128,11 +183,17 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
         "amortized_hit", "attention_hit", "exhaustive_hit")}
     predicted, truth = [], []
     predict_seconds = 0.0
-    for s in scenes["eval"]:
+    for n_done, s in enumerate(scenes["eval"]):
         t0 = time.perf_counter()
         pred = est.predict(s.features.reshape(-1, s.features.shape[-1])).reshape(s.effects.shape)
         predict_seconds += time.perf_counter() - t0
         raw = raw_attention(s.features)
+        faith = faithfulness(backend, s, {"amortized": pred, "attention": raw, "exhaustive": s.effects},
+                             n_subsets=n_subsets, deletion_k=deletion_k, seed=seed)
+        for key, values in faith.items():
+            rows.setdefault(key, []).extend(values)
+        if progress is not None:
+            progress("faithfulness", n_done + 1, len(scenes["eval"]))
         for i, cell in enumerate(s.true_cells):
             e = s.effects[i]
             rows["amortized_pearson"].append(_pearson(pred[i], e))
@@ -164,10 +225,16 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
     }
     test = sign_test(rows["amortized_spearman"], rows["attention_spearman"], lower_is_better=False)
     comparison = {"amortized_vs_attention_spearman": test.to_dict()}
+    for metric in [m for m in ("lds", *(f"deletion_top{k}" for k in deletion_k)) if f"amortized_{m}" in rows]:
+        comparison[f"amortized_vs_attention_{metric}"] = sign_test(
+            rows[f"amortized_{metric}"], rows[f"attention_{metric}"], lower_is_better=False).to_dict()
     settings = {"n_train_scenes": n_train, "n_eval_scenes": n_eval, "n_train_spans": n_train_spans,
                 "n_eval_spans": n_spans, "regions": "the 9 grid cells (one visual token each)", "seed": seed,
                 "epochs": epochs, "model": backend.info().get("model_id"), "split_rule": vlm.__name__ + ".split_of",
-                "spans": "description phrases of the reference trace (teacher-forced)"}
+                "spans": "description phrases of the reference trace (teacher-forced)",
+                "lds": f"{n_subsets} random sets of half the cells per scene (Spearman of summed scores vs the "
+                       "span's drop with the set masked)" if n_subsets >= 3 else "skipped",
+                "deletion": f"drop with the method's top-k cells masked, k in {list(deletion_k)}"}
     first = scenes["eval"][0]
     example = {"true_cells": first.true_cells, "effects": first.effects.round(4).tolist(),
                "amortized": est.predict(first.features.reshape(-1, first.features.shape[-1]))

@@ -94,7 +94,8 @@ class Backend(Protocol):
 
     def input_x_gradient(self, text: Any, *, target: str = "logprob", positions: Sequence[int] | None = None,
                          token: int | None = None, foil: int | None = None, sites: Sequence[str] = (),
-                         interventions: Sequence[Any] = (), chat: bool = False) -> Any:
+                         interventions: Sequence[Any] = (), chat: bool = False,
+                         images: Sequence[Any] | None = None) -> Any:
         """Input x gradient of one output (`probes.gradients.GradientAttribution`)."""
 
     # ----- prefix states -----

@@ -240,12 +240,15 @@ class RemoteBackend:
 
     def input_x_gradient(self, text: Any, *, target: str = "logprob", positions: Sequence[int] | None = None,
                          token: int | None = None, foil: int | None = None, sites: Sequence[str] = (),
-                         interventions: Sequence[Any] = (), chat: bool = False) -> Any:
+                         interventions: Sequence[Any] = (), chat: bool = False,
+                         images: Sequence[Any] | None = None) -> Any:
         from probes.gradients import GradientAttribution
 
         body = {"text": text, "target": target, "positions": None if positions is None else list(positions),
                 "token": token, "foil": foil, "sites": list(sites),
                 "interventions": [intervention_to_spec(iv) for iv in interventions], "chat": chat}
+        if images is not None:
+            body["images"] = _images_to_wire([images])[0]
         out = self._call("POST", "/input_x_gradient", json=body)
         tensors = b64_to_tensors(out.pop("tensors"))
         sites_out = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("site/")}

@@ -800,9 +800,11 @@ class Engine:
 
     def input_x_gradient(self, text: Prompt, *, target: str = "logprob", positions: Sequence[int] | None = None,
                          token: int | None = None, foil: int | None = None, sites: Sequence[str] = (),
-                         interventions: Sequence[Any] = (), chat: bool = False) -> Any:
+                         interventions: Sequence[Any] = (), chat: bool = False,
+                         images: Sequence[Any] | None = None) -> Any:
         """Input x gradient of one output (see `probes.gradients`): per-token scores [seq], F(x), F(0),
         and activation x gradient at residual `sites`. Interventions (steering, MaskAttention) apply.
+        With `images` (a VLM) read the image tokens' scores at `resid_pre.0`.
 
         >>> att = Engine.from_id("tiny-random:llama").input_x_gradient("a b c", target="logit", token=5)
         >>> att.positions, att.scores.shape
@@ -813,6 +815,7 @@ class Engine:
 
         self._local_only("input_x_gradient")
         ids = self.encode(text, chat=chat)
+        (ids,), vision = self._vision_inputs([ids], None if images is None else [images])
         site_list = self._check_sites(sites)
         check_sites(site_list)
         positions = check_target(target, len(ids), self.handle.arch.vocab_size, positions, token, foil)
@@ -821,7 +824,7 @@ class Engine:
         with self.lock, HookRunner(self.handle, [], hooks) as runner, AttentionMasker(self.handle, masks):
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
             return input_x_gradient(self.handle, ids, target=target, positions=positions, token=token, foil=foil,
-                                    sites=site_list)
+                                    sites=site_list, model_inputs=vision)
 
     # ----- RLKV head gates (issue 13; probes.gates): in-process only, the model stays frozen -----
 

@@ -113,10 +113,13 @@ def _objective(logits: torch.Tensor, ids: list[int], target: str, positions: lis
 
 def input_x_gradient(handle: Any, ids: list[int], *, target: str = "logprob", positions: Sequence[int] | None = None,
                      token: int | None = None, foil: int | None = None,
-                     sites: Sequence[Site] = ()) -> GradientAttribution:
+                     sites: Sequence[Site] = (), model_inputs: dict[str, Any] | None = None) -> GradientAttribution:
     """Input x gradient of one output of `handle.model` on `ids` (checks run first; no weights get gradients).
 
     The caller holds whatever hooks should apply (interventions, attention masks) around the call.
+    `model_inputs` go with the forward (a VLM's pixel inputs, probes.vision): the image tokens' features
+    replace their embeddings inside the model, so their scores are read at `resid_pre.0`, not in `scores`;
+    the all-zero baseline F(0) runs without them (no image).
     """
     positions = check_target(target, len(ids), handle.arch.vocab_size, positions, token, foil)
     check_sites(sites)
@@ -127,7 +130,7 @@ def input_x_gradient(handle: Any, ids: list[int], *, target: str = "logprob", po
     try:
         with torch.enable_grad():
             embeds = model.get_input_embeddings()(input_ids).detach().requires_grad_(True)
-            logits = model(inputs_embeds=embeds, use_cache=False).logits
+            logits = model(inputs_embeds=embeds, use_cache=False, **(model_inputs or {})).logits
             value = _objective(logits, ids, target, positions, token, foil)
             wrt = [embeds, *(captured[s.name] for s in sites)]
             grads = torch.autograd.grad(value, wrt)

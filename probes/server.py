@@ -513,7 +513,7 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
         interventions = [intervention_from_spec(s) for s in body.interventions]
         result = await state.run(request, lambda: engine.input_x_gradient(
             body.text, target=body.target, positions=body.positions, token=body.token, foil=body.foil,
-            sites=body.sites, interventions=interventions, chat=body.chat))
+            sites=body.sites, interventions=interventions, chat=body.chat, images=body.images))
         out = result.to_dict()
         tensors = {"scores": result.scores, **{f"site/{k}": v for k, v in result.site_scores.items()}}
         return strict({**{k: v for k, v in out.items() if k not in ("scores", "site_scores")},

@@ -220,6 +220,7 @@ class GradientRequest(_Body):
     sites: list[SiteName] = Field(default_factory=list, max_length=512)
     interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
     chat: bool = False
+    images: list[ImageB64] | None = Field(None, max_length=16)  # for a VLM: one per <image> in text
 
 
 def one_tensor(text: str, what: str) -> torch.Tensor:

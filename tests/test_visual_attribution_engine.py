@@ -168,3 +168,23 @@ def test_streaming_predictions_equal_offline_predictions_on_the_same_trace(llava
         assert np.allclose(s.attention, raw_attention(feats[None])[0], atol=1e-5)
         assert np.allclose(s.predicted, est.predict(feats), atol=1e-4)
     assert all(a.end <= b.start for a, b in zip(spans, spans[1:]))
+
+
+def test_the_gradient_baseline_reads_the_image_tokens_at_the_language_models_input(llava):
+    """Input x gradient through the gradient slot with an image: zero for a span before the image, and
+    each region's score is the sum of the per-position resid_pre.0 scores over its tokens."""
+    from analyses.visual_attribution import gradient_scores
+
+    spec = spec_of(llava)
+    ids = llava.trace(TEXT, images=[_image()]).token_ids
+    group = image_token_groups(spec, ids)[0]
+    regions = grid_regions(spec, 2, 2)
+    after = (group[-1] + 2, len(ids))
+    scores = gradient_scores(llava, TEXT, _image(), [(1, 2), after], regions)
+    assert np.all(scores[0] == 0.0) and np.abs(scores[1]).min() > 0
+    att = llava.input_x_gradient(TEXT, positions=list(range(*after)), sites=["resid_pre.0"], images=[_image()])
+    assert att.token_ids == ids
+    site = att.site_scores["resid_pre.0"].double()
+    assert scores[1, 3] == pytest.approx(float(site[positions(spec, ids, regions[3])].sum()), abs=1e-9)
+    # the image changes the gradient: another image, other scores
+    assert not np.allclose(gradient_scores(llava, TEXT, _image(7), [after], regions)[0], scores[1])

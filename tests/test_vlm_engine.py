@@ -150,6 +150,10 @@ def test_vlm_trace_and_generation_through_the_server_equal_in_process():
         assert a == b
         with pytest.raises(BadInputError, match="placeholder"):
             remote.trace("no image", images=[img])
+        g_local = engine.input_x_gradient(PROMPT, sites=["resid_pre.0"], images=[img])
+        g_remote = remote.input_x_gradient(PROMPT, sites=["resid_pre.0"], images=[img])
+        assert g_remote.token_ids == g_local.token_ids == local.token_ids
+        assert torch.allclose(g_remote.site_scores["resid_pre.0"], g_local.site_scores["resid_pre.0"], atol=1e-5)
 
 
 def test_toy_vlm_runs_in_the_engine_as_its_own_code_does():

@@ -125,3 +125,26 @@ def attention_features(backend: Any, text: Any, image: Any, spans: Sequence[Sequ
 def raw_attention(features: np.ndarray) -> np.ndarray:
     """The attention baseline: features averaged over layers and heads -> [n_spans, n_regions]."""
     return np.asarray(features).mean(-1)
+
+
+def gradient_scores(backend: Any, text: Any, image: Any, spans: Sequence[Sequence[int]],
+                    regions: Sequence[Region]) -> np.ndarray:
+    """The input x gradient baseline [n_spans, n_regions]: activation x gradient of the span's log-prob
+    at the language model's input (`resid_pre.0`, where the image tokens hold the projected patch
+    features), summed over each region's tokens. One forward and backward pass per span (the
+    gradient slot, probes.gradients)."""
+    from probes.backend import require
+    from probes.vision import spec_of
+
+    require(backend, "vision", "grad")
+    spec = spec_of(backend)
+    ids = backend.trace(text, images=[image]).token_ids
+    spans = check_spans(spans, len(ids), 0)
+    pos = [positions(spec, ids, r) for r in regions]
+    out = np.zeros((len(spans), len(regions)))
+    for i, (s, e) in enumerate(spans):
+        att = backend.input_x_gradient(text, target="logprob", positions=list(range(s, e)), sites=["resid_pre.0"],
+                                       images=[image])
+        site = att.site_scores["resid_pre.0"].double()
+        out[i] = [float(site[p].sum()) for p in pos]
+    return out

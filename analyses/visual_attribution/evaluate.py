@@ -14,8 +14,9 @@ on held-out scenes each method's scores are compared with the exhaustive effects
 - per-span cost (seconds) of each method on this machine.
 
 95% percentile-bootstrap intervals over held-out spans (analyses.evaluation); the amortized estimator
-against raw attention with paired sign tests (Spearman, LDS, deletion). Not measured here: input x
-gradient (the gradient slot takes no images yet) and Captum's FeatureAblation.
+against raw attention with paired sign tests (Spearman, LDS, deletion), and against input x gradient
+(the gradient slot, probes.gradients, read at the image tokens) on Spearman. Not measured here:
+Captum's FeatureAblation.
 
 Example:
     >>> from probes import Engine
@@ -151,8 +152,10 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
     """Train the estimator on `n_train` training scenes, score every method on `n_eval` eval scenes
     (with `n_subsets` random cell sets per scene for the LDS, 0 to skip it, and top-k deletion)."""
     from analyses.evaluation import bootstrap_interval, sign_test
+    from analyses.visual_attribution.attribution import gradient_scores
     from probes.backend import require
     from probes.toys import vlm
+    from probes.vision import spec_of
 
     require(backend, "vision", "trace", "interventions")
     if not (isinstance(n_train, int) and isinstance(n_eval, int) and n_train >= 2 and n_eval >= 2):
@@ -180,7 +183,10 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
 
     rows: dict[str, list[float]] = {k: [] for k in (
         "amortized_pearson", "amortized_spearman", "attention_pearson", "attention_spearman",
-        "amortized_hit", "attention_hit", "exhaustive_hit")}
+        "gradient_pearson", "gradient_spearman", "amortized_hit", "attention_hit", "gradient_hit",
+        "exhaustive_hit")}
+    spec = spec_of(backend)
+    gradient_seconds = 0.0
     predicted, truth = [], []
     predict_seconds = 0.0
     for n_done, s in enumerate(scenes["eval"]):
@@ -188,8 +194,12 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
         pred = est.predict(s.features.reshape(-1, s.features.shape[-1])).reshape(s.effects.shape)
         predict_seconds += time.perf_counter() - t0
         raw = raw_attention(s.features)
-        faith = faithfulness(backend, s, {"amortized": pred, "attention": raw, "exhaustive": s.effects},
-                             n_subsets=n_subsets, deletion_k=deletion_k, seed=seed)
+        t0 = time.perf_counter()
+        grad = gradient_scores(backend, s.text, s.image, s.spans, grid_regions(spec, vlm.GRID, vlm.GRID))
+        gradient_seconds += time.perf_counter() - t0
+        faith = faithfulness(backend, s, {"amortized": pred, "attention": raw, "gradient": grad,
+                                          "exhaustive": s.effects}, n_subsets=n_subsets, deletion_k=deletion_k,
+                             seed=seed)
         for key, values in faith.items():
             rows.setdefault(key, []).extend(values)
         if progress is not None:
@@ -200,6 +210,9 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
             rows["amortized_spearman"].append(_spearman(pred[i], e))
             rows["attention_pearson"].append(_pearson(raw[i], e))
             rows["attention_spearman"].append(_spearman(raw[i], e))
+            rows["gradient_pearson"].append(_pearson(grad[i], e))
+            rows["gradient_spearman"].append(_spearman(grad[i], e))
+            rows["gradient_hit"].append(float(np.argmax(grad[i]) == cell))
             rows["amortized_hit"].append(float(np.argmax(pred[i]) == cell))
             rows["attention_hit"].append(float(np.argmax(raw[i]) == cell))
             rows["exhaustive_hit"].append(float(np.argmax(e) == cell))
@@ -218,13 +231,16 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
         "exhaustive_s_per_span": exhaustive_s,
         "amortized_s_per_span": amortized_s,
         "attention_s_per_span": features_s,
+        "gradient_s_per_span": gradient_seconds / n_spans,
         "speedup_exhaustive_over_amortized": exhaustive_s / amortized_s if amortized_s > 0 else None,
         "fit_seconds": fit_seconds,
         "note": "per span = per scene cost / spans in the scene; the amortized cost counts one extra pass "
                 "capturing attention (during streaming generation those rows already exist)",
     }
     test = sign_test(rows["amortized_spearman"], rows["attention_spearman"], lower_is_better=False)
-    comparison = {"amortized_vs_attention_spearman": test.to_dict()}
+    comparison = {"amortized_vs_attention_spearman": test.to_dict(),
+                  "amortized_vs_gradient_spearman": sign_test(rows["amortized_spearman"], rows["gradient_spearman"],
+                                                              lower_is_better=False).to_dict()}
     for metric in [m for m in ("lds", *(f"deletion_top{k}" for k in deletion_k)) if f"amortized_{m}" in rows]:
         comparison[f"amortized_vs_attention_{metric}"] = sign_test(
             rows[f"amortized_{metric}"], rows[f"attention_{metric}"], lower_is_better=False).to_dict()

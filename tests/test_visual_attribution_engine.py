@@ -188,3 +188,35 @@ def test_the_gradient_baseline_reads_the_image_tokens_at_the_language_models_inp
     assert scores[1, 3] == pytest.approx(float(site[positions(spec, ids, regions[3])].sum()), abs=1e-9)
     # the image changes the gradient: another image, other scores
     assert not np.allclose(gradient_scores(llava, TEXT, _image(7), [after], regions)[0], scores[1])
+
+
+@pytest.mark.model
+def test_the_page_runs_the_faithfulness_study_on_the_small_toy_vlm(monkeypatch):
+    """toy-vlm:small on the page: the study at n = 2 + 2 draws every method's scores with intervals,
+    the numbers of `run_study` itself; an uploaded file that is not an image is refused."""
+    import json
+
+    from app.views.visual_attribution import uploaded_image
+    from tests import apptest_helpers as helpers
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "toy-vlm:small")
+    at = helpers.open_page("visual_attribution", max_new_tokens=8)
+    helpers.assert_clean(at)
+    at.number_input(key="va_ntrain").set_value(2)
+    at.number_input(key="va_neval").set_value(2)
+    at.number_input(key="va_lds").set_value(3)
+    at.button(key="va_study").click().run()
+    helpers.assert_clean(at)
+    (chart,) = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    assert chart["layout"]["title"]["text"].startswith("faithfulness against exhaustive ablation")
+    bars = {(t["xaxis"], tuple(t["x"])): t["y"] for t in chart["data"]}
+    assert ("x", ("amortized", "attention", "gradient")) in bars  # Spearman: exhaustive is the reference
+    assert ("x3", ("amortized", "attention", "gradient", "exhaustive")) in bars  # hit rate
+    from analyses.visual_attribution.evaluate import run_study
+
+    ours = run_study(Engine.from_id("toy-vlm:small"), n_train=2, n_eval=2, n_subsets=3)
+    assert bars[("x3", ("amortized", "attention", "gradient", "exhaustive"))][3] == pytest.approx(
+        ours.metrics["exhaustive_hit"]["estimate"])
+    with pytest.raises(BadInputError):
+        uploaded_image(b"not an image")
+    assert uploaded_image(None) is None

@@ -1,8 +1,9 @@
 """Figures of the visual attribution page (and of `thoughtscope export`): the image beside a heat map of
-one span's scores over the model's token grid. Builders take a plain dict and compute nothing.
+one span's scores over the model's token grid, and the faithfulness of each method with intervals.
+Builders take a plain dict and compute nothing.
 
-`data`: `image` (rows of [r, g, b] uint8, at most 96 pixels a side), `scores` ([grid][grid] floats),
-`title` and `method` (what the scores are: raw attention, exhaustive effect in nats, ...).
+Heat map `data`: `image` (rows of [r, g, b] uint8, at most 96 pixels a side), `scores` ([grid][grid]
+floats), `title` and `method` (what the scores are: raw attention, exhaustive effect in nats, ...).
 """
 
 from __future__ import annotations
@@ -30,4 +31,32 @@ def heatmap_figure(data: Any) -> go.Figure:
     return styled(fig, d.get("title", "visual attribution"))
 
 
-FIGURES: dict[str, Callable[[Any], go.Figure]] = {"vis_attr_heatmap": heatmap_figure}
+FAITHFULNESS_PANELS = (("spearman", "Spearman vs exhaustive (higher better)"),
+                       ("lds", "linear datamodeling score (higher better)"),
+                       ("hit", "true-cell hit rate"),
+                       ("deletion_top1", "drop, top-1 cell deleted (nats)"))
+METHOD_ORDER = ("amortized", "attention", "gradient", "exhaustive")
+
+
+def faithfulness_figure(data: Any) -> go.Figure:
+    """One panel per measure: each method's estimate with its 95% bootstrap interval.
+
+    `data["metrics"]`: `<method>_<measure>` -> {estimate, low, high, n} (`StudyResult.to_dict()`)."""
+    d = data.to_dict() if hasattr(data, "to_dict") else dict(data)
+    metrics = d["metrics"]
+    panels = [(m, t) for m, t in FAITHFULNESS_PANELS if any(f"{x}_{m}" in metrics for x in METHOD_ORDER)]
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[t for _, t in panels], horizontal_spacing=0.07)
+    for c, (measure, _) in enumerate(panels, start=1):
+        names = [x for x in METHOD_ORDER if isinstance(metrics.get(f"{x}_{measure}"), dict)]
+        rows = [metrics[f"{x}_{measure}"] for x in names]
+        fig.add_trace(go.Bar(x=names, y=[r["estimate"] for r in rows], name=measure, showlegend=False,
+                             error_y=dict(type="data", symmetric=False,
+                                          array=[r["high"] - r["estimate"] for r in rows],
+                                          arrayminus=[r["estimate"] - r["low"] for r in rows])), row=1, col=c)
+    n = next((v["n"] for v in metrics.values() if isinstance(v, dict)), 0)
+    fig.update_layout(height=360)
+    return styled(fig, f"faithfulness against exhaustive ablation, {n} held-out spans (95% intervals)")
+
+
+FIGURES: dict[str, Callable[[Any], go.Figure]] = {"vis_attr_heatmap": heatmap_figure,
+                                                  "vis_attr_faithfulness": faithfulness_figure}

@@ -1,6 +1,6 @@
 """Visual attribution: which image regions each span of a vision-language model's answer draws on.
 
-Compose a toy-vlm scene (or use a seeded random image for other VLMs) and generate: the answer
+Compose a toy-vlm scene (a seeded random image for other VLMs), or upload an image, and generate: the answer
 streams, and each span, as soon as it ends, gets a heat map over the image from the attention rows
 the generation already computed: raw attention, or the amortized estimator's predicted effects
 once it is fitted (toy-vlm: "Fit the estimator" fits it on training scenes, exhaustive effects as
@@ -8,8 +8,9 @@ targets). Afterwards pick any span; its exhaustive effects (attention to each vi
 in every layer: the drop of the span's log-prob) are computed on demand. Everything goes through
 the Backend (`analyses.visual_attribution`); every figure exports.
 
-Not built: uploading an image (a seeded random image stands in for non-toy VLMs), the faithfulness
-plots (`thoughtscope eval vis-attr` prints them as a table); see docs/visual_attribution.md.
+An uploaded image replaces the composed scene (toy-vlm was trained on its own scenes only). For
+toy-vlm, "Faithfulness" runs the study of `thoughtscope eval vis-attr` at a small n and plots each
+method's scores with their intervals; see docs/visual_attribution.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import streamlit as st
 from analyses.visual_attribution import exhaustive_effects, grid_regions
 from app.context import shows_errors
 from app.export import show_figure
-from app.figures.visual_attribution import heatmap_figure
+from app.figures.visual_attribution import faithfulness_figure, heatmap_figure
 from app.registry import PageSpec
 
 PAGE = PageSpec("Visual attribution", ":material/image_search:", 60,
@@ -34,18 +35,32 @@ def _is_toy(ctx) -> bool:
     return str(ctx.model_id).startswith("toy-vlm")
 
 
+def uploaded_image(data: bytes | None) -> np.ndarray | None:
+    """An uploaded file's bytes as an RGB uint8 array (checked by probes.vision), or None."""
+    from probes.vision import load_image
+
+    return None if data is None else np.asarray(load_image(bytes(data)))
+
+
 def _scene(ctx, spec) -> tuple[np.ndarray, str]:
-    """(image, prompt with <image>) from the widgets."""
+    """(image, prompt with <image>) from the widgets: a composed toy scene or a seeded random image,
+    unless an image is uploaded."""
     c1, c2 = st.columns(2)
     seed = int(c1.number_input("Scene seed", 0, 10_000, 0, key="va_seed"))
+    upload = st.file_uploader("Or upload an image (PNG or JPEG; resized to the model's input)",
+                              type=["png", "jpg", "jpeg"], key="va_upload")
+    image = None
+    with shows_errors():
+        image = uploaded_image(upload.getvalue() if upload is not None else None)
     if _is_toy(ctx):
         from probes.toys import vlm
 
         ex = vlm.examples("eval", 1, seed=seed)[0]
         question = c2.text_input("Question", ex.question, key=f"va_q{seed}")
-        return ex.image, vlm.prompt_text(question)
-    side = spec.image_size
-    image = (np.random.default_rng(seed).random((side, side, 3)) * 255).astype(np.uint8)
+        return (ex.image if image is None else image), vlm.prompt_text(question)
+    if image is None:
+        side = spec.image_size
+        image = (np.random.default_rng(seed).random((side, side, 3)) * 255).astype(np.uint8)
     prompt = c2.text_input("Prompt (put <image> where the image goes)", "Describe <image> in a few words:", key="va_p")
     return image, prompt
 
@@ -74,6 +89,31 @@ def _estimator(ctx) -> Any:
     return est
 
 
+def _faithfulness(ctx) -> None:
+    """The study of `thoughtscope eval vis-attr` at a small n, plotted with intervals (toy-vlm only)."""
+    from analyses.visual_attribution.evaluate import run_study
+
+    with st.expander("Faithfulness on held-out scenes"):
+        c1, c2, c3 = st.columns(3)
+        n_train = int(c1.number_input("Training scenes", 2, 200, 10, key="va_ntrain"))
+        n_eval = int(c2.number_input("Held-out scenes", 2, 200, 10, key="va_neval"))
+        subsets = int(c3.number_input("LDS cell sets per scene", 0, 32, 8, key="va_lds"))
+        key = ctx.result_key("vis_attr_study", n_train=n_train, n_eval=n_eval, subsets=subsets, seed=ctx.seed)
+        if st.button("Run the study", key="va_study"):
+            with shows_errors(), st.spinner("exhaustive effects, gradients and masked sets..."):
+                st.session_state[key] = run_study(ctx.backend, n_train=n_train, n_eval=n_eval, seed=ctx.seed,
+                                                  n_subsets=subsets).to_dict()
+        result = st.session_state.get(key)
+        if result is not None:
+            data = {"metrics": result["metrics"]}
+            show_figure(faithfulness_figure(data), data, "vis_attr_faithfulness",
+                        provenance=ctx.provenance(settings=result["settings"], data="probes.toys.vlm scenes",
+                                                  split="train (estimator) / eval (scores)", prompt=None))
+            r2, speedup = result["metrics"]["amortized_r2_all_pairs"], result["costs"]["speedup_exhaustive_over_amortized"]
+            st.caption(f"amortized R^2 over all (span, region) pairs: {r2:.3f}; "
+                       f"exhaustive / amortized cost per span: {speedup:.1f}")
+
+
 def _data(image: np.ndarray, grid: int, scores: np.ndarray, method: str, unit: str, title: str) -> dict[str, Any]:
     small = image[:: max(1, image.shape[0] // 96), :: max(1, image.shape[1] // 96)]
     return {"image": small.tolist(), "scores": np.asarray(scores).reshape(grid, grid).round(6).tolist(),
@@ -90,6 +130,8 @@ def render(ctx) -> None:
     est = _estimator(ctx)
     regions = grid_regions(spec, spec.grid, spec.grid)
     st.caption(f"{spec.family} token grid {spec.grid} x {spec.grid}: one region per visual token")
+    if _is_toy(ctx):
+        _faithfulness(ctx)
     answer, live = st.empty(), st.empty()  # the streamed answer, then the finished one
     if st.button("Generate", key="va_generate"):
         with shows_errors():

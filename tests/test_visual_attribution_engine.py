@@ -220,3 +220,13 @@ def test_the_page_runs_the_faithfulness_study_on_the_small_toy_vlm(monkeypatch):
     with pytest.raises(BadInputError):
         uploaded_image(b"not an image")
     assert uploaded_image(None) is None
+
+
+def test_the_page_opens_with_its_title_on_a_text_only_model(monkeypatch):
+    from tests import apptest_helpers as helpers
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
+    at = helpers.open_page("visual_attribution")
+    helpers.assert_clean(at)
+    assert at.title[0].value == "Visual attribution"
+    assert "vision" in at.info[0].value and "toy-vlm" in at.info[0].value

@@ -230,3 +230,34 @@ def test_the_page_opens_with_its_title_on_a_text_only_model(monkeypatch):
     helpers.assert_clean(at)
     assert at.title[0].value == "Visual attribution"
     assert "vision" in at.info[0].value and "toy-vlm" in at.info[0].value
+
+
+def test_cluster_regions_of_a_toy_scene_partition_its_cells_and_hold_the_true_cell():
+    """The study over K Ward clusters of the visual tokens' features (an untrained, seeded toy-vlm):
+    each scene's regions partition the 9 cells, the true region holds the span's cell, and K larger
+    than the number of visual tokens is refused before any model work."""
+    import torch
+
+    from analyses.visual_attribution.evaluate import run_study, toy_scene
+    from probes.toys import vlm
+    from probes.zoo import ModelHandle, arch_from_config
+
+    tok = vlm.make_tokenizer()
+    model = vlm.build_model(vlm.CONFIGS["small"], tok).eval()
+    engine = Engine(ModelHandle("toy-vlm:untrained", model, tok, arch_from_config(model.config), "untrained",
+                                torch.device("cpu"), torch.float32))
+    ex = vlm.examples("eval", 1, seed=3)[0]
+    scene = toy_scene(engine, ex, k=4)
+    assert len(scene.regions) == 4 and sorted(c for r in scene.regions for c in r.cells) == list(range(9))
+    assert [s.cell in scene.regions[j].cells for s, j in zip(ex.spans, scene.true_cells)] == [True] * len(ex.spans)
+    assert scene.effects.shape == (len(ex.spans), 4)
+
+    def boom(*a, **k):
+        raise AssertionError("the model ran")
+
+    forward, model.forward = model.forward, boom
+    try:
+        with pytest.raises(BadInputError, match="K=10"):
+            run_study(engine, n_train=2, n_eval=2, k=10)
+    finally:
+        model.forward = forward

@@ -32,6 +32,7 @@ def register(cli: typer.Typer) -> None:
         epochs: int = typer.Option(300, "--epochs", help="estimator epochs (full batch, Adam)"),
         lds_subsets: int = typer.Option(8, "--lds-subsets", help="random half-size cell sets per scene for the LDS "
                                         "(0 skips it)"),
+        k: int = typer.Option(0, "--k", help="regions: 0 = the 9 cells; K = K Ward clusters of the visual tokens"),
         seed: int = typer.Option(0, "--seed"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
@@ -42,7 +43,7 @@ def register(cli: typer.Typer) -> None:
         b = backend(model, server, token)
         with TerminalProgress(enabled=not as_json) as progress:
             result = run_study(b, n_train=n_train, n_eval=n, seed=seed, epochs=epochs, n_subsets=lds_subsets,
-                               progress=progress)
+                               k=k or None, progress=progress)
         record = provenance(b.info(), data="probes.toys.vlm scenes", split="train (estimator) / eval (scores)",
                             seed=seed, settings=result.settings, command="eval vis-attr")
         emit(with_provenance(result.to_dict(), record), as_json)

@@ -50,6 +50,7 @@ class SceneResult:
     text: str = ""
     image: Any = None
     spans: list[tuple[int, int]] = field(default_factory=list)
+    regions: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -65,8 +66,10 @@ class StudyResult:
                 "comparison": self.comparison, "example": self.example}
 
 
-def toy_scene(backend: Any, example: Any) -> SceneResult:
-    """Exhaustive effects and attention features of one toy-vlm example's description spans."""
+def toy_scene(backend: Any, example: Any, k: int | None = None) -> SceneResult:
+    """Exhaustive effects and attention features of one toy-vlm example's description spans, over the
+    9 cells or, with `k`, over k Ward clusters of the visual tokens' features (`resid_pre.0`, the
+    projected patch features); a span's true region is the one holding its cell."""
     from probes.toys import vlm
     from probes.vision import spec_of
 
@@ -76,19 +79,27 @@ def toy_scene(backend: Any, example: Any) -> SceneResult:
                             f"{spec.grid}x{spec.grid}")
     text = f"{vlm.prompt_text(example.question)} {example.trace} <eos>"
     spans = [(example.input_positions(s).start, example.input_positions(s).stop) for s in example.spans]
-    regions = grid_regions(spec, vlm.GRID, vlm.GRID)
+    if k:
+        from analyses.visual_attribution.regions import cluster_regions
+        from probes.vision import image_token_groups
+
+        trace = backend.trace(text, capture=["resid_pre.0"], images=[example.image])
+        group = image_token_groups(spec, trace.token_ids)[0]
+        regions = cluster_regions(spec, trace.activations["resid_pre.0"][group].double().numpy(), k)
+    else:
+        regions = grid_regions(spec, vlm.GRID, vlm.GRID)
+    true = [next(j for j, r in enumerate(regions) if s.cell in r.cells) for s in example.spans]
     start = time.perf_counter()
     effects = exhaustive_effects(backend, text, example.image, spans, regions)
     mid = time.perf_counter()
     feats = attention_features(backend, text, example.image, spans, regions)
     end = time.perf_counter()
-    return SceneResult([s.cell for s in example.spans], effects, feats, mid - start, end - mid, text, example.image,
-                       spans)
+    return SceneResult(true, effects, feats, mid - start, end - mid, text, example.image, spans, list(regions))
 
 
-def masked_drops(backend: Any, scene: SceneResult, cell_sets: list[tuple[int, ...]]) -> np.ndarray:
-    """[sets, spans]: each span's log-prob drop (nats) with attention to a set of cells masked in every
-    layer, all of them at once (one masked pass per set, every span read from it)."""
+def masked_drops(backend: Any, scene: SceneResult, region_sets: list[tuple[int, ...]]) -> np.ndarray:
+    """[sets, spans]: each span's log-prob drop (nats) with attention to a set of the scene's regions
+    masked in every layer, all of them at once (one masked pass per set, every span read from it)."""
     from analyses.visual_attribution.attribution import span_logprobs
     from analyses.visual_attribution.regions import Region, positions
     from probes.interventions import MaskAttention
@@ -97,8 +108,9 @@ def masked_drops(backend: Any, scene: SceneResult, cell_sets: list[tuple[int, ..
     spec = spec_of(backend)
     base = backend.trace(scene.text, images=[scene.image])
     base_lp = span_logprobs(base.logprobs, scene.spans)
-    out = np.zeros((len(cell_sets), len(scene.spans)))
-    for k, cells in enumerate(cell_sets):
+    out = np.zeros((len(region_sets), len(scene.spans)))
+    for k, chosen in enumerate(region_sets):
+        cells = sorted(c for j in chosen for c in scene.regions[j].cells)
         pos = positions(spec, base.token_ids, Region("set", tuple(cells)))
         masked = backend.trace(scene.text, images=[scene.image], interventions=[MaskAttention(positions=pos)])
         out[k] = base_lp - span_logprobs(masked.logprobs, scene.spans)
@@ -108,8 +120,8 @@ def masked_drops(backend: Any, scene: SceneResult, cell_sets: list[tuple[int, ..
 def faithfulness(backend: Any, scene: SceneResult, scores: dict[str, np.ndarray], n_subsets: int = 8,
                  deletion_k: tuple[int, ...] = (1, 2), seed: int = 0) -> dict[str, list[float]]:
     """Per span and method: the linear datamodeling score (Spearman, over `n_subsets` random half-size
-    sets of cells, between the sum of the method's scores over the set and the span's actual drop with
-    the whole set masked) and the drop after deleting the method's top-k cells."""
+    sets of regions, between the sum of the method's scores over the set and the span's actual drop
+    with the whole set masked) and the drop after deleting the method's top-k regions."""
     rng = np.random.default_rng([seed, len(scene.text)])
     n_cells = scene.effects.shape[1]
     subsets = [tuple(sorted(rng.choice(n_cells, size=n_cells // 2, replace=False).tolist())) for _ in range(n_subsets)]
@@ -147,7 +159,7 @@ def _pearson(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, epochs: int = 300,
-              n_subsets: int = 8, deletion_k: tuple[int, ...] = (1, 2),
+              n_subsets: int = 8, deletion_k: tuple[int, ...] = (1, 2), k: int | None = None,
               progress: Callable[[str, int, int], None] | None = None) -> StudyResult:
     """Train the estimator on `n_train` training scenes, score every method on `n_eval` eval scenes
     (with `n_subsets` random cell sets per scene for the LDS, 0 to skip it, and top-k deletion)."""
@@ -155,17 +167,20 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
     from analyses.visual_attribution.attribution import gradient_scores
     from probes.backend import require
     from probes.toys import vlm
-    from probes.vision import spec_of
-
+    
     require(backend, "vision", "trace", "interventions")
+    clusters = k  # `k` is also the comprehension variable below
     if not (isinstance(n_train, int) and isinstance(n_eval, int) and n_train >= 2 and n_eval >= 2):
         raise BadInputError("n_train and n_eval must be integers >= 2")
+    if clusters is not None and not (isinstance(clusters, int) and 2 <= clusters <= vlm.GRID * vlm.GRID):
+        raise BadInputError(f"K={clusters} regions: toy-vlm has {vlm.GRID * vlm.GRID} visual tokens, so K must be "
+                            f"2..{vlm.GRID * vlm.GRID}")
     scenes: dict[str, list[SceneResult]] = {}
     for split, n in (("train", n_train), ("eval", n_eval)):
         exs = vlm.examples(split, n, seed=seed)
         scenes[split] = []
         for i, ex in enumerate(exs):
-            scenes[split].append(toy_scene(backend, ex))
+            scenes[split].append(toy_scene(backend, ex, k=clusters))
             if progress is not None:
                 progress(f"{split} scenes", i + 1, n)
     train = scenes["train"]
@@ -185,7 +200,6 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
         "amortized_pearson", "amortized_spearman", "attention_pearson", "attention_spearman",
         "gradient_pearson", "gradient_spearman", "amortized_hit", "attention_hit", "gradient_hit",
         "exhaustive_hit")}
-    spec = spec_of(backend)
     gradient_seconds = 0.0
     predicted, truth = [], []
     predict_seconds = 0.0
@@ -195,7 +209,7 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
         predict_seconds += time.perf_counter() - t0
         raw = raw_attention(s.features)
         t0 = time.perf_counter()
-        grad = gradient_scores(backend, s.text, s.image, s.spans, grid_regions(spec, vlm.GRID, vlm.GRID))
+        grad = gradient_scores(backend, s.text, s.image, s.spans, s.regions)
         gradient_seconds += time.perf_counter() - t0
         faith = faithfulness(backend, s, {"amortized": pred, "attention": raw, "gradient": grad,
                                           "exhaustive": s.effects}, n_subsets=n_subsets, deletion_k=deletion_k,
@@ -245,7 +259,9 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
         comparison[f"amortized_vs_attention_{metric}"] = sign_test(
             rows[f"amortized_{metric}"], rows[f"attention_{metric}"], lower_is_better=False).to_dict()
     settings = {"n_train_scenes": n_train, "n_eval_scenes": n_eval, "n_train_spans": n_train_spans,
-                "n_eval_spans": n_spans, "regions": "the 9 grid cells (one visual token each)", "seed": seed,
+                "n_eval_spans": n_spans, "seed": seed,
+                "regions": (f"{clusters} Ward clusters of resid_pre.0 at the image tokens, per scene" if clusters
+                            else "the 9 grid cells (one visual token each)"),
                 "epochs": epochs, "model": backend.info().get("model_id"), "split_rule": vlm.__name__ + ".split_of",
                 "spans": "description phrases of the reference trace (teacher-forced)",
                 "lds": f"{n_subsets} random sets of half the cells per scene (Spearman of summed scores vs the "

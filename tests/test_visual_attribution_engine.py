@@ -86,7 +86,7 @@ def test_attribution_refuses_text_only_models_and_bad_spans(llava, llama):
 
 
 @pytest.mark.model
-def test_eval_vis_attr_on_the_small_toy_vlm():
+def test_eval_vis_attr_on_the_small_toy_vlm(tmp_path):
     """The CLI end to end on toy-vlm:small (trained once, under a minute, cached): effects on the true
     cell dominate, every method is scored with intervals, and the record says what produced it."""
     import json
@@ -96,7 +96,8 @@ def test_eval_vis_attr_on_the_small_toy_vlm():
     from thoughtscope import cli as cli_module
 
     result = CliRunner().invoke(cli_module.build(), ["eval", "vis-attr", "--model", "toy-vlm:small", "--n", "4",
-                                                         "--n-train", "4", "--epochs", "40", "--json"])
+                                                         "--n-train", "4", "--epochs", "40", "--save",
+                                                         str(tmp_path / "est"), "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])  # stdout: tqdm bars go to stderr
     n_spans = out["settings"]["n_eval_spans"]
@@ -111,6 +112,11 @@ def test_eval_vis_attr_on_the_small_toy_vlm():
     assert top1["exhaustive"] >= max(top1["amortized"], top1["attention"]) - 1e-9
     assert out["metrics"]["amortized_lds"]["n"] == n_spans and "amortized_vs_attention_lds" in out["comparison"]
     assert out["provenance"]["model"] == "toy-vlm:small" and out["provenance"]["command"] == "eval vis-attr"
+    from analyses.visual_attribution import AmortizedAttribution
+
+    saved = AmortizedAttribution.load(tmp_path / "est")  # the fitted estimator, as the run used it
+    assert out["estimator"] == str(tmp_path / "est.json") and saved.epochs == 40
+    assert saved.n_features_in_ == 2 * 4  # layers x heads of toy-vlm:small's language model
 
 
 def test_the_page_draws_raw_attention_then_exhaustive_effects_for_a_span(monkeypatch):

@@ -8,6 +8,7 @@ tests of amortized vs raw attention. `--server URL`
 runs it against a model server (images travel as PNG bytes). The JSON carries a `provenance` record.
 
     thoughtscope eval vis-attr --model toy-vlm --n 40 --n-train 40 --json
+    thoughtscope eval vis-attr --model toy-vlm --k 4 --save estimators/toy-vlm-k4
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def register(cli: typer.Typer) -> None:
                                         "(0 skips it)"),
         k: int = typer.Option(0, "--k", help="regions: 0 = the 9 cells; K = K Ward clusters of the visual tokens"),
         seed: int = typer.Option(0, "--seed"),
+        save: Optional[str] = typer.Option(None, "--save", help="write the fitted estimator to PATH.safetensors + "
+                                           "PATH.json (AmortizedAttribution.load reads it back)"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Amortized attribution, raw attention and exhaustive ablation against the true regions."""
@@ -46,4 +49,7 @@ def register(cli: typer.Typer) -> None:
                                k=k or None, progress=progress)
         record = provenance(b.info(), data="probes.toys.vlm scenes", split="train (estimator) / eval (scores)",
                             seed=seed, settings=result.settings, command="eval vis-attr")
-        emit(with_provenance(result.to_dict(), record), as_json)
+        payload = result.to_dict()
+        if save:
+            payload["estimator"] = str(result.estimator.save(save))
+        emit(with_provenance(payload, record), as_json)

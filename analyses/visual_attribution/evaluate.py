@@ -60,6 +60,7 @@ class StudyResult:
     costs: dict[str, Any] = field(default_factory=dict)
     comparison: dict[str, Any] = field(default_factory=dict)
     example: dict[str, Any] = field(default_factory=dict)
+    estimator: Any = field(default=None, repr=False)  # the fitted AmortizedAttribution (not in to_dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"settings": self.settings, "metrics": self.metrics, "costs": self.costs,
@@ -272,4 +273,4 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
                "amortized": est.predict(first.features.reshape(-1, first.features.shape[-1]))
                .reshape(first.effects.shape).round(4).tolist(),
                "attention": raw_attention(first.features).round(4).tolist()}
-    return StudyResult(settings, metrics, costs, comparison, example)
+    return StudyResult(settings, metrics, costs, comparison, example, est)

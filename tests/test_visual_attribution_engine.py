@@ -267,3 +267,18 @@ def test_cluster_regions_of_a_toy_scene_partition_its_cells_and_hold_the_true_ce
             run_study(engine, n_train=2, n_eval=2, k=10)
     finally:
         model.forward = forward
+
+
+def test_a_saved_estimator_loads_only_for_a_model_of_its_shape(tmp_path, llava):
+    from analyses.visual_attribution import AmortizedAttribution
+    from app.views.visual_attribution import load_estimator
+
+    rng = np.random.default_rng(0)
+    AmortizedAttribution(epochs=5).fit(rng.normal(size=(20, 8)), rng.normal(size=20)).save(tmp_path / "a")
+    AmortizedAttribution(epochs=5).fit(rng.normal(size=(20, 6)), rng.normal(size=20)).save(tmp_path / "b")
+    arch = llava.info()["arch"]  # 2 layers x 4 heads
+    assert load_estimator(str(tmp_path / "a"), arch).n_features_in_ == 8
+    with pytest.raises(BadInputError, match="2 layers x 4 heads = 8"):
+        load_estimator(str(tmp_path / "b"), arch)
+    with pytest.raises(BadInputError, match="no saved estimator"):
+        load_estimator(str(tmp_path / "missing"), arch)

@@ -1,12 +1,13 @@
 """Visual attribution: which image regions each span of a vision-language model's answer draws on.
 
-Compose a toy-vlm scene (a seeded random image for other VLMs), or upload an image, and generate: the answer
-streams, and each span, as soon as it ends, gets a heat map over the image from the attention rows
-the generation already computed: raw attention, or the amortized estimator's predicted effects
-once it is fitted (toy-vlm: "Fit the estimator" fits it on training scenes, exhaustive effects as
-targets). Afterwards pick any span; its exhaustive effects (attention to each visual token masked
-in every layer: the drop of the span's log-prob) are computed on demand. Everything goes through
-the Backend (`analyses.visual_attribution`); every figure exports.
+Compose a toy-vlm scene (a seeded random image for other VLMs) or upload an image, and generate.
+The answer streams, and each span, as soon as it ends, gets a heat map over the token grid from the
+attention rows the generation already computed: raw attention, or the amortized estimator's
+predicted effects once there is one (toy-vlm: "Fit the estimator" fits it on training scenes with
+exhaustive effects as targets; any VLM: load one saved by `thoughtscope eval vis-attr --save`).
+Afterwards pick any span; its exhaustive effects (attention to each visual token masked in every
+layer: the drop of the span's log-prob) are computed on demand. Everything goes through the Backend
+(`analyses.visual_attribution`); every figure exports.
 
 An uploaded image replaces the composed scene (toy-vlm was trained on its own scenes only). For
 toy-vlm, "Faithfulness" runs the study of `thoughtscope eval vis-attr` at a small n and plots each
@@ -84,10 +85,28 @@ def _estimator(ctx) -> Any:
             st.session_state[key] = AmortizedAttribution(seed=ctx.seed).fit(
                 np.concatenate([s.features.reshape(-1, s.features.shape[-1]) for s in scenes]),
                 np.concatenate([s.effects.reshape(-1) for s in scenes]), np.concatenate(groups))
+    c1, c2 = st.columns([3, 1])
+    path = c1.text_input("Or a saved estimator (PATH of `thoughtscope eval vis-attr --save PATH`)", key="va_path")
+    if c2.button("Load", key="va_load") and path.strip():
+        with shows_errors():
+            st.session_state[key] = load_estimator(path.strip(), ctx.backend.info()["arch"])
     est = st.session_state.get(key)
-    st.caption("amortized estimator: " + ("fitted" if est is not None else
-                                          "not fitted (raw attention only)" + ("" if _is_toy(ctx) else
-                                                                               ": fitting needs toy-vlm scenes")))
+    st.caption("amortized estimator: " + ("ready" if est is not None else
+                                          "none yet (raw attention only)" + ("" if _is_toy(ctx) else
+                                                                             ": fitting here needs toy-vlm scenes")))
+    return est
+
+
+def load_estimator(path: str, arch: dict[str, Any]) -> Any:
+    """A saved `AmortizedAttribution`, checked against this model: one feature per layer and head."""
+    from analyses.visual_attribution.estimator import AmortizedAttribution
+    from thoughtscope.errors import BadInputError
+
+    est = AmortizedAttribution.load(path)
+    want = arch["n_layers"] * arch["n_heads"]
+    if est.n_features_in_ != want:
+        raise BadInputError(f"{path} was fitted on {est.n_features_in_} attention features; this model has "
+                            f"{arch['n_layers']} layers x {arch['n_heads']} heads = {want}: fit one on this model")
     return est
 
 
@@ -111,7 +130,8 @@ def _faithfulness(ctx) -> None:
             show_figure(faithfulness_figure(data), data, "vis_attr_faithfulness",
                         provenance=ctx.provenance(settings=result["settings"], data="probes.toys.vlm scenes",
                                                   split="train (estimator) / eval (scores)", prompt=None))
-            r2, speedup = result["metrics"]["amortized_r2_all_pairs"], result["costs"]["speedup_exhaustive_over_amortized"]
+            r2 = result["metrics"]["amortized_r2_all_pairs"]
+            speedup = result["costs"]["speedup_exhaustive_over_amortized"]
             st.caption(f"amortized R^2 over all (span, region) pairs: {r2:.3f}; "
                        f"exhaustive / amortized cost per span: {speedup:.1f}")
 

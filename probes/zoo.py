@@ -322,7 +322,9 @@ def load_model(
         tok.pad_token = tok.eos_token
     arch = arch_from_config(model.config)
     fp = fingerprint(model_id, model)
-    return ModelHandle(model_id, model, tok, arch, fp, next(model.parameters()).device, dt)
+    handle = ModelHandle(model_id, model, tok, arch, fp, next(model.parameters()).device, dt)
+    handle.vision  # a VLM family the engine cannot run (probes.vision) fails here, at load
+    return handle
 
 
 def fingerprint(model_id: str, model: Any) -> str:

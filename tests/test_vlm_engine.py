@@ -178,3 +178,24 @@ def test_toy_vlm_runs_in_the_engine_as_its_own_code_does():
         records = engine.generate(vlm.prompt_text(ex.question), images=[ex.image], max_new_tokens=12)
         text = engine.decode([r.token_id for r in records], skip_special_tokens=True).strip()
         assert text == vlm.generate_traces(model, tok, [ex], max_new_tokens=12)[0]
+
+
+def test_an_unsupported_vlm_family_fails_at_load_with_the_supported_ones_named(tmp_path):
+    """A Qwen2-VL folder (3-D rotary positions; not run by the engine's decoding loop) is refused when
+    loaded, not later in the middle of a generation."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from probes.zoo import load_model, smollm2_files
+    from thoughtscope.errors import ModelLoadError
+
+    tok = AutoTokenizer.from_pretrained(smollm2_files())
+    cfg = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2))
+    transformers.Qwen2VLForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="qwen2_vl .*not supported.*llava"):
+        load_model(f"hf:{tmp_path}", device="cpu")

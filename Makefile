@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch lies on this kind of machine's disk; on a GPU box pass e.g. TORCH="torch==2.13.0" from the CUDA index.
 TORCH ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest
+PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest --durations=10
 
 .PHONY: setup chromium demo test test-unit test-model test-browser test-slow bench clean
 

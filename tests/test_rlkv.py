@@ -342,6 +342,15 @@ def test_the_evaluation_compares_every_method_on_the_same_budget(tmp_path, llama
     assert out["provenance"]["command"] == "thoughtscope eval rlkv"
     assert "evaluation: full cache" in stages and any(s.startswith("development") for s in stages)
     assert set(out["curves"]) == {"rlkv", "attention", "random", "streaming", "snapkv", "knorm", "full cache"}
+    # RLKV paired against each baseline on the same problems (random: the mean over its seeds)
+    paired = {p["baseline"]: p for p in out["rlkv_vs_baselines"]}
+    assert set(paired) == {"attention", "random", "streaming", "snapkv", "knorm"}
+    runs = {(r["method"], r["setting"].get("seed")): np.array(r["correct"]) for r in out["per_problem"]}
+    rand = (runs[("random", 0)] + runs[("random", 1)]) / 2
+    assert paired["random"]["difference"]["estimate"] == pytest.approx(float(np.mean(runs[("rlkv", None)] - rand)))
+    assert [t["seed"] for t in paired["random"]["mcnemar"]] == [0, 1]
+    knorm = paired["knorm"]["mcnemar"][0]
+    assert knorm["gains"] == int(((runs[("rlkv", None)] == 1) & (runs[("knorm", None)] == 0)).sum())
 
 
 def test_eval_cli_prints_json_with_provenance(tmp_path):

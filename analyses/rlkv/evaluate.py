@@ -184,6 +184,30 @@ class RLKVReport:
                                  "kv_fraction": 1.0, "runs": 1}]
         return curves
 
+    def rlkv_vs_baselines(self) -> list[dict[str, Any]]:
+        """RLKV against every other method at each sparsity, on the same problems: the mean paired
+        difference in accuracy with its bootstrap interval (a random baseline: the mean over its seeds
+        per problem) and exact McNemar (against each random seed on its own; `seeds` lists them)."""
+        from analyses.evaluation import mcnemar_exact, paired_difference_interval
+
+        out = []
+        for s in self.sparsities:
+            here = [r for r in self.runs if r.sparsity == s]
+            rlkv = next((r for r in here if r.method == "rlkv"), None)
+            if rlkv is None:
+                continue
+            by: dict[str, list[Run]] = {}
+            for run in here:
+                if run.method != "rlkv":
+                    by.setdefault(run.method, []).append(run)
+            for method, runs in by.items():
+                diff = paired_difference_interval(rlkv.correct, np.mean([r.correct for r in runs], axis=0), seed=self.seed)
+                tests = [mcnemar_exact(rlkv.correct, r.correct, seed=self.seed) for r in runs]
+                out.append({"sparsity": s, "baseline": method, "difference": diff.to_dict(),
+                            "mcnemar": [{"seed": r.setting.get("seed"), "p_value": t.p_value, "gains": t.gains,
+                                         "losses": t.losses} for r, t in zip(runs, tests)]})
+        return out
+
     def notes(self) -> list[str]:
         """What n can tell apart, in words."""
         from analyses.evaluation import detectable_statement
@@ -201,6 +225,7 @@ class RLKVReport:
     def to_dict(self, per_problem: bool = False) -> dict[str, Any]:
         out = {"model": self.model, "task": self.task, "sparsities": self.sparsities, "sink": self.sink,
                "recent": self.recent, "rows": self.rows(), "curves": self.curves(), "splits": self.splits,
+               "rlkv_vs_baselines": self.rlkv_vs_baselines(),
                "choices": self.choices, "head_maps": self.head_maps, "settings": self.settings,
                "notes": self.notes(), "provenance": self.provenance}
         if per_problem:

@@ -353,6 +353,24 @@ def test_the_evaluation_compares_every_method_on_the_same_budget(tmp_path, llama
     assert knorm["gains"] == int(((runs[("rlkv", None)] == 1) & (runs[("knorm", None)] == 0)).sum())
 
 
+def test_the_inverse_control_keeps_the_lowest_gates_in_full(tmp_path, llama):
+    """rlkv-inverse with gates g makes the highest gates local: the same cache as rlkv with gates 1 - g."""
+    gates = np.array([[0.9, 0.2], [0.4, 0.7]], np.float32)
+    meta = {"model": "tiny-random:llama", "fingerprint": "x", "shape": [2, 2], "settings": {}, "problems": []}
+    save_checkpoint(tmp_path / "g", gates, None, [], meta)
+    save_checkpoint(tmp_path / "flipped", 1 - gates, None, [], meta)
+    kw = dict(n=3, n_dev=1, n_calibration=1, sink=1, recent=2, max_new_tokens=6, batch_size=4)
+    both = evaluate_rlkv(llama, "arith", [0.5], gates=tmp_path / "g", methods="rlkv,rlkv-inverse", **kw).to_dict(True)
+    flipped = evaluate_rlkv(llama, "arith", [0.5], gates=tmp_path / "flipped", methods="rlkv", **kw).to_dict(True)
+    texts = {r["method"]: r["texts"] for r in both["per_problem"]}
+    assert texts["rlkv-inverse"] == [r for r in flipped["per_problem"] if r["method"] == "rlkv"][0]["texts"]
+    assert texts["rlkv-inverse"] != texts["rlkv"]  # other heads local, other generations
+    assert "rlkv-inverse" not in [r["method"] for r in evaluate_rlkv(llama, "arith", [0.5], gates=tmp_path / "g",
+                                                                        methods="all", **kw).to_dict()["rows"]]
+    with pytest.raises(BadInputError, match="rlkv-inverse control needs learned gates"):
+        evaluate_rlkv(llama, "arith", [0.5], methods="rlkv-inverse", n=2)
+
+
 def test_eval_cli_prints_json_with_provenance(tmp_path):
     from typer.testing import CliRunner
 

@@ -156,7 +156,7 @@ def register(cli: typer.Typer) -> None:
         snapkv_windows: str = typer.Option("4,16", help="SnapKV observation windows to choose from (development)"),
         max_new_tokens: int = typer.Option(64),
         batch_size: int = typer.Option(16),
-        methods: str = typer.Option("all", help="comma list of: rlkv, attention, random, streaming, snapkv, knorm"),
+        methods: str = typer.Option("all", help="comma list of: rlkv, attention, random, streaming, snapkv, knorm (all), and the control rlkv-inverse"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
         per_problem: bool = typer.Option(False, help="include per-problem rows in the JSON"),
     ) -> None:

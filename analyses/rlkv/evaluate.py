@@ -17,6 +17,8 @@ through the Backend, so a model server works too):
 - `attention`: the same with the attention-statistics score (no training);
 - `random`: the same with random heads (several seeds, and their mean);
 - `streaming`: StreamingLLM, every head keeps sink + (E - sink) recent entries, E the matched budget;
+- `rlkv-inverse` (a control, only when named): the heads with the lowest gates keep the full cache and
+  the highest-gate heads are made local; if the gates carry information it should do worse than rlkv;
 - `snapkv`, `knorm`: token dropping in the kvpress style, E entries per head (kvpress itself needs
   transformers < 5.3 and cannot be installed beside ours, so these are our `KVPolicy` versions).
 
@@ -43,6 +45,9 @@ import torch
 from thoughtscope.errors import BadInputError
 
 METHODS = ("rlkv", "attention", "random", "streaming", "snapkv", "knorm")
+# Controls run only when asked for by name: `rlkv-inverse` makes the heads with the HIGHEST gates local
+# (the lowest keep the full cache), so if the gates carry information it should do worse than rlkv.
+CONTROLS = ("rlkv-inverse",)
 ERROR_MODES = ("correct", "repetition", "over-length", "wrong answer")
 
 
@@ -238,9 +243,11 @@ class RLKVReport:
 def _methods(methods: str | Sequence[str], have_gates: bool) -> list[str]:
     chosen = list(METHODS) if methods in ("all", ["all"], ("all",)) else \
         [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
-    bad = [m for m in chosen if m not in METHODS]
+    bad = [m for m in chosen if m not in METHODS + CONTROLS]
     if bad:
-        raise BadInputError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)} (or all)")
+        raise BadInputError(f"unknown method(s) {bad}; choose from {', '.join(METHODS + CONTROLS)} (or all)")
+    if "rlkv-inverse" in chosen and not have_gates:
+        raise BadInputError("the rlkv-inverse control needs learned gates: pass --gates")
     if "rlkv" in chosen and not have_gates:
         if methods == "all":
             chosen.remove("rlkv")
@@ -335,6 +342,9 @@ def evaluate_rlkv(backend: Any, task: str, sparsities: Sequence[float], *, gates
         if "rlkv" in chosen:
             plans.append(("rlkv", {}, HeadBudget(full_heads=torch.as_tensor(full_heads_from_scores(learned, s, pressure)),
                                                  sink=sink, recent=recent)))
+        if "rlkv-inverse" in chosen:
+            inverse = full_heads_from_scores(-learned, s, None if pressure is None else -pressure)
+            plans.append(("rlkv-inverse", {}, HeadBudget(full_heads=torch.as_tensor(inverse), sink=sink, recent=recent)))
         if "attention" in chosen:
             plans.append(("attention", {}, HeadBudget(
                 full_heads=torch.as_tensor(full_heads_from_scores(head_maps["attention"], s)), sink=sink, recent=recent)))

@@ -25,9 +25,10 @@ from plotly.subplots import make_subplots
 from app.figures.template import CELL_SCALE, PALETTE, export_size, styled
 
 METHOD_COLOURS = {"rlkv": PALETTE[0], "attention": PALETTE[2], "random": PALETTE[7], "streaming": PALETTE[1],
-                  "snapkv": PALETTE[4], "knorm": PALETTE[5], "full cache": "#777777"}
+                  "snapkv": PALETTE[4], "knorm": PALETTE[5], "rlkv-inverse": PALETTE[3], "full cache": "#777777"}
 METHOD_NAMES = {"rlkv": "RLKV (learned gates)", "attention": "attention statistics", "random": "random heads",
                 "streaming": "StreamingLLM (uniform window)", "snapkv": "SnapKV", "knorm": "Knorm",
+                "rlkv-inverse": "RLKV inverted (highest gates local; control)",
                 "full cache": "full cache"}
 
 

@@ -28,7 +28,8 @@ import torch
 from analyses.feature_browser.index import CorpusIndex
 from thoughtscope.errors import BadInputError
 
-BLOCK_ROWS = 65_536  # rows converted to float32 at a time: bounded memory on a large corpus
+BLOCK_ROWS = 4_096  # rows converted to float32 at a time: bounded memory, and a block that stays in cache
+# (measured on the 2-core CPU, 224k x 576 fp16 rows, one vector: 0.055 s in blocks of 4096, 0.30 s in blocks of 65536)
 
 
 @dataclass

@@ -710,6 +710,8 @@ class Engine:
         vocab = self.handle.arch.vocab_size
         if not isinstance(top_k, int) or not isinstance(bottom_k, int) or not 0 <= top_k <= 100 or not 0 <= bottom_k <= 100:
             raise BadInputError("top_k and bottom_k must be integers in 0..100")
+        if max(top_k, bottom_k) > vocab:
+            raise BadInputError(f"top_k and bottom_k can be at most the vocabulary size, {vocab}")
         if token_ids is not None:
             token_ids = [int(t) for t in token_ids]
             if len(token_ids) != x.shape[0] or any(not 0 <= t < vocab for t in token_ids):

@@ -34,10 +34,13 @@ def _floats(raw: Optional[str], cast=float) -> tuple:
 
 
 def fuzzy_concepts_cmd(
-    word: str = typer.Option(..., "--token", "--word", help="the target word whose representations are decomposed"),
+    word: Optional[str] = typer.Option(None, "--token", "--word",
+                                       help="the target word whose representations are decomposed (text sources)"),
     k: int = typer.Option(20, "--k", help="number of rules / concepts"),
     layer: Optional[int] = typer.Option(None, "--layer", help="layer (default: two thirds of the depth)"),
-    source: str = typer.Option("generate", "--source", help="generate, gsm8k, arith or texts"),
+    source: str = typer.Option("generate", "--source",
+                               help="generate, gsm8k, arith, texts, or toy-vlm-scenes (a VLM: images read at the "
+                                    "answer mark, AMI against the asked object's colour and shape)"),
     texts: Optional[Path] = typer.Option(None, "--texts", help="a file of texts, one per line (--source texts)"),
     n: int = typer.Option(200, "--n", help="samples to generate (or corpus texts to take)"),
     where: str = typer.Option("generated", "--where", help="generated: only occurrences in generated text; any"),
@@ -62,6 +65,10 @@ def fuzzy_concepts_cmd(
     from analyses.fuzzy_concepts.study import FuzzyOptions, run_study
     from thoughtscope.provenance import provenance, with_provenance
 
+    if source == "toy-vlm-scenes":
+        word = "answer"  # the row is read at the trace's answer mark (analyses.fuzzy_concepts.scenes)
+    elif not word:
+        raise BadInputError("give the target word with --token (e.g. --token water)")
     lines: tuple[str, ...] = ()
     if texts is not None:
         try:

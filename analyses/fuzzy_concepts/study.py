@@ -41,6 +41,7 @@ from analyses.fuzzy_concepts.baselines import KMeansConcepts, PCAConcepts, SemiN
 from analyses.fuzzy_concepts.grounding import KEEP, TOP_K, ground_words, top_samples
 from analyses.fuzzy_concepts.harvest import Representations, TextSource, check_layer, default_layer, harvest
 from analyses.fuzzy_concepts.rules import FuzzyRuleLayer, Rule, check_rules_fit
+from analyses.fuzzy_concepts.scenes import SceneSource
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]
@@ -90,13 +91,19 @@ class FuzzyOptions:
                           max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                           batch_size=self.batch_size, seed=self.seed)
 
+    def representation_source(self) -> Any:
+        """Where the rows come from: text (`text_source`), or toy-vlm scenes read at the answer mark."""
+        if self.source == SceneSource.kind:
+            return SceneSource(n=self.n, seed=self.seed)
+        return self.text_source()
+
     def resolved_layer(self, n_layers: int) -> int:
         return default_layer(n_layers) if self.layer is None else self.layer
 
     def validate(self, n_layers: int) -> None:
         """Every mistake that needs no model work: raised before anything is generated or fitted."""
         check_layer(self.resolved_layer(n_layers), n_layers)
-        self.text_source().validate()
+        self.representation_source().validate()
         if not 0 < self.dev_fraction < 1 or not 0 < self.eval_fraction < 1 or self.dev_fraction + self.eval_fraction >= 1:
             raise BadInputError("dev_fraction and eval_fraction must be in (0, 1) and leave samples for training")
         if not 0 < self.subsample <= 1:
@@ -286,7 +293,7 @@ def run_study(backend: Any, options: FuzzyOptions, on_progress: Progress | None 
 
         store = ActivationStore(options.store) if options.store else ActivationStore()
     started = time.perf_counter()
-    reps = harvest(backend, options.text_source(), options.resolved_layer(info["arch"]["n_layers"]), store=store,
+    reps = harvest(backend, options.representation_source(), options.resolved_layer(info["arch"]["n_layers"]), store=store,
                    batch_size=options.batch_size, on_progress=tick)
     seconds = {"harvest": time.perf_counter() - started}
     splits = split_rows(len(reps.samples), options.dev_fraction, options.eval_fraction, options.seed)

@@ -16,6 +16,7 @@ import streamlit as st
 
 from analyses.fuzzy_concepts import METHODS, SOURCES_HELP, FuzzyOptions, run_study
 from analyses.fuzzy_concepts.harvest import SOURCES, default_layer
+from analyses.fuzzy_concepts.scenes import SceneSource
 from app.context import FinishedGenerations
 from app.export import show_figure
 from app.figures.fuzzy_concepts import firing_figure, metrics_figure, overlap_figure, tuning_figure
@@ -42,7 +43,14 @@ def settings_section(ctx) -> FuzzyOptions:
     n_layers = ctx.backend.info()["arch"]["n_layers"]
     c1, c2, c3, c4 = st.columns(4)
     word = c1.text_input("Target word", "water", key="fz_word", help="the token whose hidden states are decomposed")
-    source = c2.selectbox("Samples", SOURCES, key="fz_source", help=SOURCES_HELP)
+    vision = bool(ctx.backend.capabilities().get("vision"))
+    sources = (*SOURCES, SceneSource.kind) if vision else SOURCES  # scenes need a vision-language model
+    source = c2.selectbox("Samples", sources, key="fz_source",
+                          help=SOURCES_HELP + ("; toy-vlm-scenes: toy scenes read where the model is about to "
+                                               "answer, scored against the asked object's colour and shape"
+                                               if vision else ""))
+    if source == SceneSource.kind:
+        word = "answer"
     layer = c3.selectbox("Layer", list(range(n_layers)), index=default_layer(n_layers), key="fz_layer",
                          help="residual stream after this layer (resid_post)")
     k = c4.number_input("Rules / concepts K", 1, 64, 6, key="fz_k", help="the paper's default is 20")

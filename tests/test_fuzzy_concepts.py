@@ -538,3 +538,17 @@ def test_the_page_offers_scenes_on_a_vision_model_and_scores_them(monkeypatch, t
     table = at.dataframe[0].value
     assert list(table["method"]) == ["fuzzy", "semi-NMF", "k-means", "PCA"]
     assert {"AMI (colour)", "AMI (shape)"} <= set(table.columns), list(table.columns)
+
+
+@pytest.mark.model
+def test_scene_rows_through_the_model_server_equal_in_process(tmp_path):
+    """Images travel to `thoughtscope serve` as bytes; the harvested rows are the same."""
+    from analyses.fuzzy_concepts.harvest import harvest
+    from analyses.fuzzy_concepts.scenes import SceneSource
+    from probes.server_bench import served
+
+    with served("toy-vlm:small") as (engine, remote):
+        here = harvest(engine, SceneSource(n=6), layer=1)
+        there = harvest(remote, SceneSource(n=6), layer=1)
+    assert [s.labels for s in here.samples] == [s.labels for s in there.samples]
+    assert torch.allclose(here.Z, there.Z, atol=1e-5)

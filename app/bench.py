@@ -116,6 +116,29 @@ def bench_feature_browse(backend: Any, n_contexts: int = 10_000, latents: int = 
              "d_sae": int(sae.cfg.d_sae), "top_contexts": len(view.contexts), "vector_s": round(vector_s, 3), **common}]
 
 
+def first_figure(page: Any) -> Any:
+    """The trace explorer's first plotly figure (its SVG drawn), in a Playwright page."""
+    return page.locator('[data-testid="stPlotlyChart"]').first.locator(".main-svg").first
+
+
+def time_page_opening(page: Any, url: str, switches: int = 2) -> tuple[float, list[float]]:
+    """Seconds from opening the trace explorer in a new session to its first figure, then from each of
+    `switches` page switches (Home -> Trace explorer) to it. Shared by this benchmark and the browser test."""
+    started = time.perf_counter()
+    page.goto(f"{url}/trace_explorer")  # a new session: generation and trace come from the app's caches
+    first_figure(page).wait_for(state="visible")
+    opened, switched = time.perf_counter() - started, []
+    nav = page.locator('[data-testid="stSidebarNav"] a')
+    for _ in range(switches):
+        nav.filter(has_text="Home").click()
+        page.locator('[data-testid="stMetric"]').first.wait_for()
+        started = time.perf_counter()
+        nav.filter(has_text="Trace explorer").click()
+        first_figure(page).wait_for(state="visible")
+        switched.append(time.perf_counter() - started)
+    return opened, switched
+
+
 def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, Any]]:
     """New tab and page switch to the trace explorer's first figure, in the system Chromium."""
     import socket
@@ -156,9 +179,6 @@ def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, An
             browser = pw.chromium.launch(executable_path=browser_path, headless=True,
                                          args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
 
-            def first_figure(page: Any) -> Any:
-                return page.locator('[data-testid="stPlotlyChart"]').first.locator(".main-svg").first
-
             warm = browser.new_page()
             warm.set_default_timeout(slow)
             warm.goto(f"{url}/trace_explorer")
@@ -169,17 +189,9 @@ def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, An
             for _ in range(rounds):
                 page = browser.new_page()
                 page.set_default_timeout(slow)
-                started = time.perf_counter()
-                page.goto(f"{url}/trace_explorer")
-                first_figure(page).wait_for(state="visible")
-                fresh.append(time.perf_counter() - started)
-                for _ in range(2):
-                    page.locator('[data-testid="stSidebarNav"] a').filter(has_text="Home").click()
-                    page.locator('[data-testid="stMetric"]').first.wait_for()
-                    started = time.perf_counter()
-                    page.locator('[data-testid="stSidebarNav"] a').filter(has_text="Trace explorer").click()
-                    first_figure(page).wait_for(state="visible")
-                    switch.append(time.perf_counter() - started)
+                opened, switched = time_page_opening(page, url)
+                fresh.append(opened)
+                switch.extend(switched)
                 page.close()
             browser.close()
     finally:

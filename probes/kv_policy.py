@@ -340,12 +340,30 @@ def _cache_layer_base() -> type:
     return CacheLayerMixin
 
 
-class CompressedLayer(_cache_layer_base()):
-    """One layer of a `CompressedCache`: groups of heads with equal entry counts."""
+class _PolicyLayer(_cache_layer_base()):
+    """What both layouts of a policy layer answer alike: `seen` columns so far (the mask covers them all,
+    dropped ones included: attention reads only what is kept), no maximum, no rollback."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    seen: int = 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise BadInputError("a KV-policy cache has dropped entries and cannot be rolled back")
+
+
+class CompressedLayer(_PolicyLayer):
+    """One layer of a `CompressedCache`: groups of heads with equal entry counts."""
 
     def __init__(self, layer_idx: int, n_kv_heads: int, policy: KVPolicy, owner: "CompressedCache"):
         super().__init__()
@@ -463,18 +481,6 @@ class CompressedLayer(_cache_layer_base()):
     def stored_bytes(self) -> int:
         return sum(2 * g.keys.numel() * g.keys.element_size() for g in self.groups)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise BadInputError("a KV-policy cache has dropped entries and cannot be rolled back")
-
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.groups = [_Group(g.heads, g.keys[indices], g.values[indices], g.cols[indices], g.positions[indices])
                        for g in self.groups]
@@ -582,7 +588,7 @@ class WindowState:
         self.plan = None
 
 
-class WindowLayer(_cache_layer_base()):
+class WindowLayer(_PolicyLayer):
     """One layer of a `CompressedCache` under a positional policy (`WindowPolicy`, `KeepAll`): the fast layout.
 
     Full heads hold every column, as a plain cache does (one [B, heads, columns, D] tensor grown by
@@ -594,10 +600,6 @@ class WindowLayer(_cache_layer_base()):
     full or all local runs one attention call on the query as it comes. Positions, columns and masks are
     the same in every layer, so they are computed once per forward (`WindowState`).
     """
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
 
     def __init__(self, layer_idx: int, n_kv_heads: int, policy: KVPolicy, owner: "CompressedCache",
                  local: torch.Tensor):
@@ -747,18 +749,6 @@ class WindowLayer(_cache_layer_base()):
 
     def stored_bytes(self) -> int:
         return sum(2 * t.numel() * t.element_size() for t in (self.full_keys, self.ring_keys) if t is not None)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise BadInputError("a KV-policy cache has dropped entries and cannot be rolled back")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for name in ("full_keys", "full_values", "ring_keys", "ring_values"):

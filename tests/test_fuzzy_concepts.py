@@ -366,6 +366,23 @@ def test_a_fit_on_rows_harvested_through_the_server_equals_in_process(llama, ser
 # ----------------------------------------------------------------------------- the page
 
 
+def _run_page(at, source: str, k: int, n: int, seeds: int = 2, steps: int = 20, word: str | None = None,
+              texts: list[str] | None = None, layer: int | None = None):
+    """Fill the page's settings as a user would, then press Harvest + fit."""
+    at.selectbox(key="fz_source").set_value(source)
+    at.run()
+    if texts is not None:
+        at.text_area(key="fz_texts").set_value("\n".join(texts))
+    if word is not None:
+        at.text_input(key="fz_word").set_value(word)
+    for key, value in (("fz_k", k), ("fz_n", n), ("fz_seeds", seeds), ("fz_steps", steps)):
+        at.number_input(key=key).set_value(value)
+    if layer is not None:
+        at.selectbox(key="fz_layer").set_value(layer)
+    at.run()
+    return at.button(key="fz_run").click().run()
+
+
 def test_the_page_runs_a_study_and_draws_cards_firing_overlap_and_steering(monkeypatch, tmp_path):
     from tests import apptest_helpers as helpers
 
@@ -377,17 +394,7 @@ def test_the_page_runs_a_study_and_draws_cards_firing_overlap_and_steering(monke
     at = helpers.open_page("fuzzy_concepts", 6)
     helpers.assert_clean(at)
     assert any("Harvest + fit" in i.value for i in at.info) and not at.get("plotly_chart")
-    at.selectbox(key="fz_source").set_value("texts")
-    at.run()
-    at.text_area(key="fz_texts").set_value("\n".join(DOG_TEXTS))
-    at.text_input(key="fz_word").set_value("dog")
-    at.number_input(key="fz_k").set_value(2)
-    at.number_input(key="fz_n").set_value(20)
-    at.number_input(key="fz_seeds").set_value(2)
-    at.number_input(key="fz_steps").set_value(20)
-    at.selectbox(key="fz_layer").set_value(0)
-    at.run()
-    at.button(key="fz_run").click().run()
+    _run_page(at, "texts", k=2, n=20, word="dog", texts=DOG_TEXTS, layer=0)
     helpers.assert_clean(at)
     assert helpers.metric(at, "Site") == "resid_post.0"
     assert list(at.dataframe[0].value["method"]) == ["fuzzy", "semi-NMF", "k-means", "PCA"]
@@ -423,16 +430,7 @@ def test_the_page_runs_through_the_model_server(served_url, monkeypatch, tmp_pat
     monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
     page.results.clear()
     at = helpers.open_page("fuzzy_concepts", 6)
-    at.selectbox(key="fz_source").set_value("texts")
-    at.run()
-    at.text_area(key="fz_texts").set_value("\n".join(DOG_TEXTS))
-    at.text_input(key="fz_word").set_value("dog")
-    at.number_input(key="fz_k").set_value(2)
-    at.number_input(key="fz_n").set_value(20)
-    at.number_input(key="fz_seeds").set_value(2)
-    at.number_input(key="fz_steps").set_value(20)
-    at.run()
-    at.button(key="fz_run").click().run()
+    _run_page(at, "texts", k=2, n=20, word="dog", texts=DOG_TEXTS)
     helpers.assert_clean(at)
     assert helpers.metric(at, "Samples") == "20"
     assert sum("IF f" in c.value for c in at.code) == 2
@@ -525,13 +523,7 @@ def test_the_page_offers_scenes_on_a_vision_model_and_scores_them(monkeypatch, t
     at = helpers.open_page("fuzzy_concepts", 6)
     helpers.assert_clean(at)
     assert "toy-vlm-scenes" in at.selectbox(key="fz_source").options
-    at.selectbox(key="fz_source").set_value("toy-vlm-scenes")
-    at.number_input(key="fz_k").set_value(3)
-    at.number_input(key="fz_n").set_value(30)
-    at.number_input(key="fz_seeds").set_value(2)
-    at.number_input(key="fz_steps").set_value(20)
-    at.run()
-    at.button(key="fz_run").click().run()
+    _run_page(at, "toy-vlm-scenes", k=3, n=30)
     helpers.assert_clean(at, no_errors=False)
     # the only error: steering with a concept continues the sidebar's prompt, longer than this toy's context
     assert all("this model's context is 64" in e.value for e in at.error)

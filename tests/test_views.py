@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -183,26 +184,20 @@ def test_scales_are_fractions_of_the_site_norm(engine):
 # ----------------------------------------------------------------- no orphaned process
 
 def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
+    """The direct children of `pid` (none once it has exited and been reaped); psutil: any POSIX system."""
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return state != "Z"
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_stopping_thoughtscope_app_leaves_no_child_process(how):
     with socket.socket() as s:

@@ -24,6 +24,12 @@ import torch
 STORY = "Write a long, detailed story about a dragon who learns to count. Begin with the dragon's childhood."
 
 
+def sig(x: float, digits: int = 4) -> float:
+    """`x` rounded to `digits` significant digits: a millisecond forward on a fast machine keeps its precision,
+    so a ratio recomputed from the printed times matches the printed ratio (fixed decimals would not)."""
+    return float(f"{x:.{digits}g}")
+
+
 def _alternate(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
     """Time a and b in alternation after one warm-up each; return both lists of seconds."""
     a(), b()
@@ -54,7 +60,7 @@ def bench_capture_forward(engine: Any, repeats: int = 15, tokens: int = 128) -> 
     tp, tc = _alternate(plain, captured, repeats)
     ratio = statistics.median(tc) / statistics.median(tp)
     return {"bench": "capture_forward", "ratio": round(ratio, 3), "target": 1.05, "sites": sites,
-            "tokens": tokens, "plain_s": round(statistics.median(tp), 4), "capture_s": round(statistics.median(tc), 4)}
+            "tokens": tokens, "plain_s": sig(statistics.median(tp)), "capture_s": sig(statistics.median(tc))}
 
 
 def _hf_generate(engine: Any, ids: list[int], new: int) -> int:
@@ -91,7 +97,7 @@ def bench_generate(engine: Any, steer: bool = False, tokens: int = 128, repeats:
     hf_tps = statistics.median([c / t for c, t in zip(counts["hf"][1:], th)])
     en_tps = statistics.median([c / t for c, t in zip(counts["engine"][1:], te)])
     return {"bench": "steer_generate" if steer else "stream_generate", "ratio": round(hf_tps / en_tps, 3),
-            "target": 1.10, "hf_tokens_per_s": round(hf_tps, 2), "engine_tokens_per_s": round(en_tps, 2),
+            "target": 1.10, "hf_tokens_per_s": sig(hf_tps), "engine_tokens_per_s": sig(en_tps),
             "engine_tokens": counts["engine"][-1], "extras": "entropy, top-5, 1 captured site"
             + (", 1 AddVector" if steer else "")}
 
@@ -113,8 +119,8 @@ def bench_fork_probe(engine: Any, prefix_tokens: int = 512, probe_tokens: int = 
     tf, ts = _alternate(forked, scratch, repeats)
     ratio = statistics.median(tf) / statistics.median(ts)
     return {"bench": "fork_probe", "ratio": round(ratio, 3), "target": 2.0, "prefix_tokens": prefix_tokens,
-            "probe_tokens": probe_tokens, "fork_s": round(statistics.median(tf), 4),
-            "scratch_s": round(statistics.median(ts), 4),
+            "probe_tokens": probe_tokens, "fork_s": sig(statistics.median(tf)),
+            "scratch_s": sig(statistics.median(ts)),
             "full_recompute_would_cost_tokens": prefix_tokens + probe_tokens}
 
 

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+from probes.bench import sig
 from probes.wire import ServerError
 
 BENCH_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -140,8 +141,8 @@ def bench_server(model_id: str = "smollm2-135m", tokens: int = 128, rounds: int 
         "bench": "server_stream",
         "ratio": round(max(inproc) / max(http), 4),
         "ratio_median": round(statistics.median(inproc) / statistics.median(http), 4),
-        "inproc_tps": round(max(inproc), 2),
-        "http_tps": round(max(http), 2),
+        "inproc_tps": sig(max(inproc)),
+        "http_tps": sig(max(http)),
         "target": TARGET_RATIO,
         "model": model_id,
         "device": info["device"],
@@ -209,8 +210,8 @@ def bench_server_fork_probe(model_id: str = "smollm2-135m", prefix_tokens: int =
                            "server": lambda: remote.fork(remote_state, probe, max_new_tokens=1)}, rounds)
     inproc, server = statistics.median(times["inproc"]), statistics.median(times["server"])
     return {"bench": "server_fork_probe", "ratio": round(server / inproc, 3), "target": 1.3, "model": model_id,
-            "prefix_tokens": prefix_tokens, "probe_tokens": probe_tokens, "inproc_s": round(inproc, 4),
-            "server_s": round(server, 4), "rounds": rounds}
+            "prefix_tokens": prefix_tokens, "probe_tokens": probe_tokens, "inproc_s": sig(inproc),
+            "server_s": sig(server), "rounds": rounds}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from probes.bench import sig
+
 TARGET = 1.10
 
 
@@ -47,8 +49,8 @@ def bench_expert_sample_overhead(backend: Any, *, n_problems: int = 16, n_sample
     times = alternate({"greedy": side("greedy", []), "expert_sample": side("expert_sample", [rule])}, rounds)
     greedy_tps = tokens["greedy"] / float(np.median(times["greedy"]))
     es_tps = tokens["expert_sample"] / float(np.median(times["expert_sample"]))
-    row = {"bench": name, "ratio": round(greedy_tps / es_tps, 3), "greedy_tokens_per_s": round(greedy_tps, 1),
-           "expert_sample_tokens_per_s": round(es_tps, 1), "n_problems": n_problems, "n_samples": n_samples, "max_new_tokens": max_new_tokens,
+    row = {"bench": name, "ratio": round(greedy_tps / es_tps, 3), "greedy_tokens_per_s": sig(greedy_tps),
+           "expert_sample_tokens_per_s": sig(es_tps), "n_problems": n_problems, "n_samples": n_samples, "max_new_tokens": max_new_tokens,
            "tokens": dict(tokens), "rounds": rounds, "setting": setting.to_dict(), "model": backend.info()["model_id"]}
     if target is not None:
         row["target"] = target

@@ -78,6 +78,7 @@ class RouterStyle:
     bias: bool = False
     sorted_topk: bool = True
     gate_dtype: str = "float32"
+    float32_logits: bool = False  # DeepSeek routers compute their logits in float32 whatever the model's dtype
 
 
 _QWEN_STYLE = RouterStyle("softmax", "norm_topk_prob", gate_dtype="logits")
@@ -86,9 +87,10 @@ ROUTER_STYLES: dict[str, RouterStyle] = {
     "qwen2_moe": _QWEN_STYLE,
     "olmoe": _QWEN_STYLE,
     "mixtral": RouterStyle("softmax", "always"),
-    "deepseek_v2": RouterStyle("softmax", "never", groups="best", scaled=True, sorted_topk=False),
+    "deepseek_v2": RouterStyle("softmax", "never", groups="best", scaled=True, sorted_topk=False,
+                               float32_logits=True),
     "deepseek_v3": RouterStyle("sigmoid", "norm_topk_prob", groups="top2", scaled=True, bias=True,
-                               sorted_topk=False),
+                               sorted_topk=False, float32_logits=True),
     "gpt_oss": RouterStyle("logits", "softmax_chosen"),
 }
 
@@ -123,6 +125,16 @@ class RouterSpec:
         )
 
     # --- the family's arithmetic, exactly as its router module does it ---
+
+    def logits(self, module: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The router's logits [tokens, n_experts], computed as the family's router computes them (a linear
+        map, in float32 for DeepSeek, with gpt-oss's bias): what a rule needs, without the router's own
+        softmax and top-k, which a rule would throw away."""
+        weight = module.weight
+        h = hidden_states.reshape(-1, weight.shape[1])
+        if self.style.float32_logits:
+            return torch.nn.functional.linear(h.float(), weight.float())
+        return torch.nn.functional.linear(h, weight, getattr(module, "bias", None))
 
     def choice_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(what the family's top-k ranks, which experts its group limit allows or None), computed with
@@ -363,6 +375,18 @@ class RouterRule(Intervention):
         else:
             new_gates, new_idx = self.select(spec, logits, layer, at, check=phase != "decode")
         return (logits, new_gates, new_idx, *output[3:])
+
+    def routed_forward(self, module: Any, hidden_states: torch.Tensor, model_type: str, layer: int, batch: int,
+                       start: int, phase: str) -> tuple | None:
+        """The router's output computed by this rule alone (logits, then this rule's gates and indices), or
+        None where the rule needs the router's own choice too (`where="generated"` outside decode steps)."""
+        if self.where == "generated" and phase != "decode":
+            return None
+        spec = self._spec(module, model_type)
+        logits = spec.logits(module, hidden_states)
+        at = self._positions(batch, logits.shape[0] // batch, start, logits.device)
+        gates, idx = self.select(spec, logits, layer, at, check=phase != "decode")
+        return logits, gates, idx
 
     def _spec(self, module: Any, model_type: str) -> RouterSpec:
         """The router's spec, read once per module and engine call (`validate` clears the memo)."""

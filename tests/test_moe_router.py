@@ -307,6 +307,16 @@ def test_expert_sample_overhead_bench_row(moe):
     assert row["tokens"]["greedy"] == row["tokens"]["expert_sample"] == 2 * 4  # tiny-random never stops early
     assert row["ratio"] == pytest.approx(row["greedy_tokens_per_s"] / row["expert_sample_tokens_per_s"], rel=0.01)
     assert row["setting"] == {"k_h": 1, "m": 4, "t_e": 1.0, "tail_gates": "router", "where": "all"}
+    k = moe.info()["arch"]["experts_top_k"]
+    spread = row["distinct_experts_per_step"]
+    assert spread["top_k"] == k and k <= spread["greedy"] <= 2 * k and k <= spread["expert_sample"] <= 2 * k
+    # one sequence: each side computes exactly its k experts per layer and step
+    single = bench_expert_sample_overhead(moe, n_problems=1, max_new_tokens=3, rounds=1)
+    assert single["distinct_experts_per_step"]["greedy"] == single["distinct_experts_per_step"]["expert_sample"] == k
+    identity = bench_expert_sample_overhead(moe, n_problems=2, max_new_tokens=4, rounds=1, identity=True, target=None,
+                                            name="router_rule_overhead")
+    assert identity["tokens"] == {"greedy": 8, "identity": 8} and "target" not in identity
+    assert identity["ratio"] == pytest.approx(identity["greedy_tokens_per_s"] / identity["identity_tokens_per_s"], rel=0.01)
 
 
 # ----- the page -----

@@ -439,3 +439,17 @@ def test_rules_leave_the_shared_model_untouched():
     list(engine.generate(PROMPT, max_new_tokens=3, interventions=[TopK(k=1)]))
     assert torch.equal(engine.trace(PROMPT).logprobs[1:], before[1:])
     assert router_module(engine, 0).top_k == engine.handle.arch.experts_top_k == 2
+    # the rule replaced the routers' forward for that call only: the class's forward is back
+    assert all("forward" not in router_module(engine, layer).__dict__ for layer in range(engine.handle.arch.n_layers))
+
+
+def test_a_rule_router_computes_only_its_logits_and_the_rules_choice(monkeypatch):
+    """With a rule in place the router's own softmax and top-k never run (a rule discards them); the
+    router's hooks still see the logits, which equal the router's own."""
+    engine = engine_for("qwen3_moe")
+    own = engine.capture(PROMPT, ["router.0"])["router.0"]
+    calls = []
+    monkeypatch.setattr(type(router_module(engine, 0)), "forward",
+                        lambda self, h: calls.append(1) or (_ for _ in ()).throw(AssertionError("own forward ran")))
+    routed = engine.capture(PROMPT, ["router.0"], interventions=[TopK(k=1)])["router.0"]
+    assert calls == [] and torch.equal(routed, own)

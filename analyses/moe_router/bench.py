@@ -9,6 +9,13 @@ Greedy's 16 rows are identical and share one set of experts per layer, while Exp
 different experts, so the MoE block computes more experts per step: this ratio adds that cost of diversity
 to the rule's. `expert_sample_overhead_batch1` (no target): one sequence, where the rule's fixed cost per
 layer is the largest share.
+
+Where the time goes, in two more figures: `router_rule_overhead` (no target) times the identity rule
+(`TopK()` with the model's own k, through the same replaced router forward) against greedy: the price of
+routing by a rule at all. And each Expert-Sample row reports `distinct_experts_per_step` for both sides
+(experts the MoE block computes per layer and decode step, over the batch): sampled tails spread the batch
+over more experts, and the grouped expert kernels pay per expert group, which is the cost of diversity
+itself rather than of the rule.
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ TARGET = 1.10
 
 def bench_expert_sample_overhead(backend: Any, *, n_problems: int = 16, n_samples: int = 1, max_new_tokens: int = 32,
                                  rounds: int = 7, setting: Any = None, seed: int = 0,
-                                 name: str = "expert_sample_overhead", target: float | None = TARGET) -> dict[str, Any]:
+                                 name: str = "expert_sample_overhead", target: float | None = TARGET,
+                                 identity: bool = False) -> dict[str, Any]:
     """Greedy tokens/s over Expert-Sample tokens/s (same prompts, batch of `n_problems` x `n_samples`, same
-    length limit); medians over `rounds`."""
+    length limit); medians over `rounds`. `identity` times the identity rule (`TopK()`) instead."""
     from analyses.moe_router.evaluate import ExpertSetting, require_moe
+    from probes.routing import TopK
     from analyses.moe_router.problems import load_items
     from probes.server_bench import alternate
 
@@ -46,12 +55,33 @@ def bench_expert_sample_overhead(backend: Any, *, n_problems: int = 16, n_sample
                                                             stop=[], interventions=interventions))
         return run
 
-    times = alternate({"greedy": side("greedy", []), "expert_sample": side("expert_sample", [rule])}, rounds)
+    def distinct_experts(interventions: list[Any]) -> float:
+        """Mean number of distinct experts per MoE layer and decode step over the batch (one untimed run)."""
+        layers = getattr(arch, "moe_layers", None) or range(arch.n_layers)
+        used: dict[tuple[int, int], set[int]] = {}
+        for rec in backend.generate(prompts=[it.prompt for it in items], chat=items[0].chat, n_samples=n_samples,
+                                    max_new_tokens=max_new_tokens, top_k=0, seed=seed, stop=[],
+                                    capture=[f"experts.{layer}" for layer in layers], interventions=interventions):
+            for layer in layers:
+                used.setdefault((rec.step, layer), set()).update(rec.activations[f"experts.{layer}"].tolist())
+        return round(float(np.mean([len(v) for v in used.values()])), 2)
+
+    sides = {"greedy": side("greedy", [])}
+    if identity:
+        sides["identity"] = side("identity", [TopK()])
+    else:
+        sides["expert_sample"] = side("expert_sample", [rule])
+    times = alternate(sides, rounds)
+    other = "identity" if identity else "expert_sample"
     greedy_tps = tokens["greedy"] / float(np.median(times["greedy"]))
-    es_tps = tokens["expert_sample"] / float(np.median(times["expert_sample"]))
-    row = {"bench": name, "ratio": round(greedy_tps / es_tps, 3), "greedy_tokens_per_s": sig(greedy_tps),
-           "expert_sample_tokens_per_s": sig(es_tps), "n_problems": n_problems, "n_samples": n_samples, "max_new_tokens": max_new_tokens,
-           "tokens": dict(tokens), "rounds": rounds, "setting": setting.to_dict(), "model": backend.info()["model_id"]}
+    other_tps = tokens[other] / float(np.median(times[other]))
+    row = {"bench": name, "ratio": round(greedy_tps / other_tps, 3), "greedy_tokens_per_s": sig(greedy_tps),
+           f"{other}_tokens_per_s": sig(other_tps), "n_problems": n_problems, "n_samples": n_samples,
+           "max_new_tokens": max_new_tokens, "tokens": dict(tokens), "rounds": rounds, "model": backend.info()["model_id"]}
+    if not identity:
+        row["setting"] = setting.to_dict()
+        row["distinct_experts_per_step"] = {"greedy": distinct_experts([]), "expert_sample": distinct_experts([rule]),
+                                            "experts": arch.n_experts, "top_k": k}
     if target is not None:
         row["target"] = target
     return row
@@ -67,6 +97,7 @@ def run_moe(model_id: str = "toy-moe") -> list[dict[str, Any]]:
     try:
         engine = Engine.from_id(model_id)
         return [bench_expert_sample_overhead(engine),
+                bench_expert_sample_overhead(engine, identity=True, target=None, name="router_rule_overhead"),
                 bench_expert_sample_overhead(engine, n_problems=1, n_samples=16, target=None,
                                              name="expert_sample_overhead_same_prompt"),
                 bench_expert_sample_overhead(engine, n_problems=1, name="expert_sample_overhead_batch1", target=None)]

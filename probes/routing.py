@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -257,10 +258,16 @@ class Positions:
         return Positions(self.rows[mask], self.cols[mask])
 
 
+_GENERATORS = threading.local()  # one CPU generator per thread, reseeded per stream (creating one costs more)
+
+
 def _stream(seed: int, layer: int, column: int, n_rows: int, width: int) -> torch.Tensor:
     """Uniform [0, 1) draws [n_rows, width] of one (seed, layer, column) stream. The CPU generator fills a
     tensor in order, so row r reads the same values whatever the number of rows (checked in the tests)."""
-    gen = torch.Generator(device="cpu").manual_seed(stream_key(seed, layer, column))
+    gen = getattr(_GENERATORS, "gen", None)
+    if gen is None:
+        gen = _GENERATORS.gen = torch.Generator(device="cpu")
+    gen.manual_seed(stream_key(seed, layer, column))
     return torch.rand(n_rows, width, generator=gen)
 
 
@@ -293,7 +300,8 @@ def gumbel_noise(seed: int, layer: int, at: Positions, width: int) -> torch.Tens
 def gumbel_top_k(logits: torch.Tensor, k: int, t_e: float, noise: torch.Tensor) -> torch.Tensor:
     """Positions of k draws without replacement, probabilities proportional to exp(logits / t_e)
     (Gumbel-top-k: the k largest of logits / t_e + Gumbel noise; Kool et al. 2019)."""
-    return torch.topk(logits.float() / t_e + noise, k, dim=-1)[1]
+    scores = logits.float() if t_e == 1.0 else logits.float() / t_e
+    return torch.topk(scores + noise, k, dim=-1)[1]
 
 
 # ----- rules -----

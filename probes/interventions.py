@@ -24,6 +24,7 @@ import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -137,24 +138,52 @@ class Intervention(Registered):
 
 @dataclass
 class AddVector(Intervention):
-    """Add `scale * vector` to the activation at `site` (activation addition, Turner et al. 2023)."""
+    """Add `scale * vector` to the activation at `site` (activation addition, Turner et al. 2023).
+
+    `scale` is one number, or one number per batch row (a list or 1-D tensor as long as the batch:
+    `prompts` x `n_samples` in `generate`, the sequences of `capture_batch`): row b gets
+    `scale[b] * vector`, so one batched generation steers the same prompt at several scales (the
+    Steering page's slider grid). Its length is checked against the batch when it first applies.
+    """
 
     kind: ClassVar[str] = "add"
     tensor_fields: ClassVar[tuple[str, ...]] = ("vector",)
     vector: torch.Tensor = None
-    scale: float = 1.0
+    scale: float | list[float] = 1.0
 
-    def __init__(self, site: str, vector: Any, scale: float = 1.0, where: str = "all"):
+    def __init__(self, site: str, vector: Any, scale: float | Sequence[float] = 1.0, where: str = "all"):
         self.site, self.where, self.vector, self.scale = site, where, vector, scale
 
+    @property
+    def per_row(self) -> bool:
+        return isinstance(self.scale, (list, tuple)) or (hasattr(self.scale, "ndim") and self.scale.ndim > 0)
+
     def _check(self, arch: Any) -> None:
-        self.scale = _finite(self.scale, "steering scale")
+        if self.per_row:
+            values = self.scale.tolist() if hasattr(self.scale, "tolist") else list(self.scale)
+            if not values or any(isinstance(v, (list, tuple)) for v in values):
+                raise BadInputError("a per-row steering scale is a flat list of numbers, one per batch row; "
+                                    f"got {self.scale!r}")
+            self.scale = [_finite(v, f"steering scale of row {i}") for i, v in enumerate(values)]
+        else:
+            self.scale = _finite(self.scale, "steering scale")
         self.vector = _as_vector(self.vector, arch.d_model, "steering vector")
 
     def edit(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.scale * self.vector.to(x.dtype).to(x.device)
+        v = self.vector.to(x.dtype).to(x.device)
+        if not isinstance(self.scale, list):
+            return x + self.scale * v
+        if len(self.scale) != x.shape[0]:
+            raise BadInputError(f"AddVector at {self.site} has {len(self.scale)} per-row scales but the batch has "
+                                f"{x.shape[0]} rows; give one scale per sequence (prompts x n_samples)")
+        # row b: x_b + scale_b * v, the same float32 product as a single-row call with that scale
+        rows = torch.tensor(self.scale, dtype=x.dtype, device=x.device).view(-1, *([1] * (x.dim() - 1)))
+        return x + rows * v
 
     def describe(self) -> str:
+        if isinstance(self.scale, list):
+            scales = ", ".join(f"{s:g}" for s in self.scale)
+            return f"add [{scales}] * v per row (|v|={float(self.vector.norm()):.3g}) at {self.site}"
         return f"add {self.scale:g} * v (|v|={float(self.vector.norm()):.3g}) at {self.site}"
 
 

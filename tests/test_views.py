@@ -181,6 +181,87 @@ def test_scales_are_fractions_of_the_site_norm(engine):
         steering_vector(torch.zeros(64), "norm", norm)
 
 
+@pytest.fixture
+def model_calls(monkeypatch):
+    """The engine's generations and teacher-forced passes made while a test runs (every page shares one engine)."""
+    from probes.engine import Engine
+
+    calls: list[str] = []
+    for name in ("generate", "trace", "capture", "capture_batch"):
+        real = getattr(Engine, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Engine, name, counted)
+    return calls
+
+
+def test_a_slider_move_reads_the_grid_and_shows_the_single_row_generation(engine, exported, model_calls):
+    from analyses.tasks import one_shot_messages
+    from app.sidebar import EXAMPLE_QUESTION
+    from app.views.steering import GRID, SET_A, SET_B
+
+    at = helpers.open_page("steering", max_new_tokens=7)  # a length no other test uses: nothing cached yet
+    helpers.assert_clean(at)
+    slider = at.slider(key="steer_scale")
+    assert "snaps to the 17 stops -2, -1.75" in slider.label and slider.step == 0.25 and len(GRID) == 17
+    assert model_calls.count("generate") == 1  # one batched generation made every stop (and the unsteered text)
+    model_calls.clear()
+    for scale in (-1.0, 1.75, 0.0):
+        at.slider(key="steer_scale").set_value(scale).run()
+        helpers.assert_clean(at)
+    assert model_calls == []  # a move runs no model at all
+    site, prompt = "resid_post.1", one_shot_messages(EXAMPLE_QUESTION)
+    v = diff_of_means_direction(engine, SET_A.splitlines(), SET_B.splitlines(), site)
+    norm = site_norm(engine, prompt, site, chat=True)
+    shown = {data["scale"]: data for _, data, name, *_ in exported if name == "steering"}
+    assert set(shown) == {0.5, -1.0, 1.75, 0.0}
+    for scale in (-1.0, 1.75, 0.5):
+        direct = generate_text(engine, prompt, chat=True, max_new_tokens=7,
+                               interventions=[AddVector(site, steering_vector(v, "norm", norm), scale)])
+        assert shown[scale]["steered"]["token_ids"] == direct.token_ids, scale
+        assert shown[scale]["draft"] == "grid"
+    plain = generate_text(engine, prompt, chat=True, max_new_tokens=7)
+    assert shown[0.0]["steered"]["token_ids"] == shown[0.0]["unsteered"]["token_ids"] == plain.token_ids
+    assert len({tuple(c["steered"]["token_ids"]) for c in shown.values()}) >= 3  # the moves showed different texts
+
+
+def test_the_greedy_sweep_adds_only_perplexity_passes(model_calls):
+    at = helpers.open_page("steering", max_new_tokens=6)
+    model_calls.clear()
+    at.multiselect(key="steer_sweep_scales").set_value([-0.5, 1.0]).run()
+    at.button(key="steer_sweep_run").click().run()
+    helpers.assert_clean(at)
+    assert "generate" not in model_calls and model_calls.count("trace") <= 3  # two texts, the unsteered one
+    boxes = [t.value for t in at.text[2:]]
+    assert len(boxes) == 2 and all(b.strip() for b in boxes)
+
+
+def test_sampled_steering_generates_the_scale_alone_from_the_seed(engine, exported):
+    from analyses.tasks import one_shot_messages
+    from app.sidebar import EXAMPLE_QUESTION
+    from app.views.steering import SET_A, SET_B
+    from probes.engine import Sampling
+
+    at = helpers.open_page("steering", max_new_tokens=5)
+    at.session_state["temperature"] = 1.0
+    at.run()
+    at.slider(key="steer_scale").set_value(-1.0).run()
+    helpers.assert_clean(at)
+    shown = [data for _, data, name, *_ in exported if name == "steering" and data["scale"] == -1.0][-1]
+    assert shown["draft"] == "none"
+    assert any("sampled: generated alone from the seed" in c.value for c in at.caption)
+    site = "resid_post.1"
+    v = diff_of_means_direction(engine, SET_A.splitlines(), SET_B.splitlines(), site)
+    alone = steered_comparison(engine, one_shot_messages(EXAMPLE_QUESTION), site, v, -1.0, max_new_tokens=5,
+                               sampling=Sampling(temperature=1.0), chat=True, unit="norm",
+                               reference_norm=shown["reference_norm"])
+    assert shown["steered"]["token_ids"] == alone.steered.token_ids
+    assert shown["unsteered"]["token_ids"] == alone.unsteered.token_ids
+
+
 # ----------------------------------------------------------------- no orphaned process
 
 def _children(pid: int) -> list[int]:
@@ -243,3 +324,15 @@ def test_exports_without_their_own_record_carry_the_page_record():
         own = {"model": MODEL, "fingerprint": "cd34"}
         assert json.loads(export.data_json({"x": [1.0]}, own))["provenance"] == own
     assert export.current_provenance() is None
+
+
+def test_the_slider_benchmark_times_what_the_page_does(engine):
+    from app.bench import GOALS, bench_steer_slider
+
+    row = bench_steer_slider(engine, moves=(1.0, -0.5), max_new_tokens=5)
+    assert row["bench"] == "steer_slider_s" and row["first_draw_rows"] == 17 and row["first_draw_s"] > 0
+    assert row["rows_equal_single"] == "3 of 3"  # two moved-to scales and the unsteered row
+    assert len(row["runs_s"]) == 2 and row["seconds"] == pytest.approx(sorted(row["runs_s"])[0] / 2
+                                                                        + sorted(row["runs_s"])[1] / 2, abs=1e-3)
+    assert row["ratio"] == pytest.approx(row["seconds"] / GOALS["steer_slider"], abs=1e-3)
+    assert row["from_scratch_s"] > 0 and row["page_first_draw_s"] > 0 and "load_avg_1m" in row

@@ -1,8 +1,11 @@
 """Steering: add a direction at one layer, its scale in units of the site's mean activation norm; the steered
 text beside the unsteered one, and a sweep of several scales side by side with how far each moves the text.
 
-A moved slider reuses what is known: the unsteered text (or the text of the nearest scale already
-made) is checked in one pass and only the tokens after the first change are generated.
+The slider snaps to a grid of scales (-2 to 2 in steps of 0.25). With greedy decoding the first draw
+of a direction generates every grid scale in ONE batched generation (`analyses.steering.steering_grid`:
+the prompt repeated, one row per scale), so a moved slider is a lookup; the sweep reads the same grid
+and adds each text's perplexity under the unsteered model. Sampled decoding generates each scale
+alone from the seed (a batch would give each row other random numbers than the unsteered text).
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ import numpy as np
 import streamlit as st
 
 from analyses.rise import saved_saes
-from analyses.steering import (GeneratedText, SteeringComparison, SteeringSweep, choose_draft,
+from analyses.steering import (GeneratedText, SteeringComparison, SteeringGrid, SteeringSweep, add_perplexities,
                                continuation_perplexity, diff_of_means_direction, generate_text, sae_feature_direction,
-                               site_norm, steered_comparison, steering_vector)
+                               scale_grid, site_norm, steered_comparison, steering_grid, steering_vector)
 from app.context import FinishedGenerations, shows_errors
 from app.export import show_figure
 from app.figures.trace import display_text
@@ -33,10 +36,12 @@ FROM_SAE = "a saved SAE feature"
 SET_A = "I love this, it is wonderful.\nWhat a happy, joyful day!\nThis is great news, I am so glad."
 SET_B = "I hate this, it is terrible.\nWhat a sad, miserable day.\nThis is awful news, I am so upset."
 SCALE_RANGE = (-2.0, 2.0)  # x mean activation norm: beyond 2 every model we tried writes noise
+SCALE_STEP = 0.25  # the slider's stops: 16 steered rows in one batch (SmolLM2, 48 tokens: ~4x one row's time)
+GRID = scale_grid(*SCALE_RANGE, SCALE_STEP)
 DEFAULT_SCALE = 0.5
-SWEEP_GRID = [-2.0, -1.5, -1.0, -0.75, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0]
+SWEEP_GRID = [s for s in GRID if s != 0.0]  # the sweep offers the slider's scales: it reads the same grid
 SWEEP_DEFAULT = [-1.0, -0.5, -0.25, 0.25, 0.5, 1.0]
-MAX_SCALES_KEPT = 64  # steered generations kept per (prompt, site, direction)
+MAX_SCALES_KEPT = 64  # sampled steered generations kept per (prompt, site, direction)
 
 
 @st.cache_resource
@@ -79,22 +84,45 @@ def special_ids(_ctx, model_key: str, ids: tuple[int, ...]) -> list[int]:
     return sorted(i for i in set(ids) if backend.decode([i]) and not backend.decode([i], skip_special_tokens=True))
 
 
-def comparison(ctx, key: str, site: str, direction_key: str, direction: np.ndarray, scale: float,
-               norm: float, quality: bool = False) -> SteeringComparison:
-    """The steered generation at `scale` (kept per process), drafted as `choose_draft` says; `quality` adds
-    the perplexity under the unsteered model (one more pass, so the slider leaves it to the sweep)."""
+def _slot(*parts: Any) -> str:
+    return json.dumps(list(parts))
+
+
+def grid_for(ctx, key: str, site: str, direction_key: str, direction: np.ndarray, norm: float) -> SteeringGrid:
+    """Every slider scale of this direction (greedy decoding), made once in one batched generation and
+    kept per process; the unsteered text is kept per prompt and settings, shared by every direction."""
     store = steered_store()
-    slot = json.dumps([key, site, direction_key])
+    grid = store.get(_slot(key, site, direction_key, "grid"))
+    if grid is not None:
+        return grid
+    base = store.get(_slot(key, "unsteered"))  # without it, scale 0 is one more row of the batch
+    rows = len(GRID) - (base is not None)
+    bar = st.progress(0.0, text=f"Steering at all {rows} scales of the slider in one batch (once per direction)\u2026")
+    s = ctx.settings
+    grid = steering_grid(ctx.backend, ctx.model_input(), site, direction, GRID, max_new_tokens=s.max_new_tokens,
+                         seed=ctx.seed, chat=ctx.chat, unit="norm", reference_norm=norm, unsteered=base,
+                         on_progress=lambda done, total: bar.progress(
+                             done / total, text=f"token {done} of {total}, {rows} scales at once"))
+    bar.empty()
+    store.put(_slot(key, site, direction_key, "grid"), grid)
+    if base is None:
+        store.put(_slot(key, "unsteered"), grid.unsteered)
+    return grid
+
+
+def sampled_comparison(ctx, key: str, site: str, direction_key: str, direction: np.ndarray, scale: float,
+                       norm: float, quality: bool = False) -> SteeringComparison:
+    """Sampled decoding: the steered generation at `scale`, alone from the seed (kept per process);
+    `quality` adds the perplexity under the unsteered model."""
+    store = steered_store()
+    slot = _slot(key, site, direction_key)
     known: dict[float, SteeringComparison] = store.get(slot) or {}
     result = known.get(scale)
     if result is None:
-        base = unsteered(ctx, key)
-        draft = choose_draft(known, base, scale)
         s = ctx.settings
         result = steered_comparison(ctx.backend, ctx.model_input(), site, direction, scale,
                                     max_new_tokens=s.max_new_tokens, sampling=s.sampling(), seed=ctx.seed, chat=ctx.chat,
-                                    unsteered=base, unit="norm", reference_norm=norm, draft=draft,
-                                    check_draft=draft is not None, quality=quality)
+                                    unsteered=unsteered(ctx, key), unit="norm", reference_norm=norm, quality=quality)
     elif quality and result.perplexity is None:
         result.perplexity = continuation_perplexity(ctx.backend, ctx.model_input(), result.steered.token_ids, ctx.chat)
     else:
@@ -106,13 +134,13 @@ def comparison(ctx, key: str, site: str, direction_key: str, direction: np.ndarr
     return result
 
 
-def how_made(result: SteeringComparison) -> str:
+def how_made(result: SteeringComparison, grid: SteeringGrid | None) -> str:
     if result.scale == 0:
         return "scale 0 is the unsteered text"
-    if result.draft == "none":
-        return "generated from scratch (a weaker push on this side already changed the first token)"
-    source = "the unsteered text" if result.draft == "unsteered" else "the nearest scale's text"
-    return f"{result.reused_tokens} tokens kept from {source} after one check, the rest generated"
+    if grid is not None:
+        return (f"one of the {len(grid.texts)} scales generated together in one batch ({grid.seconds:.1f} s, when "
+                "this direction was first drawn)")
+    return "sampled: generated alone from the seed"
 
 
 def pick_direction(ctx, site: str) -> tuple[np.ndarray, dict[str, Any]] | None:
@@ -170,33 +198,49 @@ def _text_box(ctx, title: str, part: GeneratedText, key: str, note: str = "") ->
 
 
 def sweep_section(ctx, key: str, site: str, direction_key: str, direction: np.ndarray, norm: float,
-                  made_from: dict[str, Any]) -> None:
+                  made_from: dict[str, Any], grid: SteeringGrid | None) -> None:
     st.subheader("Sweep")
     left, right = st.columns([4, 1], vertical_alignment="bottom")
     scales = left.multiselect(f"Scales (\u00d7 mean \u2016{site}\u2016)", SWEEP_GRID, default=SWEEP_DEFAULT,
-                              key="steer_sweep_scales")
+                              key="steer_sweep_scales", help="the slider's scales: greedy texts come from its grid")
     run = right.button("Run sweep", key="steer_sweep_run", icon=":material/stacked_line_chart:")
-    slot = json.dumps([key, site, direction_key])
-    known: dict[float, SteeringComparison] = steered_store().get(slot) or {}
     chosen = sorted({float(s) for s in scales})
-    if run:
-        with shows_errors() as spot:
-            todo = [s for s in sorted(chosen, key=abs) if s not in known or known[s].perplexity is None]
-            bar = st.progress(0.0, text="steering\u2026")
-            for i, scale in enumerate(todo):
-                comparison(ctx, key, site, direction_key, direction, scale, norm, quality=True)
-                bar.progress((i + 1) / len(todo), text=f"scale {scale:g} ({i + 1} of {len(todo)})")
-            bar.empty()
-        if spot.failed:
+    if grid is not None:  # greedy: the texts are the slider's; a sweep adds one perplexity pass per text
+        if run:
+            with shows_errors() as spot:
+                bar = st.progress(0.0, text="perplexity under the unsteered model\u2026")
+                add_perplexities(ctx.backend, ctx.model_input(), grid, chosen, chat=ctx.chat,
+                                 on_progress=lambda done, total: bar.progress(done / total,
+                                                                              text=f"text {done} of {total}"))
+                bar.empty()
+            if spot.failed:
+                return
+        if not chosen or any(s not in grid.perplexities for s in chosen):
+            st.info("Press **Run sweep** for each text's perplexity under the unsteered model (the texts are the "
+                    "slider's, made in one batch).")
             return
-        known = steered_store().get(slot) or {}
-    rows = [known[s] for s in chosen if s in known and known[s].perplexity is not None]
-    if not rows or len(rows) < len(chosen):
-        st.info("Press **Run sweep** to generate every scale (each starts from the nearest one already made).")
-        return
-    base = unsteered(ctx, key)
-    sweep = SteeringSweep(site, "norm", norm, float(np.linalg.norm(direction)), base, unsteered_perplexity(ctx, key),
-                          rows)
+        sweep = grid.sweep(chosen)
+    else:
+        slot = _slot(key, site, direction_key)
+        known: dict[float, SteeringComparison] = steered_store().get(slot) or {}
+        if run:
+            with shows_errors() as spot:
+                todo = [s for s in chosen if s not in known or known[s].perplexity is None]
+                bar = st.progress(0.0, text="steering\u2026")
+                for i, scale in enumerate(todo):
+                    sampled_comparison(ctx, key, site, direction_key, direction, scale, norm, quality=True)
+                    bar.progress((i + 1) / len(todo), text=f"scale {scale:g} ({i + 1} of {len(todo)})")
+                bar.empty()
+            if spot.failed:
+                return
+            known = steered_store().get(slot) or {}
+        rows = [known[s] for s in chosen if s in known and known[s].perplexity is not None]
+        if not rows or len(rows) < len(chosen):
+            st.info("Press **Run sweep** to generate every scale (sampled: each alone from the seed).")
+            return
+        sweep = SteeringSweep(site, "norm", norm, float(np.linalg.norm(direction)), unsteered(ctx, key),
+                              unsteered_perplexity(ctx, key), rows)
+    rows = sweep.rows
     per_row = 3
     for lo in range(0, len(rows), per_row):
         cols = st.columns(per_row)
@@ -207,8 +251,16 @@ def sweep_section(ctx, key: str, site: str, direction_key: str, direction: np.nd
                           f"perplexity {r.perplexity:.3g} under the unsteered model" if r.perplexity else "")
     record = ctx.provenance(interventions=[AddVector(site, steering_vector(direction, "norm", norm), r.scale).describe()
                                            for r in rows],
-                            settings={"site": site, "unit": "norm", "reference_norm": norm, "direction": made_from})
+                            settings={"site": site, "unit": "norm", "reference_norm": norm, "direction": made_from,
+                                      "made": _how_recorded(grid)})
     show_figure(None, sweep, "steering_sweep", provenance=record)
+
+
+def _how_recorded(grid: SteeringGrid | None) -> str:
+    if grid is None:
+        return "sampled: each scale generated alone from the seed"
+    return (f"greedy: scales {', '.join(f'{s:g}' for s in grid.scales)} in one batched generation, one row per "
+            "scale (each row equals the single-row steered generation)")
 
 
 def render(ctx) -> None:
@@ -229,14 +281,23 @@ def render(ctx) -> None:
         return
     st.caption(f"direction at `{site}`: |v| = {float(np.linalg.norm(direction)):.3g}; mean activation norm at "
                f"`{site}` over this prompt (first token excluded) = {norm:.3g}")
-    scale = st.slider(f"Scale (\u00d7 mean \u2016{site}\u2016 = {norm:.3g})", *SCALE_RANGE, DEFAULT_SCALE, 0.05,
+    scale = st.slider(f"Scale (\u00d7 mean \u2016{site}\u2016 = {norm:.3g}); snaps to the {len(GRID)} stops "
+                      f"{GRID[0]:g}, {GRID[1]:g}, \u2026, {GRID[-1]:g}", *SCALE_RANGE, DEFAULT_SCALE, SCALE_STEP,
                       key="steer_scale",
                       help=f"adds scale \u00d7 {norm:.3g} \u00d7 v/|v| at every position: 0.5 adds half a typical "
-                           "activation, whatever the length of v")
+                           "activation, whatever the length of v. With greedy decoding every stop is generated "
+                           "once, in one batch, when the direction is first drawn; moving the slider then reads it.")
     direction_key = hashlib.sha256(direction.tobytes()).hexdigest()[:16]
-    with shows_errors() as spot, st.spinner("Steering (checking the unsteered text first)\u2026"):
+    greedy = ctx.settings.sampling().greedy
+    grid = None
+    with shows_errors() as spot:
         started = time.perf_counter()
-        result = comparison(ctx, key, site, direction_key, direction, round(float(scale), 4), norm)
+        if greedy:
+            grid = grid_for(ctx, key, site, direction_key, direction, norm)
+            result = grid.comparison(grid.snap(scale))
+        else:
+            with st.spinner("Steering (sampled: this scale alone, from the seed)\u2026"):
+                result = sampled_comparison(ctx, key, site, direction_key, direction, round(float(scale), 4), norm)
         took = time.perf_counter() - started
     if spot.failed:
         return
@@ -247,10 +308,11 @@ def render(ctx) -> None:
     with right:
         ppl = f", perplexity {result.perplexity:.3g} under the unsteered model" if result.perplexity else ""
         _text_box(ctx, f"**Steered** (scale {result.scale:g}, adds |v| = {result.added_norm:.3g})", result.steered,
-                  "steered-text", f"{len(result.steered.tokens)} tokens{ppl}; {how_made(result)}; "
-                                  + (f"answered in {took:.2f} s" if took > 0.05 else "kept from before"))
+                  "steered-text", f"{len(result.steered.tokens)} tokens{ppl}; {how_made(result, grid)}; "
+                                  + (f"answered in {took * 1000:.0f} ms" if took < 1 else f"answered in {took:.1f} s"))
     steer = AddVector(site, steering_vector(direction, "norm", norm), result.scale)
     record = ctx.provenance(interventions=[steer.describe()],
-                            settings={"site": site, "unit": "norm", "reference_norm": norm, "direction": made_from})
+                            settings={"site": site, "unit": "norm", "reference_norm": norm, "direction": made_from,
+                                      "made": _how_recorded(grid)})
     show_figure(None, result, "steering", provenance=record)
-    sweep_section(ctx, key, site, direction_key, direction, norm, made_from)
+    sweep_section(ctx, key, site, direction_key, direction, norm, made_from, grid)

@@ -15,6 +15,14 @@ Example:
     ...                   interventions=[MaskAttention([1], queries=[2, 3])])
     >>> float(tr.activations["attn_pattern.0"][2:, :, 1].abs().max())   # [query, head, key]
     0.0
+
+`RowMask` is a `MaskAttention` for chosen batch rows only: a teacher-forced `trace` given row masks
+runs the same sequence once per row in one batched forward (row r with the masks naming r, rows
+no mask names run unmasked), which is how visual attribution masks K regions in one pass:
+
+    >>> tr = engine.trace("one two three four", interventions=[RowMask([1], rows=[1])])
+    >>> tr.logprobs.shape   # [rows, seq]: row 0 unmasked, row 1 with key 1 hidden
+    torch.Size([2, 4])
 """
 
 from __future__ import annotations
@@ -24,6 +32,10 @@ from typing import Any
 
 import torch
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from probes.interventions import MaskAttention
 from probes.sites import FAMILIES, get_module
 from thoughtscope.errors import BadInputError
 
@@ -31,13 +43,59 @@ from thoughtscope.errors import BadInputError
 MASKABLE_IMPLEMENTATIONS = ("eager", "sdpa", "thoughtscope_kv_policy")
 
 
-def check_rows(masks: Sequence[Any], length: int, n_layers: int) -> None:
-    """Every position must keep at least one key it may read; positions and queries must lie in the text."""
+@dataclass
+class RowMask(MaskAttention):
+    """`MaskAttention` in the batch `rows` named only (teacher-forced passes): K masked variants of one
+    sequence in one forward. In `trace`/`capture` the sequence runs once per row (max(rows) + 1 rows;
+    row r gets the masks naming it plus every plain MaskAttention) and the Trace's log-probs,
+    entropies and activations gain a leading row axis; in `capture_batch` rows index the sequences.
+    Generation refuses it."""
+
+    kind: ClassVar[str] = "mask_attention_rows"
+    rows: list[int] = field(default_factory=list)
+
+    def validate(self, arch: Any) -> None:
+        super().validate(arch)
+        if not isinstance(self.rows, list) or not self.rows or any(
+                isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.rows):
+            raise BadInputError(f"RowMask rows must be a non-empty list of batch row indices, got {self.rows!r}")
+
+    def describe(self) -> str:
+        return f"{super().describe()} in rows {self.rows[:8]}{'...' if len(self.rows) > 8 else ''}"
+
+
+def rows_needed(masks: Sequence[Any]) -> int:
+    """Batch rows a teacher-forced pass needs for these masks: max row + 1 with row masks, else 1."""
+    return max((r + 1 for m in masks if isinstance(m, RowMask) for r in m.rows), default=1)
+
+
+def _applies(m: Any, row: int | None) -> bool:
+    """Whether mask `m` acts on batch `row` (None: the whole batch, no row masks given)."""
+    return row is None or not isinstance(m, RowMask) or row in m.rows
+
+
+def check_rows(masks: Sequence[Any], length: int, n_layers: int, n_rows: int | None = None) -> None:
+    """Every position must keep at least one key it may read; positions and queries must lie in the text;
+    row masks must name rows of the batch (`n_rows`)."""
     for m in masks:
         bad = [p for p in [*m.positions, *(m.queries or [])] if p >= length]
         if bad:
             raise BadInputError(f"MaskAttention positions {bad[:5]} are beyond the text's {length} tokens "
                                 f"(positions 0..{length - 1})")
+    row_masks = [m for m in masks if isinstance(m, RowMask)]
+    if not row_masks:
+        _check_keys_left(masks, n_layers)
+        return
+    if n_rows is not None:
+        bad = sorted({r for m in row_masks for r in m.rows if r >= n_rows})
+        if bad:
+            raise BadInputError(f"RowMask rows {bad[:5]} are beyond the batch's {n_rows} rows")
+    _check_keys_left([m for m in masks if not isinstance(m, RowMask)], n_layers)  # rows no row mask names
+    for row in sorted({r for m in row_masks for r in m.rows}):
+        _check_keys_left([m for m in masks if _applies(m, row)], n_layers)
+
+
+def _check_keys_left(masks: Sequence[Any], n_layers: int) -> None:
     # A row can lose its own key only when it is named explicitly as a query of a mask that hides it;
     # default queries never include their own mask's positions.
     def reads(m: Any, q: int) -> bool:
@@ -86,13 +144,13 @@ class AttentionMasker:
             remover.remove()
         self._removers.clear()
 
-    def pairs(self, layer: int, query_cols: torch.Tensor, width: int) -> torch.Tensor:
-        """bool [queries, width]: the (query, key) pairs masked in `layer`."""
+    def pairs(self, layer: int, query_cols: torch.Tensor, width: int, row: int | None = None) -> torch.Tensor:
+        """bool [queries, width]: the (query, key) pairs masked in `layer` (in batch `row`, with row masks)."""
         dev = query_cols.device
         cols = torch.arange(width, device=dev)
         out = torch.zeros(len(query_cols), width, dtype=torch.bool, device=dev)
         for m in self.masks:
-            if m.layers is not None and layer not in m.layers:
+            if (m.layers is not None and layer not in m.layers) or not _applies(m, row):
                 continue
             keys = torch.isin(cols, torch.tensor(m.positions, device=dev))
             if m.queries is not None:
@@ -116,7 +174,11 @@ class AttentionMasker:
                 raise BadInputError(f"MaskAttention expected a 4D attention mask over {width} keys in layer {layer}, "
                                     f"got shape {tuple(mask.shape)} (sliding-window caches are not supported)")
             query_cols = torch.arange(offset, width, device=hidden.device)
-            pairs = self.pairs(layer, query_cols, width)
+            if any(isinstance(m, RowMask) for m in self.masks):  # one mask per batch row: [batch, 1, q, k]
+                pairs = torch.stack([self.pairs(layer, query_cols, width, row=b)
+                                     for b in range(hidden.shape[0])]).unsqueeze(1)
+            else:
+                pairs = self.pairs(layer, query_cols, width)
             if not bool(pairs.any()):
                 return None
             if mask is None:  # sdpa's plain causal case: build the mask it would have used
@@ -124,8 +186,8 @@ class AttentionMasker:
                 mask = (keys.view(1, -1) <= query_cols.view(-1, 1)).view(1, 1, n_q, width)
             if mask.dtype == torch.bool:
                 mask = mask & ~pairs
-            else:
-                mask = mask.masked_fill(pairs, torch.finfo(mask.dtype).min)
+            else:  # where, not masked_fill: per-row pairs may widen a mask shared by the batch
+                mask = torch.where(pairs, torch.finfo(mask.dtype).min, mask)
             kwargs["attention_mask"] = mask
             return args, kwargs
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from probes.hooks import HookRunner
+from probes.attention_masks import RowMask, rows_needed  # importing registers RowMask's wire kind
 from probes.interventions import Intervention, MaskAttention
 from probes.records import Readout, TokenRecord, Trace
 from probes.sites import FAMILIES, Site, get_module, list_sites, validate_site
@@ -277,6 +278,9 @@ class Engine:
         max_new_tokens = min(max_new_tokens, self.handle.arch.context_length - max(map(len, ids)))
         sites = self._check_sites(capture)
         hooks, masks = self._split_interventions(interventions)
+        if any(isinstance(m, RowMask) for m in masks):
+            raise BadInputError("RowMask masks batch rows of a teacher-forced pass (trace, capture, capture_batch); "
+                                "in generate use MaskAttention")
         stream = GenerationStream(self, iter(()))
         run = self._generate(stream, ids, max_new_tokens, sampling or Sampling(), seed, sites, hooks, masks,
                              top_k, tuple(stop), vision)
@@ -414,19 +418,26 @@ class Engine:
 
         With `images` (a VLM; probes.vision) each `<image>` in `text` becomes the image's tokens:
         `token_ids` and every per-position row include them (`probes.vision.box_tokens` finds a region's).
+        With `RowMask` interventions (probes.attention_masks) the text runs once per row in one batched
+        forward, each row under its own masks, and logprobs/entropies/activations get a leading row axis.
         """
         ids = self.encode(text, chat=chat)
         (ids,), vision = self._vision_inputs([ids], None if images is None else [images])
         sites = self._check_sites(capture)
         hooks, masks = self._split_interventions(interventions)
-        self._check_teacher_forced(masks, [len(ids)])
-        acts, logits = self._capture_forward(ids, sites, hooks, masks, vision)
+        n_rows = rows_needed(masks)
+        self._check_teacher_forced(masks, [len(ids)] * n_rows)
+        acts, logits = self._capture_forward(ids, sites, hooks, masks, vision, n_rows)
+        logits = logits if n_rows > 1 else logits.unsqueeze(0)
         input_ids = torch.tensor([ids], device=logits.device)
         logp = torch.log_softmax(logits.float(), dim=-1)
         entropies = -(logp.exp() * logp).sum(-1)
-        token_lp = torch.full((len(ids),), float("nan"))
+        token_lp = torch.full((n_rows, len(ids)), float("nan"))
         if len(ids) > 1:
-            token_lp[1:] = logp[:-1].gather(-1, input_ids[0, 1:].view(-1, 1)).squeeze(-1).cpu()
+            index = input_ids[:, 1:].unsqueeze(-1).expand(n_rows, -1, 1)
+            token_lp[:, 1:] = logp[:, :-1].gather(-1, index).squeeze(-1).cpu()
+        if n_rows == 1:
+            token_lp, entropies = token_lp[0], entropies[0]
         return Trace(
             text=text if isinstance(text, str) else self.tok.decode(ids), token_ids=ids,
             tokens=[self.tok.decode([i]) for i in ids], activations=acts,
@@ -525,8 +536,9 @@ class Engine:
         (ids,), vision = self._vision_inputs([ids], None if images is None else [images])
         sites = self._check_sites(capture)
         hooks, masks = self._split_interventions(interventions)
-        self._check_teacher_forced(masks, [len(ids)])
-        return self._capture_forward(ids, sites, hooks, masks, vision)[0]
+        n_rows = rows_needed(masks)
+        self._check_teacher_forced(masks, [len(ids)] * n_rows)
+        return self._capture_forward(ids, sites, hooks, masks, vision, n_rows)[0]
 
     def _vision_inputs(self, rows: list[list[int]], images: Any, n_samples: int = 1):
         """(rows with each `<image>` expanded into image tokens, pixel inputs), checked before model work."""
@@ -537,17 +549,23 @@ class Engine:
         return prepare(self.handle.vision, self.handle.model_id, rows, images, self.handle.dtype, self.handle.device)
 
     def _capture_forward(self, ids: list[int], sites: list[Site], hooks: list[Intervention],
-                         masks: Sequence[MaskAttention] = (), vision: dict[str, Any] | None = None):
-        """(activations {site: [seq, ...]}, logits [seq, vocab]) of one teacher-forced forward."""
+                         masks: Sequence[MaskAttention] = (), vision: dict[str, Any] | None = None,
+                         n_rows: int = 1):
+        """(activations {site: [seq, ...]}, logits [seq, vocab]) of one teacher-forced forward; with
+        `n_rows` > 1 (row masks) the same ids run as that many batch rows: [rows, seq, ...] out."""
         from probes.attention_masks import AttentionMasker
 
         if self.handle.remote:
             return self._remote_trace(ids, sites, [*hooks, *masks])
-        input_ids = torch.tensor([ids], device=self.handle.device)
+        input_ids = torch.tensor([ids] * n_rows, device=self.handle.device)
+        if n_rows > 1 and vision:  # every row sees the same image(s)
+            vision = {k: v.repeat(n_rows, *[1] * (v.ndim - 1)) if torch.is_tensor(v) else v for k, v in vision.items()}
         with self.lock, HookRunner(self.handle, sites, hooks) as runner, AttentionMasker(self.handle, masks):
-            runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
-            logits = self.model(input_ids=input_ids, use_cache=False, **(vision or {})).logits[0]
-        return {name: v[0] for name, v in runner.captured.items()}, logits
+            runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = n_rows, len(ids), "trace"
+            logits = self.model(input_ids=input_ids, use_cache=False, **(vision or {})).logits
+        if n_rows > 1:
+            return dict(runner.captured), logits
+        return {name: v[0] for name, v in runner.captured.items()}, logits[0]
 
     def _remote_trace(self, ids: list[int], sites: list[Site], hooks: list[Intervention]):
         """A trace of an `ndif:` model: the same sites read through nnsight's remote execution."""
@@ -798,7 +816,7 @@ class Engine:
         if impl not in MASKABLE_IMPLEMENTATIONS:
             raise BadInputError(f"MaskAttention in a teacher-forced pass edits 4D attention masks, which {impl!r} "
                                 "attention does not take; load the model with attn_implementation 'sdpa' or 'eager'")
-        check_rows(masks, max(lengths), self.handle.arch.n_layers)  # past a shorter sequence's end: padding
+        check_rows(masks, max(lengths), self.handle.arch.n_layers, len(lengths))  # past a shorter one's end: padding
 
     def input_x_gradient(self, text: Prompt, *, target: str = "logprob", positions: Sequence[int] | None = None,
                          token: int | None = None, foil: int | None = None, sites: Sequence[str] = (),

@@ -282,3 +282,51 @@ def test_a_saved_estimator_loads_only_for_a_model_of_its_shape(tmp_path, llava):
         load_estimator(str(tmp_path / "b"), arch)
     with pytest.raises(BadInputError, match="no saved estimator"):
         load_estimator(str(tmp_path / "missing"), arch)
+
+
+def test_batched_exhaustive_effects_equal_one_masked_trace_per_region(llava):
+    """Regions batched into RowMask rows (one forward for 16 regions + the unmasked row, or chunks of
+    5 rows) give the per-region effects of one masked trace each, up to float noise."""
+    spec = spec_of(llava)
+    ids = llava.trace(TEXT, images=[_image(3)]).token_ids
+    spans = [(1, 3), (len(ids) - 5, len(ids) - 2), (len(ids) - 2, len(ids))]
+    regions = grid_regions(spec, 4, 4)
+    one_by_one = exhaustive_effects(llava, TEXT, _image(3), spans, regions, batch_size=1)
+    steps = []
+    batched = exhaustive_effects(llava, TEXT, _image(3), spans, regions, batch_size=17,
+                                 on_progress=lambda d, t: steps.append((d, t)))
+    chunked = exhaustive_effects(llava, TEXT, _image(3), spans, regions, batch_size=5)
+    last_alone = exhaustive_effects(llava, TEXT, _image(3), spans, regions, batch_size=16)  # 15 + 1 regions
+    assert steps == [(16, 16)]  # one forward
+    assert np.abs(one_by_one[1:]).min() > 1e-4  # the spans after the image do depend on every block
+    np.testing.assert_allclose(batched, one_by_one, atol=1e-4)
+    np.testing.assert_allclose(chunked, one_by_one, atol=1e-4)
+    np.testing.assert_allclose(last_alone, one_by_one, atol=1e-4)
+    with pytest.raises(BadInputError, match="batch_size"):
+        exhaustive_effects(llava, TEXT, _image(3), spans, regions, batch_size=0)
+
+
+def test_row_masks_mask_their_own_row_only(llava):
+    """A trace with RowMask interventions: row r equals a plain MaskAttention trace of its mask, rows no
+    mask names equal the unmasked trace; generation refuses row masks, and rows past the batch fail."""
+    from probes.attention_masks import RowMask
+
+    spec = spec_of(llava)
+    ids = llava.trace(TEXT, images=[_image()]).token_ids
+    a, b = (positions(spec, ids, r) for r in grid_regions(spec, 2, 2)[:2])
+    t = llava.trace(TEXT, images=[_image()], capture=["attn_pattern.1"],
+                    interventions=[RowMask(positions=a, rows=[1]), RowMask(positions=b, rows=[2, 3])])
+    assert t.logprobs.shape == (4, len(ids)) and t.activations["attn_pattern.1"].shape[0] == 4
+    plain = llava.trace(TEXT, images=[_image()])
+    for row, pos in ((0, None), (1, a), (2, b), (3, b)):
+        ref = plain if pos is None else llava.trace(TEXT, images=[_image()],
+                                                    interventions=[MaskAttention(positions=pos)])
+        np.testing.assert_allclose(t.logprobs[row, 1:].numpy(), ref.logprobs[1:].numpy(), atol=1e-5)
+    others = [q for q in range(len(ids)) if q not in a]
+    assert float(t.activations["attn_pattern.1"][1][others][:, :, a].abs().max()) == 0.0
+    assert float(t.activations["attn_pattern.1"][0][others][:, :, a].abs().max()) > 0.0
+    with pytest.raises(BadInputError, match="RowMask"):
+        list(llava.generate(TEXT, images=[_image()], interventions=[RowMask(positions=a, rows=[0])],
+                            max_new_tokens=2))
+    with pytest.raises(BadInputError, match="rows"):
+        llava.capture_batch([ids], ["resid_post.0"], interventions=[RowMask(positions=a, rows=[2])])

@@ -154,6 +154,13 @@ def test_vlm_trace_and_generation_through_the_server_equal_in_process():
         g_remote = remote.input_x_gradient(PROMPT, sites=["resid_pre.0"], images=[img])
         assert g_remote.token_ids == g_local.token_ids == local.token_ids
         assert torch.allclose(g_remote.site_scores["resid_pre.0"], g_local.site_scores["resid_pre.0"], atol=1e-5)
+        # exhaustive effects batched over regions (RowMask rows travel as their wire spec)
+        from analyses.visual_attribution import exhaustive_effects, grid_regions
+
+        regions = grid_regions(vision.spec_of(engine), 4, 4)
+        spans = [(len(local.token_ids) - 3, len(local.token_ids))]
+        served_effects = exhaustive_effects(remote, PROMPT, img, spans, regions)
+        assert np.allclose(served_effects, exhaustive_effects(engine, PROMPT, img, spans, regions), atol=1e-4)
 
 
 def test_toy_vlm_runs_in_the_engine_as_its_own_code_does():

@@ -93,6 +93,8 @@ class HookRunner:
             for h in handlers:
                 if h.rules:
                     self._replace_forward(h, module)
+            if not any(h.interventions or h.capture for h in handlers):
+                continue  # a router with a rule and nothing to capture or edit: a hook would only cost time
             if read == "input":
                 hook = module.register_forward_pre_hook(self._pre_hook(handlers), with_kwargs=True)
             else:

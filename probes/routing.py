@@ -231,15 +231,33 @@ def stream_key(seed: int, layer: int, column: int) -> int:
     return _fold(_fold(_fold(0x2545F491, int(seed)), int(layer)), int(column))
 
 
-@dataclass
 class Positions:
     """Where router tokens sit: batch row and column (tokens this layer saw before, in one engine call)
     of each token, [tokens] each. `grid` = (batch, seq, start) when the tokens are every row of the
-    columns start..start+seq-1 in row-major order (a forward's own layout: noise is drawn per column)."""
+    columns start..start+seq-1 in row-major order (a forward's own layout: noise is drawn per column).
+    A grid's rows and columns are built only when asked for: the noise of a grid needs only the grid,
+    and a decode step should not pay for index tensors nobody reads."""
 
-    rows: torch.Tensor
-    cols: torch.Tensor
-    grid: tuple[int, int, int] | None = None
+    def __init__(self, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None,
+                 grid: tuple[int, int, int] | None = None, device: Any = None):
+        if rows is None and grid is None:
+            raise ValueError("Positions needs rows and columns, or a grid")
+        self._rows, self._cols, self.grid = rows, cols, grid
+        self.device = rows.device if rows is not None else torch.device(device or "cpu")
+
+    @property
+    def rows(self) -> torch.Tensor:
+        if self._rows is None:
+            batch, seq, _ = self.grid
+            self._rows = torch.arange(batch, device=self.device).repeat_interleave(seq)
+        return self._rows
+
+    @property
+    def cols(self) -> torch.Tensor:
+        if self._cols is None:
+            batch, seq, start = self.grid
+            self._cols = start + torch.arange(seq, device=self.device).repeat(batch)
+        return self._cols
 
     @classmethod
     def of(cls, n_tokens: int, row: int = 0, start: int = 0, device: Any = None) -> "Positions":
@@ -250,9 +268,7 @@ class Positions:
     @classmethod
     def of_forward(cls, batch: int, seq: int, start: int, device: Any = None) -> "Positions":
         """Every row of a forward over `seq` new columns from `start`, row-major (the router's token order)."""
-        rows = torch.arange(batch, device=device).repeat_interleave(seq)
-        cols = start + torch.arange(seq, device=device).repeat(batch)
-        return cls(rows, cols, (batch, seq, start))
+        return cls(grid=(batch, seq, start), device=device)
 
     def __getitem__(self, mask: torch.Tensor) -> "Positions":
         return Positions(self.rows[mask], self.cols[mask])
@@ -287,7 +303,7 @@ def uniform_noise(seed: int, layer: int, at: Positions, width: int) -> torch.Ten
         n_rows = max(rows, default=0) + 1
         streams = {c: _stream(seed, layer, c, n_rows, width) for c in sorted(set(cols))}
         u = torch.stack([streams[c][r] for r, c in zip(rows, cols)]) if rows else torch.zeros(0, width)
-    return u.to(at.rows.device)
+    return u.to(at.device)
 
 
 def gumbel_noise(seed: int, layer: int, at: Positions, width: int) -> torch.Tensor:

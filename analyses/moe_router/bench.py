@@ -30,7 +30,7 @@ TARGET = 1.10
 
 
 def bench_expert_sample_overhead(backend: Any, *, n_problems: int = 16, n_samples: int = 1, max_new_tokens: int = 32,
-                                 rounds: int = 7, setting: Any = None, seed: int = 0,
+                                 rounds: int = 25, setting: Any = None, seed: int = 0,
                                  name: str = "expert_sample_overhead", target: float | None = TARGET,
                                  identity: bool = False) -> dict[str, Any]:
     """Greedy tokens/s over Expert-Sample tokens/s (same prompts, batch of `n_problems` x `n_samples`, same

@@ -63,3 +63,22 @@ def test_pearson_loss_ignores_scale_and_constant_groups():
     assert float(pearson_loss(-t, t, g)) == pytest.approx(2.0, abs=1e-9)
     with pytest.raises(BadInputError):
         pearson_loss(t[3:], t[3:])
+
+
+def test_the_heat_map_lies_over_the_image_one_cell_per_region():
+    """The overlay: the image trace, then a semi-transparent heat map whose grid x grid cells tile the
+    image's pixel extent (cell (r, c) centred on the pixels its token sees), on the same axes."""
+    from app.figures.visual_attribution import FIGURES
+
+    image = np.zeros((48, 48, 3), dtype=np.uint8).tolist()
+    scores = np.arange(9.0).reshape(3, 3).tolist()
+    fig = FIGURES["vis_attr_heatmap"]({"image": image, "scores": scores, "method": "amortized", "unit": "nats",
+                                       "title": "span 'top-left red ring'"})
+    img, heat = fig.data
+    assert (img.type, heat.type) == ("image", "heatmap")
+    assert np.array(heat.z).tolist() == scores and 0 < heat.opacity < 1
+    assert heat.xaxis == img.xaxis and heat.yaxis == img.yaxis  # drawn over the image, not beside it
+    centres = [heat.x0 + c * heat.dx for c in range(3)]  # pixels 0..15 -> 7.5, 16..31 -> 23.5, ...
+    assert centres == [7.5, 23.5, 39.5] and heat.y0 + 2 * heat.dy == 39.5
+    assert tuple(fig.layout.yaxis.range) == (47.5, -0.5)  # image rows top-down
+    assert fig.layout.title.text == "span 'top-left red ring'"

@@ -330,3 +330,22 @@ def test_row_masks_mask_their_own_row_only(llava):
                             max_new_tokens=2))
     with pytest.raises(BadInputError, match="rows"):
         llava.capture_batch([ids], ["resid_post.0"], interventions=[RowMask(positions=a, rows=[2])])
+
+
+def test_the_k16_speedup_bench_runs_on_toy_vlms_architecture_with_16_visual_tokens():
+    """vis_attr_speedup at K = 16: toy-vlm's architecture with a 64-pixel input (random weights); the
+    spans are toy description phrases shifted past the extra image tokens; every cost is measured."""
+    from analyses.visual_attribution.bench import _scene, bench_speedup, random_toy_vlm
+    from probes.toys import vlm
+
+    engine = random_toy_vlm(4)
+    spec = spec_of(engine)
+    assert (spec.grid, spec.n_tokens, engine.info()["arch"]["n_layers"]) == (4, 16, vlm.CONFIGS["full"].text_layers)
+    ex = vlm.examples("eval", 1)[0]
+    text, _, spans, regions = _scene(engine, ex, 4)
+    toks = engine.token_texts(engine.trace(text, images=[ex.image]).token_ids)
+    assert "".join(toks[spans[0][0]:spans[0][1]]).split() == ex.trace.split()[2:2 + spans[0][1] - spans[0][0]]
+    row = bench_speedup(engine, 4, n_scenes=1)
+    assert row["regions"] == 16 and row["spans"] == len(ex.spans)
+    assert row["ratio"] == pytest.approx(row["exhaustive_s_per_span"] / row["amortized_s_per_span"])
+    assert min(row["exhaustive_s_per_span"], row["exhaustive_unbatched_s_per_span"], row["amortized_s_per_span"]) > 0

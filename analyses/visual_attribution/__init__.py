@@ -3,21 +3,21 @@ which image regions a vision-language model's reasoning spans draw on.
 
 - `regions`: grid blocks, Ward clusters of visual-token features, pixel boxes (toy-vlm objects);
 - `attribution`: exhaustive causal effects (attention to a region masked in every layer, the drop
-  in a span's log-prob), attention features per layer and head, the raw-attention and input x
-  gradient baselines;
+  in a span's log-prob; regions batched as rows of one forward), attention features per layer and
+  head, the raw-attention and input x gradient baselines;
 - `estimator`: `AmortizedAttribution`, the linear 1 - Pearson estimator (fit / predict / save / load);
 - `stream`: `stream_attribution`, per-span attention and predicted effects during generation;
 - `evaluate`: the toy-vlm faithfulness study behind `thoughtscope eval vis-attr`.
 
-Not built yet (issue 14): the Captum cross-check; see docs/visual_attribution.md.
+What is built and measured: docs/visual_attribution.md.
 """
 
 from analyses.visual_attribution.attribution import (attention_features, check_spans, exhaustive_effects,
-                                                     gradient_scores, raw_attention, span_logprobs)
+                                                     gradient_scores, masked_drops, raw_attention, span_logprobs)
 from analyses.visual_attribution.estimator import AmortizedAttribution, pearson_loss
 from analyses.visual_attribution.regions import (Region, box_regions, cell_map, cluster_regions, grid_regions,
                                                  positions)
 
 __all__ = ["AmortizedAttribution", "Region", "attention_features", "box_regions", "cell_map", "check_spans",
-           "cluster_regions", "exhaustive_effects", "gradient_scores", "grid_regions", "pearson_loss", "positions",
-           "raw_attention", "span_logprobs"]
+           "cluster_regions", "exhaustive_effects", "gradient_scores", "grid_regions", "masked_drops", "pearson_loss",
+           "positions", "raw_attention", "span_logprobs"]

@@ -73,7 +73,7 @@ def span_logprobs(logprobs: torch.Tensor, spans: Sequence[tuple[int, int]]) -> n
 
 
 def exhaustive_effects(backend: Any, text: Any, image: Any, spans: Sequence[Sequence[int]],
-                       regions: Sequence[Region], on_progress: Progress = None, batch_size: int = 16) -> np.ndarray:
+                       regions: Sequence[Region], on_progress: Progress = None, batch_size: int = 32) -> np.ndarray:
     """[n_spans, n_regions]: the span's log-prob drop (nats) with attention to the region masked in
     every layer.
 
@@ -81,52 +81,58 @@ def exhaustive_effects(backend: Any, text: Any, image: Any, spans: Sequence[Sequ
     `RowMask` per region, probes.attention_masks), the first forward also the unmasked row, so K
     regions cost ceil((K + 1) / batch_size) forwards of up to `batch_size` rows. `batch_size=1`
     runs one unmasked pass plus one masked `trace` per region (the unbatched reference)."""
-    from probes.attention_masks import RowMask
-    from probes.interventions import MaskAttention
-
     from probes.backend import require
     from probes.vision import expand, spec_of
 
     require(backend, "vision", "trace", "interventions")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise BadInputError(f"batch_size must be a positive integer, got {batch_size!r}")
     if not regions:
         raise BadInputError("give at least one region")
     spec = spec_of(backend)
-    if batch_size == 1:
-        base = backend.trace(text, images=[image])
-        ids = base.token_ids
-    else:  # the token layout without a forward: the same expansion the backend applies
-        ids = expand(spec, backend.encode(text), 1)[0]
+    ids = expand(spec, backend.encode(text), 1)[0]  # the token layout, as the backend expands it
     spans = check_spans(spans, len(ids), 0)
-    pos = [list(positions(spec, ids, r)) for r in regions]
-    out = np.zeros((len(spans), len(regions)))
+    return masked_drops(backend, text, image, spans, [list(positions(spec, ids, r)) for r in regions],
+                        on_progress, batch_size).T
+
+
+def masked_drops(backend: Any, text: Any, image: Any, spans: Sequence[tuple[int, int]],
+                 position_sets: Sequence[Sequence[int]], on_progress: Progress = None,
+                 batch_size: int = 32) -> np.ndarray:
+    """[n_sets, n_spans]: each span's log-prob drop (nats) with attention to one set of token positions
+    masked in every layer, the sets `batch_size` rows per forward (RowMask; row 0 of the first forward
+    unmasked); `batch_size=1`: one `trace` per set with a plain MaskAttention."""
+    from probes.attention_masks import RowMask
+    from probes.interventions import MaskAttention
+
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise BadInputError(f"batch_size must be a positive integer, got {batch_size!r}")
+    sets = [list(p) for p in position_sets]
+    out = np.zeros((len(sets), len(spans)))
     if batch_size == 1:
-        base_lp = span_logprobs(base.logprobs, spans)
-        for j, p in enumerate(pos):
+        base_lp = span_logprobs(backend.trace(text, images=[image]).logprobs, spans)
+        for j, p in enumerate(sets):
             masked = backend.trace(text, images=[image], interventions=[MaskAttention(positions=p)])
-            out[:, j] = base_lp - span_logprobs(masked.logprobs, spans)
+            out[j] = base_lp - span_logprobs(masked.logprobs, spans)
             if on_progress is not None:
-                on_progress(j + 1, len(pos))
+                on_progress(j + 1, len(sets))
         return out
-    # Chunks of regions; the first chunk's row 0 is the unmasked pass.
-    chunks, first = [], 0
-    while first < len(pos):
+    chunks, first = [], 0  # chunks of sets; the first chunk's row 0 is the unmasked pass
+    while first < len(sets):
         room = batch_size - (0 if chunks else 1)
-        chunks.append(list(range(first, min(first + room, len(pos)))))
+        chunks.append(list(range(first, min(first + room, len(sets)))))
         first += room
     base_lp = None
     for c, chunk in enumerate(chunks):
         offset = 1 if c == 0 else 0
-        masks = [RowMask(positions=pos[j], rows=[offset + i]) for i, j in enumerate(chunk)]
-        tr = backend.trace(text, images=[image], interventions=masks)
-        lp = torch.as_tensor(tr.logprobs).reshape(-1, len(ids))  # a one-row chunk comes back 1-D
+        tr = backend.trace(text, images=[image],
+                           interventions=[RowMask(positions=sets[j], rows=[offset + i]) for i, j in enumerate(chunk)])
+        lp = torch.as_tensor(tr.logprobs)
+        lp = lp.reshape(-1, lp.shape[-1])  # a one-row chunk comes back 1-D
         if c == 0:
             base_lp = span_logprobs(lp[0], spans)
         for i, j in enumerate(chunk):
-            out[:, j] = base_lp - span_logprobs(lp[offset + i], spans)
+            out[j] = base_lp - span_logprobs(lp[offset + i], spans)
         if on_progress is not None:
-            on_progress(chunk[-1] + 1, len(pos))
+            on_progress(chunk[-1] + 1, len(sets))
     return out
 
 

@@ -100,22 +100,17 @@ def toy_scene(backend: Any, example: Any, k: int | None = None) -> SceneResult:
 
 def masked_drops(backend: Any, scene: SceneResult, region_sets: list[tuple[int, ...]]) -> np.ndarray:
     """[sets, spans]: each span's log-prob drop (nats) with attention to a set of the scene's regions
-    masked in every layer, all of them at once (one masked pass per set, every span read from it)."""
-    from analyses.visual_attribution.attribution import span_logprobs
+    masked in every layer, all of them at once (the sets batched as rows of few forwards, every span
+    read from them)."""
+    from analyses.visual_attribution.attribution import masked_drops as drops
     from analyses.visual_attribution.regions import Region, positions
-    from probes.interventions import MaskAttention
-    from probes.vision import spec_of
+    from probes.vision import expand, spec_of
 
     spec = spec_of(backend)
-    base = backend.trace(scene.text, images=[scene.image])
-    base_lp = span_logprobs(base.logprobs, scene.spans)
-    out = np.zeros((len(region_sets), len(scene.spans)))
-    for k, chosen in enumerate(region_sets):
-        cells = sorted(c for j in chosen for c in scene.regions[j].cells)
-        pos = positions(spec, base.token_ids, Region("set", tuple(cells)))
-        masked = backend.trace(scene.text, images=[scene.image], interventions=[MaskAttention(positions=pos)])
-        out[k] = base_lp - span_logprobs(masked.logprobs, scene.spans)
-    return out
+    ids = expand(spec, backend.encode(scene.text), 1)[0]
+    sets = [positions(spec, ids, Region("set", tuple(sorted(c for j in chosen for c in scene.regions[j].cells))))
+            for chosen in region_sets]
+    return drops(backend, scene.text, scene.image, scene.spans, sets)
 
 
 def faithfulness(backend: Any, scene: SceneResult, scores: dict[str, np.ndarray], n_subsets: int = 8,

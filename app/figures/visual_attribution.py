@@ -1,9 +1,10 @@
-"""Figures of the visual attribution page (and of `thoughtscope export`): the image beside a heat map of
-one span's scores over the model's token grid, and the faithfulness of each method with intervals.
-Builders take a plain dict and compute nothing.
+"""Figures of the visual attribution page (and of `thoughtscope export`): a heat map of one span's scores
+laid over the image, one cell per region of the model's token grid, and the faithfulness of each method
+with intervals. Builders take a plain dict and compute nothing.
 
 Heat map `data`: `image` (rows of [r, g, b] uint8, at most 96 pixels a side), `scores` ([grid][grid]
-floats), `title` and `method` (what the scores are: raw attention, exhaustive effect in nats, ...).
+floats, reading order top-left first), `title` and `method` (what the scores are: raw attention,
+exhaustive effect in nats, ...), optionally `unit` and `opacity` (of the heat map over the image, 0.5).
 """
 
 from __future__ import annotations
@@ -18,16 +19,24 @@ from app.figures.template import styled
 
 
 def heatmap_figure(data: Any) -> go.Figure:
-    """The image (left) and the span's scores per visual token, reading order top-left first (right)."""
+    """The span's scores per visual token as a semi-transparent heat map over the image: one cell per
+    region, each covering the pixels its token sees (the image is resized to the tower's square input,
+    so a token's cell is the matching fraction of the image)."""
     d = data.to_dict() if hasattr(data, "to_dict") else dict(data)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["image", d.get("method", "scores")], horizontal_spacing=0.08)
-    fig.add_trace(go.Image(z=d["image"], name="image"), row=1, col=1)
-    fig.add_trace(go.Heatmap(z=d["scores"], colorscale="Viridis", name=d.get("method", "scores"),
-                             colorbar=dict(title=d.get("unit", ""))), row=1, col=2)
-    fig.update_yaxes(autorange="reversed", row=1, col=2, scaleanchor="x2")
-    fig.update_xaxes(showticklabels=False)
-    fig.update_yaxes(showticklabels=False)
-    fig.update_layout(height=380)
+    scores = d["scores"]
+    height, width = len(d["image"]), len(d["image"][0])
+    rows, cols = len(scores), len(scores[0])
+    fig = go.Figure(go.Image(z=d["image"], name="image", hoverinfo="skip"))
+    # go.Image puts pixel i at x = i (its extent is -0.5 .. width - 0.5); the heat map's cells tile that extent.
+    dx, dy = width / cols, height / rows
+    fig.add_trace(go.Heatmap(z=scores, x0=-0.5 + dx / 2, dx=dx, y0=-0.5 + dy / 2, dy=dy, colorscale="Viridis",
+                             opacity=float(d.get("opacity", 0.5)), xgap=1, ygap=1, name=d.get("method", "scores"),
+                             colorbar=dict(title=d.get("unit", "")),
+                             hovertemplate="%{z:.4g}<extra>%{fullData.name}</extra>"))
+    fig.update_xaxes(showticklabels=False, range=[-0.5, width - 0.5], showgrid=False, zeroline=False)
+    fig.update_yaxes(showticklabels=False, range=[height - 0.5, -0.5], showgrid=False, zeroline=False,
+                     scaleanchor="x")
+    fig.update_layout(height=420, width=520)
     return styled(fig, d.get("title", "visual attribution"))
 
 

@@ -1,8 +1,8 @@
 """Visual attribution: which image regions each span of a vision-language model's answer draws on.
 
 Compose a toy-vlm scene (a seeded random image for other VLMs) or upload an image, and generate.
-The answer streams, and each span, as soon as it ends, gets a heat map over the token grid from the
-attention rows the generation already computed: raw attention, or the amortized estimator's
+The answer streams, and each span, as soon as it ends, gets a heat map laid over the image (one cell per
+visual token) from the attention rows the generation already computed: raw attention, or the amortized estimator's
 predicted effects once there is one (toy-vlm: "Fit the estimator" fits it on training scenes with
 exhaustive effects as targets; any VLM: load one saved by `thoughtscope eval vis-attr --save`).
 Afterwards pick any span; its exhaustive effects (attention to each visual token masked in every

@@ -509,22 +509,25 @@ CONFIGS = {
 }
 
 
-def build_model(config: ToyVLMConfig, tokenizer, attn_implementation: str = "eager"):
-    """A randomly initialised `LlavaForConditionalGeneration` of `config`'s size (seeded)."""
+def build_model(config: ToyVLMConfig, tokenizer, attn_implementation: str = "eager", grid: int = GRID):
+    """A randomly initialised `LlavaForConditionalGeneration` of `config`'s size (seeded).
+
+    `grid` other than GRID gives the same architecture with a (grid*CELL)-pixel input, so grid*grid
+    visual tokens: never trained, it serves cost benchmarks at more regions (vis_attr_speedup at K = 16)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     vision = CLIPVisionConfig(hidden_size=config.vision_width, intermediate_size=2 * config.vision_width,
                               num_hidden_layers=config.vision_layers, num_attention_heads=config.vision_heads,
-                              image_size=IMAGE_SIZE, patch_size=CELL, hidden_act="gelu")
+                              image_size=grid * CELL, patch_size=CELL, hidden_act="gelu")
     text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=config.text_width,
                        intermediate_size=2 * config.text_width, num_hidden_layers=config.text_layers,
                        num_attention_heads=config.text_heads, num_key_value_heads=config.text_heads,
-                       max_position_embeddings=64, tie_word_embeddings=False,
+                       max_position_embeddings=64 + grid * grid - N_IMAGE_TOKENS, tie_word_embeddings=False,
                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                        eos_token_id=tokenizer.eos_token_id)
     cfg = LlavaConfig(vision_config=vision, text_config=text,
                       image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-                      image_seq_length=N_IMAGE_TOKENS, vision_feature_layer=-1,
+                      image_seq_length=grid * grid, vision_feature_layer=-1,
                       vision_feature_select_strategy="default")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)

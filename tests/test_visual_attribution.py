@@ -82,3 +82,41 @@ def test_the_heat_map_lies_over_the_image_one_cell_per_region():
     assert centres == [7.5, 23.5, 39.5] and heat.y0 + 2 * heat.dy == 39.5
     assert tuple(fig.layout.yaxis.range) == (47.5, -0.5)  # image rows top-down
     assert fig.layout.title.text == "span 'top-left red ring'"
+
+
+def test_the_estimators_settings_are_chosen_on_development_scenes():
+    """Effects linear in log attention: the development choice takes features="log" (it ranks dev spans
+    better), records every candidate's dev score, and a log estimator saves and loads as such."""
+    from analyses.visual_attribution.evaluate import SceneResult, choose_settings
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=6)
+
+    def scene():
+        feats = rng.dirichlet(np.full(9, 0.3), size=(4, 6)).transpose(0, 2, 1)  # [spans, regions, heads]
+        effects = np.log(feats + 1e-4) @ w + rng.normal(scale=0.05, size=(4, 9))
+        return SceneResult([0] * 4, effects, feats, 0.0, 0.0, spans=[(1, 2)] * 4)
+
+    train, dev = [scene() for _ in range(10)], [scene() for _ in range(4)]
+    grid = {"features": ("raw", "log"), "epochs": (300,), "l2": (0.0, 1e-1)}
+    choice = choose_settings(train, dev, grid=grid)
+    scores = {(c["params"]["features"], c["params"]["l2"]): c["dev_spearman"] for c in choice["candidates"]}
+    assert choice["chosen"]["features"] == "log" and len(scores) == 4
+    assert scores[("log", 0.0)] > 0.9 > scores[("raw", 0.0)]
+    assert choice["n_dev_spans"] == 16 and choice["grid"]["l2"] == [0.0, 0.1]
+    with pytest.raises(BadInputError, match="development"):
+        choose_settings(train, [])
+    with pytest.raises(BadInputError, match="features"):
+        AmortizedAttribution(features="sqrt").fit(np.ones((4, 2)), np.arange(4.0))
+    with pytest.raises(BadInputError, match=">= 0"):
+        AmortizedAttribution(features="log").fit(-np.ones((4, 2)), np.arange(4.0))
+
+
+def test_a_log_feature_estimator_saves_and_loads_with_its_transform(tmp_path):
+    from analyses.visual_attribution import AmortizedAttribution
+
+    rng = np.random.default_rng(1)
+    X = rng.dirichlet(np.ones(5), size=60)
+    est = AmortizedAttribution(epochs=50, features="log").fit(X, np.log(X + 1e-4) @ np.arange(5.0))
+    back = AmortizedAttribution.load(est.save(tmp_path / "log_est"))
+    assert back.features == "log" and np.allclose(back.predict(X), est.predict(X))

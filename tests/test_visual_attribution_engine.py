@@ -96,7 +96,7 @@ def test_eval_vis_attr_on_the_small_toy_vlm(tmp_path):
     from thoughtscope import cli as cli_module
 
     result = CliRunner().invoke(cli_module.build(), ["eval", "vis-attr", "--model", "toy-vlm:small", "--n", "4",
-                                                         "--n-train", "4", "--epochs", "40", "--save",
+                                                         "--n-train", "4", "--n-dev", "3", "--save",
                                                          str(tmp_path / "est"), "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])  # stdout: tqdm bars go to stderr
@@ -115,7 +115,13 @@ def test_eval_vis_attr_on_the_small_toy_vlm(tmp_path):
     from analyses.visual_attribution import AmortizedAttribution
 
     saved = AmortizedAttribution.load(tmp_path / "est")  # the fitted estimator, as the run used it
-    assert out["estimator"] == str(tmp_path / "est.json") and saved.epochs == 40
+    choice = out["settings"]["dev_choice"]  # chosen on dev scenes: every candidate's score is recorded
+    assert choice["n_dev_scenes"] == 3 and len(choice["candidates"]) == 18
+    best = max(c["dev_spearman"] for c in choice["candidates"])
+    assert next(c for c in choice["candidates"] if c["params"] == choice["chosen"])["dev_spearman"] == best
+    assert out["estimator"] == str(tmp_path / "est.json")
+    assert {k: getattr(saved, k) for k in choice["chosen"]} == choice["chosen"] == {
+        k: out["settings"]["estimator"][k] for k in choice["chosen"]}
     assert saved.n_features_in_ == 2 * 4  # layers x heads of toy-vlm:small's language model
 
 

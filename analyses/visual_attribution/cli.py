@@ -1,6 +1,7 @@
 """`thoughtscope eval vis-attr`: faithfulness of visual attribution on toy-vlm's held-out scenes.
 
-The estimator is trained on `--n-train` training scenes (exhaustive effects as targets) and every
+The estimator is trained on `--n-train` training scenes (exhaustive effects as targets), its settings
+chosen on `--n-dev` development scenes (the choice is in the JSON's settings), and every
 method is scored on `--n` evaluation scenes (disjoint layouts: probes.toys.vlm splits) against the
 exhaustive effects: Pearson / Spearman over each span's regions, ground-truth hit rate, R^2, the
 linear datamodeling score, top-k deletion, per-span cost; 95% bootstrap intervals over spans and sign
@@ -30,7 +31,9 @@ def register(cli: typer.Typer) -> None:
         token: Optional[str] = TOKEN_OPTION,
         n: int = typer.Option(40, "--n", help="held-out (eval split) scenes"),
         n_train: int = typer.Option(40, "--n-train", help="training scenes for the estimator"),
-        epochs: int = typer.Option(300, "--epochs", help="estimator epochs (full batch, Adam)"),
+        n_dev: int = typer.Option(20, "--n-dev", help="development scenes on which the estimator's settings are "
+                                  "chosen (features, epochs, l2); 0 = no choice, the defaults with --epochs"),
+        epochs: int = typer.Option(300, "--epochs", help="estimator epochs when --n-dev 0 (full batch, Adam)"),
         lds_subsets: int = typer.Option(8, "--lds-subsets", help="random half-size cell sets per scene for the LDS "
                                         "(0 skips it)"),
         k: int = typer.Option(0, "--k", help="regions: 0 = the 9 cells; K = K Ward clusters of the visual tokens"),
@@ -46,8 +49,9 @@ def register(cli: typer.Typer) -> None:
         b = backend(model, server, token)
         with TerminalProgress(enabled=not as_json) as progress:
             result = run_study(b, n_train=n_train, n_eval=n, seed=seed, epochs=epochs, n_subsets=lds_subsets,
-                               k=k or None, progress=progress)
-        record = provenance(b.info(), data="probes.toys.vlm scenes", split="train (estimator) / eval (scores)",
+                               k=k or None, progress=progress, n_dev=n_dev)
+        record = provenance(b.info(), data="probes.toys.vlm scenes",
+                            split="train (estimator) / dev (its settings) / eval (scores)",
                             seed=seed, settings=result.settings, command="eval vis-attr")
         payload = result.to_dict()
         if save:

@@ -5,7 +5,10 @@ features are the span's attention to the region per layer and head and whose tar
 exhaustive effects, with a 1 - Pearson loss: what matters is the ranking and shape of the effects
 over a span's regions, not their scale. Our reconstruction: the loss is averaged over groups (one
 group = one span's regions), features are standardised on the training pairs, and after the fit a
-least-squares scale and offset (`calibration_`) put predictions back in nats.
+least-squares scale and offset (`calibration_`) put predictions back in nats. `features="log"` fits on
+log(attention + 1e-4) instead of the attention itself (attention is heavy-tailed: a few heads put
+most of their mass on one token); which one, and the epochs and penalty, are chosen on development
+scenes by the study (analyses.visual_attribution.evaluate.choose_settings).
 
 scikit-learn style: constructor arguments are stored as given, learned state ends in `_`; saved as
 safetensors (the weights) + JSON (settings and feature names), never pickle.
@@ -61,11 +64,15 @@ def pearson_loss(pred: torch.Tensor, target: torch.Tensor, groups: torch.Tensor 
 class AmortizedAttribution:
     """Linear estimator of exhaustive effects from attention features (fit / predict / save / load)."""
 
-    def __init__(self, epochs: int = 200, lr: float = 0.05, l2: float = 1e-4, seed: int = 0):
+    FEATURES = ("raw", "log")
+    LOG_FLOOR = 1e-4  # attention weights are >= 0; the floor keeps log finite where a head ignores a region
+
+    def __init__(self, epochs: int = 200, lr: float = 0.05, l2: float = 1e-4, seed: int = 0, features: str = "raw"):
         self.epochs = epochs
         self.lr = lr
         self.l2 = l2
         self.seed = seed
+        self.features = features
 
     def _check_x(self, X: Any, fitting: bool = False) -> np.ndarray:
         x = np.asarray(X, dtype=np.float64)
@@ -75,6 +82,10 @@ class AmortizedAttribution:
             raise BadInputError("features contain NaN or infinite values")
         if not fitting and x.shape[1] != self.n_features_in_:
             raise BadInputError(f"this estimator was fitted on {self.n_features_in_} features; got {x.shape[1]}")
+        if self.features == "log":
+            if (x < 0).any():
+                raise BadInputError("features='log' takes attention weights (>= 0); got negative features")
+            return np.log(x + self.LOG_FLOOR)
         return x
 
     def fit(self, X: Any, y: Any, groups: Any = None, feature_names: list[str] | None = None,
@@ -82,6 +93,8 @@ class AmortizedAttribution:
         """Fit on pairs: X [n, F] features, y [n] effects, groups [n] (span ids; default: one group)."""
         if not (isinstance(self.epochs, int) and self.epochs >= 1) or not self.lr > 0 or self.l2 < 0:
             raise BadInputError("epochs must be a positive integer, lr > 0 and l2 >= 0")
+        if self.features not in self.FEATURES:
+            raise BadInputError(f"features must be one of {self.FEATURES}, got {self.features!r}")
         x = self._check_x(X, fitting=True)
         t = np.asarray(y, dtype=np.float64).reshape(-1)
         if len(t) != len(x):
@@ -113,7 +126,7 @@ class AmortizedAttribution:
 
     def scores(self, X: Any) -> np.ndarray:
         """Uncalibrated scores (what the Pearson loss ranks)."""
-        x = self._check_x(X)
+        x = self._check_x(X)  # transformed as in the fit
         return ((x - self.mean_) / self.scale_) @ self.weights_
 
     def predict(self, X: Any) -> np.ndarray:
@@ -123,7 +136,7 @@ class AmortizedAttribution:
 
     @property
     def coef_(self) -> np.ndarray:
-        """Weights on the raw (unstandardised) features, calibration included."""
+        """Weights on the unstandardised features (log attention with features="log"), calibration included."""
         return self.calibration_[0] * self.weights_ / self.scale_
 
     def save(self, path: str | Path) -> Path:
@@ -136,7 +149,8 @@ class AmortizedAttribution:
         stem.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: torch.as_tensor(getattr(self, f"{k}_")) for k in ("weights", "mean", "scale")},
                   str(stem.with_suffix(".safetensors")))
-        meta = {"version": VERSION, "params": {"epochs": self.epochs, "lr": self.lr, "l2": self.l2, "seed": self.seed},
+        meta = {"version": VERSION, "params": {"epochs": self.epochs, "lr": self.lr, "l2": self.l2, "seed": self.seed,
+                                                 "features": self.features},
                 "n_features_in": self.n_features_in_, "feature_names": self.feature_names_,
                 "calibration": list(self.calibration_), "final_loss": self.history_[-1] if self.history_ else None}
         stem.with_suffix(".json").write_text(json.dumps(meta, indent=2))

@@ -13,6 +13,10 @@ on held-out scenes each method's scores are compared with the exhaustive effects
 - deletion: the span's drop with a method's top-k cells masked (higher = the method found what matters);
 - per-span cost (seconds) of each method on this machine.
 
+The estimator's settings (feature transform, epochs, penalty) are chosen on development-split scenes
+(`choose_settings`, with `n_dev`), never on the evaluation scenes; the choice and every candidate's
+development score go into the result's settings.
+
 95% percentile-bootstrap intervals over held-out spans (analyses.evaluation); the amortized estimator
 against raw attention with paired sign tests (Spearman, LDS, deletion), and against input x gradient
 (the gradient slot, probes.gradients, read at the image tokens) on Spearman. Not measured here:
@@ -140,6 +144,56 @@ def faithfulness(backend: Any, scene: SceneResult, scores: dict[str, np.ndarray]
     return out
 
 
+# The development grid: what `choose_settings` tries (lr stays 0.05: Adam on ~20 standardised features).
+DEV_GRID: dict[str, tuple[Any, ...]] = {"features": ("raw", "log"), "epochs": (100, 300, 1000),
+                                        "l2": (0.0, 1e-3, 1e-1)}
+
+
+def _pairs(scenes: list[SceneResult]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(X [pairs, F], y [pairs], groups [pairs]: one group per span) of scenes' (span, region) pairs."""
+    X = np.concatenate([s.features.reshape(-1, s.features.shape[-1]) for s in scenes])
+    y = np.concatenate([s.effects.reshape(-1) for s in scenes])
+    groups, offset = [], 0
+    for s in scenes:  # one group per span: the loss ranks a span's regions
+        n_spans_k, n_regions = s.effects.shape
+        groups.append(np.repeat(offset + np.arange(n_spans_k), n_regions))
+        offset += n_spans_k
+    return X, y, np.concatenate(groups)
+
+
+def choose_settings(train: list[SceneResult], dev: list[SceneResult], seed: int = 0,
+                    grid: dict[str, tuple[Any, ...]] | None = None,
+                    progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """The estimator's settings chosen on development scenes: every combination of `grid` (DEV_GRID) is
+    fit on `train` and scored by the mean per-span Spearman correlation of its predictions with the
+    exhaustive effects of `dev` (ties: the first in grid order). Returns {"chosen": params, "criterion",
+    "candidates": [{params, dev_spearman}], "n_dev_scenes", "n_dev_spans"}; the evaluation scenes are
+    never seen here."""
+    import itertools
+
+    grid = dict(DEV_GRID if grid is None else grid)
+    if not dev:
+        raise BadInputError("choosing settings needs at least one development scene")
+    X, y, groups = _pairs(train)
+    names = list(grid)
+    combos = list(itertools.product(*(grid[n] for n in names)))
+    candidates = []
+    for i, values in enumerate(combos):
+        params = dict(zip(names, values))
+        est = AmortizedAttribution(seed=seed, **params).fit(X, y, groups)
+        rhos = []
+        for s in dev:
+            pred = est.predict(s.features.reshape(-1, s.features.shape[-1])).reshape(s.effects.shape)
+            rhos.extend(_spearman(pred[k], s.effects[k]) for k in range(len(pred)))
+        candidates.append({"params": params, "dev_spearman": float(np.mean(rhos))})
+        if progress is not None:
+            progress("dev choice", i + 1, len(combos))
+    best = max(range(len(candidates)), key=lambda k: (candidates[k]["dev_spearman"], -k))
+    return {"chosen": candidates[best]["params"], "criterion": "mean per-span Spearman of the predictions vs the "
+            "exhaustive effects on the development scenes", "grid": {k: list(v) for k, v in grid.items()},
+            "candidates": candidates, "n_dev_scenes": len(dev), "n_dev_spans": int(sum(len(s.spans) for s in dev))}
+
+
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     from scipy.stats import spearmanr
 
@@ -156,9 +210,11 @@ def _pearson(a: np.ndarray, b: np.ndarray) -> float:
 
 def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, epochs: int = 300,
               n_subsets: int = 8, deletion_k: tuple[int, ...] = (1, 2), k: int | None = None,
-              progress: Callable[[str, int, int], None] | None = None) -> StudyResult:
+              progress: Callable[[str, int, int], None] | None = None, n_dev: int = 0) -> StudyResult:
     """Train the estimator on `n_train` training scenes, score every method on `n_eval` eval scenes
-    (with `n_subsets` random cell sets per scene for the LDS, 0 to skip it, and top-k deletion)."""
+    (with `n_subsets` random cell sets per scene for the LDS, 0 to skip it, and top-k deletion).
+    With `n_dev` > 0 the estimator's settings (features, epochs, l2: DEV_GRID) are chosen on that many
+    development-split scenes (`choose_settings`) and `epochs` is unused; else the defaults with `epochs`."""
     from analyses.evaluation import bootstrap_interval, sign_test
     from analyses.visual_attribution.attribution import gradient_scores
     from probes.backend import require
@@ -168,11 +224,13 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
     clusters = k  # `k` is also the comprehension variable below
     if not (isinstance(n_train, int) and isinstance(n_eval, int) and n_train >= 2 and n_eval >= 2):
         raise BadInputError("n_train and n_eval must be integers >= 2")
+    if not (isinstance(n_dev, int) and n_dev >= 0):
+        raise BadInputError("n_dev must be an integer >= 0 (0: no development choice)")
     if clusters is not None and not (isinstance(clusters, int) and 2 <= clusters <= vlm.GRID * vlm.GRID):
         raise BadInputError(f"K={clusters} regions: toy-vlm has {vlm.GRID * vlm.GRID} visual tokens, so K must be "
                             f"2..{vlm.GRID * vlm.GRID}")
     scenes: dict[str, list[SceneResult]] = {}
-    for split, n in (("train", n_train), ("eval", n_eval)):
+    for split, n in (("train", n_train), ("dev", n_dev), ("eval", n_eval)):
         exs = vlm.examples(split, n, seed=seed)
         scenes[split] = []
         for i, ex in enumerate(exs):
@@ -180,16 +238,12 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
             if progress is not None:
                 progress(f"{split} scenes", i + 1, n)
     train = scenes["train"]
-    X = np.concatenate([s.features.reshape(-1, s.features.shape[-1]) for s in train])
-    y = np.concatenate([s.effects.reshape(-1) for s in train])
-    groups, offset = [], 0
-    for s in train:  # one group per span: the loss ranks a span's regions
-        n_spans_k, n_regions = s.effects.shape
-        groups.append(np.repeat(offset + np.arange(n_spans_k), n_regions))
-        offset += n_spans_k
+    X, y, groups = _pairs(train)
+    dev_choice = choose_settings(train, scenes["dev"], seed=seed, progress=progress) if n_dev else None
+    params = dev_choice["chosen"] if dev_choice else {"epochs": epochs}
     start = time.perf_counter()
-    est = AmortizedAttribution(epochs=epochs, seed=seed).fit(
-        X, y, np.concatenate(groups), on_progress=(lambda d, t: progress("fit", d, t)) if progress else None)
+    est = AmortizedAttribution(seed=seed, **params).fit(
+        X, y, groups, on_progress=(lambda d, t: progress("fit", d, t)) if progress else None)
     fit_seconds = time.perf_counter() - start
 
     rows: dict[str, list[float]] = {k: [] for k in (
@@ -258,7 +312,10 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
                 "n_eval_spans": n_spans, "seed": seed,
                 "regions": (f"{clusters} Ward clusters of resid_pre.0 at the image tokens, per scene" if clusters
                             else "the 9 grid cells (one visual token each)"),
-                "epochs": epochs, "model": backend.info().get("model_id"), "split_rule": vlm.__name__ + ".split_of",
+                "estimator": {"epochs": est.epochs, "lr": est.lr, "l2": est.l2, "features": est.features},
+                "n_dev_scenes": n_dev,
+                "dev_choice": dev_choice if dev_choice else "none: the estimator's default settings, not tuned",
+                "epochs": est.epochs, "model": backend.info().get("model_id"), "split_rule": vlm.__name__ + ".split_of",
                 "spans": "description phrases of the reference trace (teacher-forced)",
                 "lds": f"{n_subsets} random sets of half the cells per scene (Spearman of summed scores vs the "
                        "span's drop with the set masked)" if n_subsets >= 3 else "skipped",

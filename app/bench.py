@@ -1,8 +1,11 @@
 """The views' benchmarks (`thoughtscope bench views`): how long a researcher waits after acting.
 
 - `page_first_figure_s`: in Chromium (Playwright, the system browser), from opening the trace
-  explorer to its first figure, in a new tab and when switching pages inside a session, on a
-  generation the app already holds. Goals: <= 2 s new tab, <= 1 s switch.
+  explorer to its first figure painted, on a generation the app already holds: switching pages
+  inside a session (from the click), a new tab of the same browser, and a first visit with nothing
+  cached (from navigation start). Timed by the page's own clock (`PAINT_PROBE`); the driver's wall
+  clock, which adds Playwright's round trips, is reported beside it. Goals: <= 2 s new tab, <= 1 s
+  switch.
 - `steer_slider_s`: from a slider move to the steered text on the Steering page (the page script
   rerun under `streamlit.testing`, no browser), on the embedded model with the one-shot prompt and
   48 new tokens. With greedy decoding the page's first draw of a direction generates all 17 slider
@@ -164,22 +167,63 @@ def first_figure(page: Any) -> Any:
     return page.locator('[data-testid="stPlotlyChart"]').first.locator(".main-svg").first
 
 
-def time_page_opening(page: Any, url: str, switches: int = 2) -> tuple[float, list[float]]:
-    """Seconds from opening the trace explorer in a new session to its first figure, then from each of
-    `switches` page switches (Home -> Trace explorer) to it. Shared by this benchmark and the browser test."""
+# The page's own clock: when a figure's SVG enters the document, the frame after it is painted (a
+# requestAnimationFrame callback runs before a paint, a task queued from it runs after). Times are
+# performance.now(): ms since the tab's navigation started, and the last click is recorded too, so a
+# page switch is timed from the click event the user makes. The test driver's own round trips
+# (Playwright's actionability checks before a click, its polling after) are not part of what a user
+# waits for; on this loaded 2-core machine they added 0.3-1 s to every opening.
+PAINT_PROBE = """
+(() => {
+  if (window.__tsProbe) return;
+  const probe = window.__tsProbe = {click: null, painted: null, pending: false};
+  document.addEventListener('click', () => { probe.click = performance.now(); probe.painted = null; }, true);
+  new MutationObserver(() => {
+    if (probe.painted !== null || probe.pending) return;
+    if (!document.querySelector('[data-testid="stPlotlyChart"] .main-svg')) return;
+    probe.pending = true;
+    requestAnimationFrame(() => setTimeout(() => { probe.painted = performance.now(); probe.pending = false; }, 0));
+  }).observe(document, {subtree: true, childList: true});
+})();
+"""
+
+
+def _painted_s(page: Any, since_click: bool) -> float:
+    page.wait_for_function("window.__tsProbe && window.__tsProbe.painted !== null")
+    probe = page.evaluate("window.__tsProbe")
+    return (probe["painted"] - (probe["click"] if since_click else 0.0)) / 1000
+
+
+def page_opening_times(page: Any, url: str, switches: int = 2) -> dict[str, Any]:
+    """Open the trace explorer in `page` (a new session), then switch Home -> Trace explorer `switches`
+    times; each opening to the first figure painted, by the page's clock (from navigation start, from
+    the click) and by the driver's wall clock (from `goto`, from `click()`)."""
+    page.add_init_script(PAINT_PROBE)
     started = time.perf_counter()
     page.goto(f"{url}/trace_explorer")  # a new session: generation and trace come from the app's caches
     first_figure(page).wait_for(state="visible")
-    opened, switched = time.perf_counter() - started, []
+    driver = time.perf_counter() - started
+    out: dict[str, Any] = {"new_tab": _painted_s(page, False), "new_tab_driver": driver, "switch": [],
+                           "switch_driver": []}
     nav = page.locator('[data-testid="stSidebarNav"] a')
     for _ in range(switches):
         nav.filter(has_text="Home").click()
         page.locator('[data-testid="stMetric"]').first.wait_for()
+        time.sleep(0.5)  # Home has finished drawing: the switch does not wait for its run to stop
         started = time.perf_counter()
         nav.filter(has_text="Trace explorer").click()
         first_figure(page).wait_for(state="visible")
-        switched.append(time.perf_counter() - started)
-    return opened, switched
+        out["switch_driver"].append(time.perf_counter() - started)
+        out["switch"].append(_painted_s(page, True))
+    return out
+
+
+def time_page_opening(page: Any, url: str, switches: int = 2) -> tuple[float, list[float]]:
+    """Seconds from opening the trace explorer in a new session to its first figure painted, then from
+    each of `switches` page switches (Home -> Trace explorer) to it, by the page's clock (see
+    `page_opening_times`). Shared by this benchmark and the browser test."""
+    times = page_opening_times(page, url, switches)
+    return times["new_tab"], times["switch"]
 
 
 def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, Any]]:
@@ -222,31 +266,43 @@ def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, An
             browser = pw.chromium.launch(executable_path=browser_path, headless=True,
                                          args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
 
-            warm = browser.new_page()
+            context = browser.new_context()  # one browser profile: its tabs share the HTTP cache
+            warm = context.new_page()
             warm.set_default_timeout(slow)
             warm.goto(f"{url}/trace_explorer")
             warm.locator(".st-key-generate button").first.click()
             warm.locator('[data-testid="stPlotlyChart"]').nth(3).locator(".main-svg").first.wait_for()
             warm.close()
-            fresh, switch = [], []
+            tab, switch, cold = [], [], []
             for _ in range(rounds):
-                page = browser.new_page()
+                page = context.new_page()  # a new tab of the same browser
                 page.set_default_timeout(slow)
-                opened, switched = time_page_opening(page, url)
-                fresh.append(opened)
-                switch.extend(switched)
+                tab.append(page_opening_times(page, url))
                 page.close()
+                fresh = browser.new_context()  # a first visit: nothing cached
+                page = fresh.new_page()
+                page.set_default_timeout(slow)
+                cold.append(page_opening_times(page, url, switches=0))
+                fresh.close()
+            switch = [t for times in tab for t in zip(times["switch"], times["switch_driver"])]
             browser.close()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    common = {"model": model_id, "page": "trace_explorer", "load_avg_1m": _load()}
-    return [{"bench": "page_first_figure_s", "opening": "page switch", "seconds": _median(switch),
-             "ratio": round(statistics.median(switch) / GOALS["page_first_figure_switch"], 3), "target": 1.0,
-             "runs_s": [round(t, 3) for t in switch], **common},
-            {"bench": "page_first_figure_s", "opening": "new tab", "seconds": _median(fresh),
-             "ratio": round(statistics.median(fresh) / GOALS["page_first_figure_new_tab"], 3), "target": 1.0,
-             "runs_s": [round(t, 3) for t in fresh], **common}]
+    common = {"model": model_id, "page": "trace_explorer", "load_avg_1m": _load(),
+              "clock": "the page's own: navigation start or click event -> the first figure painted"}
+
+    def row(opening: str, pairs: list[tuple[float, float]], goal: str) -> dict[str, Any]:
+        page_s, driver_s = [p for p, _ in pairs], [d for _, d in pairs]
+        return {"bench": "page_first_figure_s", "opening": opening, "seconds": _median(page_s),
+                "ratio": round(statistics.median(page_s) / GOALS[goal], 3), "target": 1.0,
+                "runs_s": [round(t, 3) for t in page_s], "driver_s": _median(driver_s),
+                "driver_runs_s": [round(t, 3) for t in driver_s], **common}
+
+    return [row("page switch", switch, "page_first_figure_switch"),
+            row("new tab", [(t["new_tab"], t["new_tab_driver"]) for t in tab], "page_first_figure_new_tab"),
+            row("first visit (cold cache)", [(t["new_tab"], t["new_tab_driver"]) for t in cold],
+                "page_first_figure_new_tab")]
 
 
 def run_views(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:

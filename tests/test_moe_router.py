@@ -313,6 +313,12 @@ def test_expert_sample_overhead_bench_row(moe):
     # one sequence: each side computes exactly its k experts per layer and step
     single = bench_expert_sample_overhead(moe, n_problems=1, max_new_tokens=3, rounds=1)
     assert single["distinct_experts_per_step"]["greedy"] == single["distinct_experts_per_step"]["expert_sample"] == k
+    # at T_e near 0 the drawn tail is the model's own next ranks: the same experts as greedy, the rule's full cost
+    from analyses.moe_router.evaluate import ExpertSetting
+
+    cold = bench_expert_sample_overhead(moe, n_problems=2, max_new_tokens=4, rounds=1, target=None,
+                                        setting=ExpertSetting(1, 4, 1e-4), name="expert_sample_cold_overhead")
+    assert cold["distinct_experts_per_step"]["expert_sample"] == cold["distinct_experts_per_step"]["greedy"]
     identity = bench_expert_sample_overhead(moe, n_problems=2, max_new_tokens=4, rounds=1, identity=True, target=None,
                                             name="router_rule_overhead")
     assert identity["tokens"] == {"greedy": 8, "identity": 8} and "target" not in identity

@@ -15,7 +15,9 @@ Where the time goes, in two more figures: `router_rule_overhead` (no target) tim
 routing by a rule at all. And each Expert-Sample row reports `distinct_experts_per_step` for both sides
 (experts the MoE block computes per layer and decode step, over the batch): sampled tails spread the batch
 over more experts, and the grouped expert kernels pay per expert group, which is the cost of diversity
-itself rather than of the rule.
+itself rather than of the rule. `expert_sample_cold_overhead` (no target) runs the whole Expert-Sample code
+path at T_e = 1e-4, where the drawn tail is the model's own next ranks (so, up to near-ties, the same experts
+as greedy): the rule's operations without the cost of diversity.
 """
 
 from __future__ import annotations
@@ -90,14 +92,20 @@ def bench_expert_sample_overhead(backend: Any, *, n_problems: int = 16, n_sample
 def run_moe(model_id: str = "toy-moe") -> list[dict[str, Any]]:
     import torch
 
+    from analyses.moe_router.evaluate import ExpertSetting
     from probes.engine import Engine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: a shared machine's other load moves both sides alike
     try:
         engine = Engine.from_id(model_id)
+        arch = engine.info()["arch"]
+        k = arch["experts_top_k"]
+        k_h = max(1, k // 2)
+        cold = ExpertSetting(k_h, min(arch["n_experts"] - k_h, 2 * k), 1e-4)
         return [bench_expert_sample_overhead(engine),
                 bench_expert_sample_overhead(engine, identity=True, target=None, name="router_rule_overhead"),
+                bench_expert_sample_overhead(engine, setting=cold, target=None, name="expert_sample_cold_overhead"),
                 bench_expert_sample_overhead(engine, n_problems=1, n_samples=16, target=None,
                                              name="expert_sample_overhead_same_prompt"),
                 bench_expert_sample_overhead(engine, n_problems=1, name="expert_sample_overhead_batch1", target=None)]

@@ -136,6 +136,27 @@ class Intervention(Registered):
         raise NotImplementedError
 
 
+def _scales(value: Any, what: str) -> float | list[float]:
+    """One finite number, or a flat list of them (one per batch row: a list, tuple or 1-D tensor)."""
+    if isinstance(value, (list, tuple)) or (hasattr(value, "ndim") and value.ndim > 0):
+        values = value.tolist() if hasattr(value, "tolist") else list(value)
+        if not values or any(isinstance(v, (list, tuple)) for v in values):
+            raise BadInputError(f"a per-row {what} is a flat list of numbers, one per batch row; got {value!r}")
+        return [_finite(v, f"{what} of row {i}") for i, v in enumerate(values)]
+    return _finite(value, what)
+
+
+def _row_factor(scales: float | list[float], x: torch.Tensor, iv: "Intervention") -> Any:
+    """A scalar as it is; per-row scales as a [batch, 1, ...] tensor for `x` [batch, ...], checked against
+    the batch (the number of rows is known only when the intervention first applies)."""
+    if not isinstance(scales, list):
+        return scales
+    if len(scales) != x.shape[0]:
+        raise BadInputError(f"{type(iv).__name__} at {iv.site} has {len(scales)} per-row scales but the batch has "
+                            f"{x.shape[0]} rows; give one per sequence (prompts x n_samples)")
+    return torch.tensor(scales, dtype=x.dtype, device=x.device).view(-1, *([1] * (x.dim() - 1)))
+
+
 @dataclass
 class AddVector(Intervention):
     """Add `scale * vector` to the activation at `site` (activation addition, Turner et al. 2023).
@@ -154,31 +175,14 @@ class AddVector(Intervention):
     def __init__(self, site: str, vector: Any, scale: float | Sequence[float] = 1.0, where: str = "all"):
         self.site, self.where, self.vector, self.scale = site, where, vector, scale
 
-    @property
-    def per_row(self) -> bool:
-        return isinstance(self.scale, (list, tuple)) or (hasattr(self.scale, "ndim") and self.scale.ndim > 0)
-
     def _check(self, arch: Any) -> None:
-        if self.per_row:
-            values = self.scale.tolist() if hasattr(self.scale, "tolist") else list(self.scale)
-            if not values or any(isinstance(v, (list, tuple)) for v in values):
-                raise BadInputError("a per-row steering scale is a flat list of numbers, one per batch row; "
-                                    f"got {self.scale!r}")
-            self.scale = [_finite(v, f"steering scale of row {i}") for i, v in enumerate(values)]
-        else:
-            self.scale = _finite(self.scale, "steering scale")
+        self.scale = _scales(self.scale, "steering scale")
         self.vector = _as_vector(self.vector, arch.d_model, "steering vector")
 
     def edit(self, x: torch.Tensor) -> torch.Tensor:
         v = self.vector.to(x.dtype).to(x.device)
-        if not isinstance(self.scale, list):
-            return x + self.scale * v
-        if len(self.scale) != x.shape[0]:
-            raise BadInputError(f"AddVector at {self.site} has {len(self.scale)} per-row scales but the batch has "
-                                f"{x.shape[0]} rows; give one scale per sequence (prompts x n_samples)")
         # row b: x_b + scale_b * v, the same float32 product as a single-row call with that scale
-        rows = torch.tensor(self.scale, dtype=x.dtype, device=x.device).view(-1, *([1] * (x.dim() - 1)))
-        return x + rows * v
+        return x + _row_factor(self.scale, x, self) * v
 
     def describe(self) -> str:
         if isinstance(self.scale, list):
@@ -189,18 +193,20 @@ class AddVector(Intervention):
 
 @dataclass
 class ProjectionRescale(Intervention):
-    """h' = h - alpha * w (w.h) with w normalised (RISE): alpha 1 removes the w component, -1 doubles it."""
+    """h' = h - alpha * w (w.h) with w normalised (RISE): alpha 1 removes the w component, -1 doubles it.
+
+    `alpha` is one number, or one per batch row as `AddVector`'s scale (the RISE page's alpha grid)."""
 
     kind: ClassVar[str] = "rescale"
     tensor_fields: ClassVar[tuple[str, ...]] = ("direction",)
     direction: torch.Tensor = None
-    alpha: float = 1.0
+    alpha: float | list[float] = 1.0
 
-    def __init__(self, site: str, direction: Any, alpha: float = 1.0, where: str = "all"):
+    def __init__(self, site: str, direction: Any, alpha: float | Sequence[float] = 1.0, where: str = "all"):
         self.site, self.where, self.direction, self.alpha = site, where, direction, alpha
 
     def _check(self, arch: Any) -> None:
-        self.alpha = _finite(self.alpha, "alpha")
+        self.alpha = _scales(self.alpha, "alpha")
         w = _as_vector(self.direction, arch.d_model, "direction")
         norm = float(w.norm())
         if norm == 0.0:
@@ -209,9 +215,11 @@ class ProjectionRescale(Intervention):
 
     def edit(self, x: torch.Tensor) -> torch.Tensor:
         w = self.direction.to(x.dtype).to(x.device)
-        return x - self.alpha * (x @ w).unsqueeze(-1) * w
+        return x - _row_factor(self.alpha, x, self) * (x @ w).unsqueeze(-1) * w
 
     def describe(self) -> str:
+        if isinstance(self.alpha, list):
+            return f"rescale along w by alpha=[{', '.join(f'{a:g}' for a in self.alpha)}] per row at {self.site}"
         return f"rescale along w by alpha={self.alpha:g} at {self.site}"
 
 

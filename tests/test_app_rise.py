@@ -62,7 +62,7 @@ def test_the_page_draws_and_waits_for_the_harvest():
     assert not at.get("plotly_chart")
 
 
-def test_harvest_train_shows_stats_geometry_follows_the_layer_and_alpha_steers():
+def test_harvest_train_shows_stats_geometry_follows_the_layer_and_alpha_steers(monkeypatch):
     at = harvested()
     assert int(metric(at, "Traces")) == 4
     stats = at.dataframe[0].value  # the SAE stats table comes first
@@ -101,19 +101,29 @@ def test_harvest_train_shows_stats_geometry_follows_the_layer_and_alpha_steers()
     spec_after = next(c.proto.spec for c in at.get("plotly_chart") if "Decoder columns at" in c.proto.spec)
     assert json.loads(spec_before)["data"] != json.loads(spec_after)["data"]
 
-    # the alpha slider changes the steered text (additive mode along a latent's column)
+    # the alpha slider changes the steered text (additive mode along a latent's column); the first draw
+    # generates every stop in one batch, so moving the slider afterwards generates nothing
+    import importlib
+
+    steer_module = importlib.import_module("analyses.rise.steer")  # the module (the package exports the function)
+
+    grids = []
+    real_grid = steer_module._alpha_grid
+    monkeypatch.setattr(steer_module, "_alpha_grid", lambda *a, **k: grids.append(a[4]) or real_grid(*a, **k))
     at.radio(key="rise_steer_source").set_value(page.FROM_LATENT).run()
     at.radio(key="rise_steer_mode").set_value("add").run()
     assert_clean(at)
     at.slider(key="rise_alpha").set_value(0.0).run()
     vanilla = steered_text(at)
+    drawn = len(grids)
     at.slider(key="rise_alpha").set_value(1.5).run()
     assert_clean(at)
     assert steered_text(at) != vanilla
+    assert len(grids) == drawn and grids[-1] == list(page.ALPHA_STOPS)  # the move was a lookup
     spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Behaviour counts" in c.proto.spec))
     # reflection, backtracking and all steps per alpha: never an empty chart (the step bars are there)
     assert [t["name"] for t in spec["data"]] == ["reflection", "backtracking", "all steps"]
-    assert spec["data"][2]["x"] == ["0", "1.5"] and min(spec["data"][2]["y"]) > 0
+    assert spec["data"][2]["x"] == [f"{a:g}" for a in page.ALPHA_STOPS] and min(spec["data"][2]["y"]) > 0
 
     # the behaviour vector (templated steps give the labeller reflection/backtracking to find) and confidence
     at.radio(key="rise_steer_source").set_value(page.FROM_BEHAVIOUR).run()

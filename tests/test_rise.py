@@ -219,6 +219,31 @@ def test_pipeline_end_to_end_on_a_tiny_model(tiny, tmp_path, monkeypatch):
         assert fig.layout.template.layout.font.family.startswith("Helvetica")
 
 
+@pytest.mark.parametrize("mode", ["projection", "add"])
+def test_a_batched_alpha_grid_equals_one_generation_per_alpha(tiny, mode):
+    """The RISE page's slider grid: every alpha of a problem as a row of one greedy generation gives the
+    same traces, token for token, as generating each alpha alone; alpha 0 rows are the vanilla traces."""
+    from analyses.rise.steer import steering_intervention
+
+    settings = HarvestSettings(layers=(1,), max_new_tokens=12, batch_size=4, delimiter="sentence")
+    direction = torch.linspace(-3, 2, 64)
+    problems = arithmetic_problems(3, seed=4)
+    alphas = (-1.5, 0.0, 0.75, 1.5)
+    alone = rise.steer(tiny, problems, direction, "resid_post.1", alphas=alphas, mode=mode, settings=settings)
+    grid = rise.steer(tiny, problems, direction, "resid_post.1", alphas=alphas, mode=mode, settings=settings,
+                      batch_alphas=True)
+    for a in alphas:
+        assert [t.gen_ids for t in grid.traces[a]] == [t.gen_ids for t in alone.traces[a]]
+    assert [r.to_dict() | {"generation_seconds": 0} for r in grid.rows] == \
+        [r.to_dict() | {"generation_seconds": 0} for r in alone.rows]
+    # the steering is real: some alpha moves some trace away from vanilla
+    assert any(grid.traces[a][i].gen_ids != grid.traces[0.0][i].gen_ids
+               for a in alphas if a for i in range(len(problems)))
+    iv = steering_intervention("resid_post.1", direction, [0.5, -1.0], mode)
+    iv.validate(tiny.handle.arch)
+    assert "per row" in iv.describe()
+
+
 def test_cli_stages_print_json(tmp_path):
     import typer
     from typer.testing import CliRunner

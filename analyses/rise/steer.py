@@ -15,8 +15,10 @@ from analyses.rise.labels import count_behaviours
 from analyses.tasks import Problem
 from thoughtscope.errors import BadInputError
 
-def steering_intervention(site: str, vector: torch.Tensor, alpha: float, mode: str = "projection") -> Any:
-    """ProjectionRescale (h - alpha w (w.h)) or AddVector (h + alpha w) at every generated token."""
+def steering_intervention(site: str, vector: torch.Tensor, alpha: float | list[float],
+                          mode: str = "projection") -> Any:
+    """ProjectionRescale (h - alpha w (w.h)) or AddVector (h + alpha w) at every generated token; `alpha` may
+    be one value per batch row (the alpha grid of one batched generation)."""
     from probes.interventions import AddVector, ProjectionRescale
 
     if mode == "projection":
@@ -95,12 +97,23 @@ class SteeringResult:
 def steer(backend: Any, problems: Sequence[Problem], vector: torch.Tensor, site: str,
           alphas: Sequence[float] = (-1.5, -1.0, 0.0, 1.0, 1.5), mode: str = "projection",
           settings: HarvestSettings | None = None, behaviour: str = "reflection", seed: int = 0,
-          split: str = "", on_progress: Callable[[int, int], None] | None = None) -> SteeringResult:
+          split: str = "", on_progress: Callable[[int, int], None] | None = None,
+          batch_alphas: bool = False) -> SteeringResult:
     """Generate on `problems` at each alpha (0 = vanilla) and count behaviours, length, accuracy.
 
     Traces are greedy, or sampled at `settings.temperature`; sampled alphas share their seeds
     batch by batch, so differences between alphas are not differences of random draws alone.
     Behaviours are counted by the family's labeller (`settings.labeller`).
+
+    `batch_alphas` (greedy traces only): every alpha of a problem in one batched generation, one row per
+    alpha (the intervention takes one alpha per row; alpha 0 edits nothing), so the whole sweep costs about
+    one generation of a batch rather than one generation per alpha: what lets the RISE page's alpha slider
+    answer by a lookup. The rows equal the per-alpha generations (tested on a tiny model). Sampled traces
+    ignore it: a row's random draws depend on its place in the batch.
+
+    Example:
+        >>> result = steer(engine, problems[:1], vector, "resid_post.2", alphas=[-1, 0, 1], batch_alphas=True)
+        >>> result.traces[1.0][0].text  # the steered trace at alpha 1
     """
     from analyses.evaluation import bootstrap_interval
 
@@ -111,13 +124,22 @@ def steer(backend: Any, problems: Sequence[Problem], vector: torch.Tensor, site:
     delimiter = resolve_delimiter(settings.delimiter, model_id)
     counter = behaviour_counter(settings.labeller, delimiter, model_id)
     rows, by_alpha = [], {}
+    grid, grid_seconds = {}, 0.0
+    if batch_alphas and settings.temperature == 0 and len(alphas) > 1:
+        started = time.perf_counter()
+        grid = _alpha_grid(backend, problems, vector, site, [float(a) for a in alphas], mode, settings, delimiter,
+                           seed, on_progress)
+        grid_seconds = (time.perf_counter() - started) / len(alphas)
     for done, alpha in enumerate(alphas):
         ivs = [] if float(alpha) == 0.0 else [steering_intervention(site, vector, float(alpha), mode)]
         traces: list[TraceRecord] = []
         started = time.perf_counter()
-        for lo in range(0, len(problems), settings.batch_size):
-            traces += generate_traces(backend, problems[lo:lo + settings.batch_size], settings, delimiter, ivs,
-                                      seed=seed + lo)
+        if grid:
+            traces = grid[float(alpha)]
+        else:
+            for lo in range(0, len(problems), settings.batch_size):
+                traces += generate_traces(backend, problems[lo:lo + settings.batch_size], settings, delimiter, ivs,
+                                          seed=seed + lo)
         by_alpha[float(alpha)] = traces
         counts = [counter(t.text) for t in traces]
         per_trace = [{"problem_id": t.problem.id, "reflection": c["reflection"], "backtracking": c["backtracking"],
@@ -133,9 +155,29 @@ def steer(backend: Any, problems: Sequence[Problem], vector: torch.Tensor, site:
             mean_tokens=float(np.mean([t.n_tokens for t in traces])),
             accuracy=float(np.mean([t.correct for t in traces])),
             examples=[t.text for t in traces[:2]],
-            generation_seconds=time.perf_counter() - started,
+            generation_seconds=grid_seconds if grid else time.perf_counter() - started,
             intervals=intervals, per_trace=per_trace,
         ))
-        if on_progress:
+        if on_progress and not grid:
             on_progress(done + 1, len(alphas))
     return SteeringResult(behaviour, site, mode, rows, [p.id for p in problems], by_alpha, settings.temperature, split)
+
+
+def _alpha_grid(backend: Any, problems: Sequence[Problem], vector: torch.Tensor, site: str, alphas: list[float],
+                mode: str, settings: HarvestSettings, delimiter: str, seed: int,
+                on_progress: Callable[[int, int], None] | None) -> dict[float, list[TraceRecord]]:
+    """Greedy traces of every (alpha, problem) pair, one row each, `settings.batch_size` problems times all
+    alphas per batched generation; alpha 0 rows edit nothing, so they are the vanilla traces."""
+    grid: dict[float, list[TraceRecord]] = {a: [] for a in alphas}
+    step = max(1, settings.batch_size // len(alphas))
+    chunks = range(0, len(problems), step)
+    for done, lo in enumerate(chunks):
+        chunk = list(problems[lo:lo + step])
+        row_alphas = [a for a in alphas for _ in chunk]
+        iv = steering_intervention(site, vector, row_alphas, mode)
+        traces = generate_traces(backend, [p for _ in alphas for p in chunk], settings, delimiter, [iv], seed=seed + lo)
+        for i, a in enumerate(alphas):
+            grid[a] += traces[i * len(chunk):(i + 1) * len(chunk)]
+        if on_progress:
+            on_progress(done + 1, len(chunks))
+    return grid

@@ -225,6 +225,10 @@ def dashboard_section(ctx, found: dict[str, Any], site: str) -> None:
 # ----------------------------------------------------------------------------- 5. steering
 
 
+ALPHA_STEP = 0.25
+ALPHA_STOPS = tuple(round(-1.5 + ALPHA_STEP * i, 2) for i in range(13))  # -1.5 .. 1.5, the slider's stops
+
+
 def steering_section(ctx, store, found: dict[str, Any], site: str, settings: HarvestSettings, task: str,
                      n: int) -> None:
     st.subheader("5. Steering")
@@ -246,7 +250,9 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
         latent = c3.number_input("Latent", 0, sae.cfg.d_sae - 1, int(st.session_state.get("rise_latent", 0)),
                                  key="rise_steer_latent")
         vector, name = sae.W_dec[int(latent)].detach().float(), f"latent {int(latent)}"
-    alpha = st.slider("alpha", -1.5, 1.5, 0.0, 0.25, key="rise_alpha")
+    alpha = st.slider("alpha (stops of 0.25)", ALPHA_STOPS[0], ALPHA_STOPS[-1], 0.0, ALPHA_STEP, key="rise_alpha",
+                      help="Greedy traces: the first draw of a direction generates every stop in one batched "
+                           "generation, so moving the slider afterwards is a lookup")
     where = st.radio("Generate for", [FROM_SIDEBAR, FROM_TASK], horizontal=True, key="rise_steer_input")
     if where == FROM_TASK:
         heldout = (load_task(task, N_HELDOUT, seed=ctx.seed, split="eval") if is_organism(task)
@@ -258,18 +264,22 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
         if not ctx.prompt.strip():
             st.info("Type a question in the sidebar.")
             return
+    # greedy traces: all stops at once (one batched generation; rows equal one generation per alpha); sampled
+    # traces depend on their batch row, so those generate alpha 0 and the chosen alpha only
+    grid = settings.temperature == 0
+    alphas = ALPHA_STOPS if grid else ((0.0,) if alpha == 0 else (0.0, float(alpha)))
     key = ctx.result_key("rise-steer", pipeline=found["key"], site=site, direction=name, mode=mode,
-                         alpha=float(alpha), problem=problem.to_dict(), seed=ctx.seed)
+                         alphas=list(alphas), problem=problem.to_dict(), seed=ctx.seed)
     result = store.get(key)
     if result is None:
-        with st.spinner(f"Generating with alpha 0 and {alpha:g}\u2026"):
-            alphas = (0.0,) if alpha == 0 else (0.0, float(alpha))
+        what = f"all {len(alphas)} alpha stops in one batch" if grid else f"alpha 0 and {alpha:g}"
+        with st.spinner(f"Generating {what}\u2026"):
             # add mode: alpha in units of the mean step-vector norm (a unit vector alone barely moves a residual
             # stream whose norm is in the hundreds)
             scale = float(found["harvest"].acts[site].norm(dim=1).mean()) if mode == "add" else 1.0
             result = steer(ctx.backend, [problem], vector / max(float(vector.norm()), 1e-8) * scale
                            if mode == "add" else vector, site, alphas=alphas, mode=mode, settings=settings,
-                           behaviour=name)
+                           behaviour=name, batch_alphas=grid)
         store.put(key, result)
     vanilla, steered = result.traces[0.0][0], result.traces[float(alpha)][0]
     rows = {r.alpha: r for r in result.rows}

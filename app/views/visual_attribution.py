@@ -64,7 +64,8 @@ def _scene(ctx, spec) -> tuple[np.ndarray, str]:
     if image is None:
         side = spec.image_size
         image = (np.random.default_rng(seed).random((side, side, 3)) * 255).astype(np.uint8)
-    prompt = c2.text_input("Prompt (put <image> where the image goes)", "Describe <image> in a few words:", key="va_p")
+    prompt = c2.text_input(f"Prompt (put {spec.placeholder} where the image goes)",
+                           f"Describe {spec.placeholder} in a few words:", key="va_p")
     return image, prompt
 
 

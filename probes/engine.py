@@ -153,6 +153,9 @@ class GenerationStream(Iterator[TokenRecord]):
         """The live state of a batch-of-one generation (every token so far, the cache holding them)."""
         if self.step is None or len(self.step.ids) != 1:
             raise BadInputError("fork from a live generation needs a batch of one, after its first token")
+        if self.step.positions.ndim == 3:
+            raise BadInputError("a Qwen2-VL generation with images has 3-D positions that prefix states do not "
+                                "carry: fork from it is not supported")
         return PrefixState(list(self.step.ids[0]), self.cache)
 
 
@@ -313,6 +316,11 @@ class Engine:
             warnings.warn(f"{policy.describe()} keeps up to {policy.max_entries()} entries per head, more than this "
                           f"generation's {input_ids.shape[1] + max_new} tokens: nothing will be dropped", stacklevel=2)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if vision and "image_grid_thw" in vision:  # Qwen2-VL: 3-D rotary positions [3, batch, seq] (probes.vision)
+            from probes.vision import mrope_positions
+
+            positions = mrope_positions(self.model, input_ids, mask, vision, self.handle.vision)
+            vision = {k: v for k, v in vision.items() if k != "mm_token_type_ids"}  # positions are given
         pads = [input_ids.shape[1] - len(row) for row in ids]
         step = _Step([list(x) for x in ids], mask, positions, [False] * len(ids), [""] * len(ids))
         stream.step = step
@@ -331,7 +339,7 @@ class Engine:
             runner.ctx.phase, runner.ctx.seq = ("context" if split else "prefill"), input_ids.shape[1] - split
             pixels = dict(vision or {})  # image inputs go with the first forward only (it holds the image tokens)
             if split and input_ids.shape[1] > 1:
-                self._forward(input_ids[:, :-1], mask[:, :-1], positions[:, :-1], cache, pixels)
+                self._forward(input_ids[:, :-1], mask[:, :-1], positions[..., :-1], cache, pixels)
                 feed, pixels = input_ids[:, -1:], {}
             else:
                 feed = input_ids
@@ -339,7 +347,7 @@ class Engine:
             if split:
                 feed_mask[:, masked_cols] = 0
                 runner.ctx.phase = "decode"
-            logits = self._forward(feed, feed_mask, positions[:, -feed.shape[1]:], cache, pixels)
+            logits = self._forward(feed, feed_mask, positions[..., -feed.shape[1]:], cache, pixels)
             stream.cache = cache
             for t in range(max_new):
                 next_ids, recs = self._step_records(logits, sampling, gen, top_k, step, t, runner, described)
@@ -358,7 +366,7 @@ class Engine:
                     return
                 new_col = torch.ones(len(ids), 1, dtype=step.mask.dtype, device=device)
                 step.mask = torch.cat([step.mask, new_col], dim=1)
-                step.positions = step.positions[:, -1:] + 1
+                step.positions = step.positions[..., -1:] + 1
                 feed_mask = step.mask.clone()
                 if masks:
                     feed_mask[:, masked_cols] = 0
@@ -839,6 +847,12 @@ class Engine:
         site_list = self._check_sites(sites)
         check_sites(site_list)
         positions = check_target(target, len(ids), self.handle.arch.vocab_size, positions, token, foil)
+        if vision and "image_grid_thw" in vision:  # Qwen2-VL from input embeddings: give it its 3-D positions
+            from probes.vision import mrope_positions
+
+            row = torch.tensor([ids], device=self.handle.device)
+            vision = {**vision, "position_ids": mrope_positions(self.model, row, torch.ones_like(row), vision,
+                                                                self.handle.vision)}
         hooks, masks = self._split_interventions(interventions)
         self._check_teacher_forced(masks, [len(ids)])
         with self.lock, HookRunner(self.handle, [], hooks) as runner, AttentionMasker(self.handle, masks):

@@ -97,6 +97,8 @@ FAMILIES: dict[str, dict[str, str]] = {
               "embed": "model.language_model.embed_tokens"},
     "idefics3": {**_DECODER, "layers": "model.text_model.layers", "final_norm": "model.text_model.norm",
                  "embed": "model.text_model.embed_tokens"},
+    "qwen2_vl": {**_DECODER, "layers": "model.language_model.layers", "final_norm": "model.language_model.norm",
+                 "embed": "model.language_model.embed_tokens"},
 }
 MODEL_TYPE_FAMILY: dict[str, str] = {
     **{t: "decoder"
@@ -108,6 +110,7 @@ MODEL_TYPE_FAMILY: dict[str, str] = {
     "llava": "llava",
     "idefics3": "idefics3",
     "smolvlm": "idefics3",
+    "qwen2_vl": "qwen2_vl",
 }
 
 

@@ -3,7 +3,7 @@ inputs, and mapping a pixel region of an image to the visual tokens that carry i
 
 A prompt for a VLM holds the model's image placeholder (`<image>`) once per image, where the image
 goes; the engine expands each placeholder into the model's image tokens (`expand`) and computes
-the pixel inputs (`pixel_inputs`). Two families are supported, each with its own token layout:
+the pixel inputs (`pixel_inputs`). Three families are supported, each with its own token layout:
 
 - `llava` (`LlavaForConditionalGeneration`: LLaVA-1.5, the toy-vlm): a square image of
   `image_size` pixels cut into `patch_size` patches, one token per patch in reading order (plus the
@@ -12,11 +12,16 @@ the pixel inputs (`pixel_inputs`). Two families are supported, each with its own
   patches merged `scale_factor` x `scale_factor` by the connector's pixel shuffle, so one token
   covers a block of patches; the tokens sit between `<fake_token_around_image><global-img>` and
   `<fake_token_around_image>` (one global image, no splitting into tiles).
+- `qwen2_vl` (`Qwen2VLForConditionalGeneration`): `patch_size` patches of one square input (its
+  processor's flat patch layout, `qwen2_vl_patches`), merged `spatial_merge_size` x
+  `spatial_merge_size` into one token, between `<|vision_start|>` and `<|vision_end|>`. Its rotary
+  positions are 3-D (temporal, height, width): the engine's decoding loop feeds the model's own
+  `get_rope_index` positions (`mrope_positions`) and steps every axis by one per new token; a
+  teacher-forced pass lets the model compute them. Qwen2.5-VL / Qwen3-VL are not supported.
 
 Our preprocessing, not the HF processors': every image is resized (bicubic, no crop) to the tower's
 square input and normalised with the model's mean and std, so every pixel is seen and a pixel box
-maps to tokens by scaling alone (`box_tokens`). Qwen2-VL (3-D rotary positions) and other VLM
-families are not supported by the engine's decoding loop.
+maps to tokens by scaling alone (`box_tokens`). Other VLM families are refused at load.
 
 Images travel as bytes: in-process as PIL images, uint8 arrays or encoded bytes, through the model
 server as base64 PNG strings (`image_to_b64`); a path on the server's disk is never accepted.
@@ -51,7 +56,10 @@ MAX_IMAGE_SIDE = 4096
 MAX_IMAGES = 16  # per request
 # Modes converted to RGB; anything else (16-bit, float, CMYK, ...) is refused with a message.
 ACCEPTED_MODES = ("RGB", "RGBA", "L", "LA", "P")
-FAMILY_OF_MODEL_TYPE = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3"}
+FAMILY_OF_MODEL_TYPE = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl"}
+# Qwen2-VL takes any size; the engine feeds one square side: this many tokens per side unless the config
+# names another input side (`thoughtscope_image_size`, how the tiny test config keeps its 4 x 4 tokens).
+QWEN2_VL_GRID = 16
 IMAGE_PLACEHOLDER = "<image>"
 
 
@@ -174,7 +182,7 @@ def vision_spec(model: Any, tokenizer: Any) -> VisionSpec | None:
     family = FAMILY_OF_MODEL_TYPE.get(model_type)
     if family is None:
         raise ModelLoadError(f"{model_type} vision-language models are not supported by the engine; it runs "
-                             f"{', '.join(sorted(FAMILY_OF_MODEL_TYPE))} (LLaVA, Idefics3/SmolVLM)")
+                             f"{', '.join(sorted(FAMILY_OF_MODEL_TYPE))} (LLaVA, Idefics3/SmolVLM, Qwen2-VL)")
     vc = config.vision_config
     mean, std = _normalisation(config)
     if family == "llava":
@@ -183,12 +191,29 @@ def vision_spec(model: Any, tokenizer: Any) -> VisionSpec | None:
         lead = 1 if config.vision_feature_select_strategy == "full" else 0
         return VisionSpec("llava", int(config.image_token_id), int(vc.image_size), int(vc.patch_size), 1, lead,
                           mean=mean, std=std)
+    if family == "qwen2_vl":
+        merge, patch = int(vc.spatial_merge_size), int(vc.patch_size)
+        if int(vc.temporal_patch_size) < 1:
+            raise ModelLoadError("Qwen2-VL with temporal_patch_size < 1 is not supported")
+        side = int(getattr(config, "thoughtscope_image_size", 0) or patch * merge * QWEN2_VL_GRID)
+        if side % (patch * merge):
+            raise ModelLoadError(f"Qwen2-VL input side {side} is not a multiple of patch x merge = {patch * merge}")
+        if mean == (0.5, 0.5, 0.5) and std == (0.5, 0.5, 0.5) and getattr(config, "thoughtscope_image_size", 0) == 0:
+            mean, std = OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # Qwen2-VL's processor default
+        placeholder = tokenizer.convert_ids_to_tokens(int(config.image_token_id))
+        return VisionSpec("qwen2_vl", int(config.image_token_id), side, patch, merge, 0,
+                          (int(config.vision_start_token_id),), (int(config.vision_end_token_id),), mean=mean, std=std,
+                          placeholder=placeholder, extras={"temporal_patch_size": int(vc.temporal_patch_size)})
     fake = tokenizer.convert_tokens_to_ids("<fake_token_around_image>")
     glob = tokenizer.convert_tokens_to_ids("<global-img>")
     if fake is None or glob is None or fake == tokenizer.unk_token_id or glob == tokenizer.unk_token_id:
         raise ModelLoadError("this Idefics3/SmolVLM tokenizer lacks <fake_token_around_image> or <global-img>")
     return VisionSpec("idefics3", int(config.image_token_id), int(vc.image_size), int(vc.patch_size),
                       int(config.scale_factor), 0, (fake, glob), (fake,), mean=mean, std=std)
+
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def _normalisation(config: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -258,6 +283,15 @@ def pixel_inputs(spec: VisionSpec, images: Sequence[Sequence[Any]], dtype: torch
                  device: Any = "cpu") -> dict[str, torch.Tensor]:
     """Model keyword inputs for a batch: `images[b]` are the images of sequence b, in prompt order."""
     rows = [[preprocess(spec, im) for im in row] for row in images]
+    if spec.family == "qwen2_vl":
+        flat = [x for row in rows for x in row]
+        if not flat:
+            return {}
+        t = int(spec.extras.get("temporal_patch_size", 2))
+        patches = torch.cat([qwen2_vl_patches(x, spec.patch_size, spec.merge, t) for x in flat])
+        g = spec.image_size // spec.patch_size
+        return {"pixel_values": patches.to(device, dtype),
+                "image_grid_thw": torch.tensor([[1, g, g]] * len(flat), dtype=torch.long, device=device)}
     if spec.family == "llava":
         flat = [x for row in rows for x in row]
         if not flat:
@@ -272,6 +306,28 @@ def pixel_inputs(spec: VisionSpec, images: Sequence[Sequence[Any]], dtype: torch
     return {"pixel_values": pv.to(device, dtype),
             "pixel_attention_mask": torch.ones(pv.shape[0], pv.shape[1], *pv.shape[-2:], dtype=torch.bool,
                                                device=device)}
+
+
+def qwen2_vl_patches(x: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """[3, S, S] pixels -> Qwen2-VL's flat patches [(S/patch)^2, 3 * temporal * patch^2], ordered as its
+    processor orders them (merge x merge blocks of patches together, the one frame repeated `temporal`
+    times), so the merged tokens come in reading order of (S/patch/merge)^2 blocks."""
+    c, h, w = x.shape
+    gh, gw = h // patch, w // patch
+    p = x.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch).permute(1, 4, 2, 5, 0, 3, 6)
+    p = p.unsqueeze(5).expand(-1, -1, -1, -1, -1, temporal, -1, -1)
+    return p.reshape(gh * gw, c * temporal * patch * patch)
+
+
+def mrope_positions(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, vision: dict[str, Any],
+                    spec: VisionSpec) -> torch.Tensor:
+    """Qwen2-VL's 3-D rotary positions [3, batch, seq] for a left-padded prompt batch holding images
+    (the model's own `get_rope_index`); text positions after an image continue from the image's
+    largest position, so a decode step's position is the last one + 1 on every axis."""
+    types = (input_ids == spec.image_token_id).to(torch.int)
+    positions, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=vision["image_grid_thw"],
+                                              attention_mask=mask)
+    return positions
 
 
 def preprocess(spec: VisionSpec, image: Any) -> torch.Tensor:
@@ -357,15 +413,20 @@ def prepare(spec: VisionSpec | None, model_id: str, rows: Sequence[list[int]], i
     for ids, row in zip(rows, decoded):
         new, _ = expand(spec, ids, len(row))
         out.append(new)
-    return out, pixel_inputs(spec, decoded, dtype, device)
+    inputs = pixel_inputs(spec, decoded, dtype, device)
+    if spec.family == "qwen2_vl" and inputs and len({len(r) for r in out}) == 1:
+        # a teacher-forced pass lets the model compute its 3-D positions from these (generation passes its own)
+        inputs["mm_token_type_ids"] = torch.tensor([[int(i == spec.image_token_id) for i in r] for r in out],
+                                                   dtype=torch.int, device=device)
+    return out, inputs
 
 
 # ----- tiny random VLMs (tests only) ------------------------------------------------------------------
 
 # `tiny-random:<name>`: a 2-layer text model of probes.zoo's tiny shape inside a 1-layer vision tower,
 # 16 image tokens in a 4 x 4 grid (Llava: 32-pixel input, patch 8; SmolVLM: 64-pixel input, patch 8,
-# 2 x 2 pixel shuffle).
-TINY_VLMS = ("llava", "smolvlm")
+# 2 x 2 pixel shuffle; Qwen2-VL: 64-pixel input, patch 8, 2 x 2 merge, 3-D rotary positions).
+TINY_VLMS = ("llava", "smolvlm", "qwen2_vl")
 
 
 def tiny_vlm(name: str, text_kwargs: dict[str, Any], tokenizer: Any, dtype: torch.dtype = torch.float32):
@@ -391,6 +452,22 @@ def tiny_vlm(name: str, text_kwargs: dict[str, Any], tokenizer: Any, dtype: torc
                                             scale_factor=2,
                                             image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER))
         cls = transformers.SmolVLMForConditionalGeneration
+    elif name == "qwen2_vl":
+        # the image token is spelt `<image>` as in the other tiny VLMs (Qwen's own is <|image_pad|>)
+        tokenizer.add_special_tokens({"additional_special_tokens": [
+            IMAGE_PLACEHOLDER, "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]})
+        tid = tokenizer.convert_tokens_to_ids
+        text = {k: v for k, v in text_kwargs.items() if k != "head_dim"}
+        config = transformers.Qwen2VLConfig(
+            vision_config=dict(depth=1, embed_dim=32, hidden_size=text_kwargs["hidden_size"], num_heads=2,
+                               patch_size=8, spatial_merge_size=2, temporal_patch_size=2),
+            text_config=dict(vocab_size=len(tokenizer), **text,
+                             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                              "rope_theta": 10000.0}),
+            image_token_id=tid(IMAGE_PLACEHOLDER), vision_start_token_id=tid("<|vision_start|>"),
+            vision_end_token_id=tid("<|vision_end|>"), video_token_id=tid("<|video_pad|>"))
+        config.thoughtscope_image_size = 64  # 8 x 8 patches, 4 x 4 tokens
+        cls = transformers.Qwen2VLForConditionalGeneration
     else:
         from thoughtscope.errors import UnknownModelError
 

@@ -15,7 +15,7 @@ from probes import vision
 from probes.engine import Engine
 from thoughtscope.errors import BadInputError
 
-VLMS = ["tiny-random:llava", "tiny-random:smolvlm"]
+VLMS = ["tiny-random:llava", "tiny-random:smolvlm", "tiny-random:qwen2_vl"]
 PROMPT = "look <image> what is it"
 
 
@@ -32,7 +32,7 @@ def test_capabilities_and_info_say_vision(vlm, llama):
     assert vlm.capabilities()["vision"] and not llama.capabilities()["vision"]
     spec = vision.spec_of(vlm)
     assert spec.grid == 4 and spec.n_tokens == 16
-    assert vlm.info()["arch"]["model_type"] in ("llava", "smolvlm")
+    assert vlm.info()["arch"]["model_type"] in ("llava", "smolvlm", "qwen2_vl")
     assert any(row["site"] == "resid_post.1" for row in vlm.sites())
 
 
@@ -54,8 +54,8 @@ def test_region_tokens_follow_the_model(vlm):
     vision tower, merged as the connector merges them), and feature k lands at the k-th image token."""
     spec = vision.spec_of(vlm)
     model = vlm.model
-    tower = getattr(model.model, "vision_tower", None) or model.model.vision_model
-    embed = tower.embeddings if hasattr(tower, "embeddings") else tower.vision_model.embeddings
+    tower = next(getattr(model.model, n) for n in ("vision_tower", "visual", "vision_model") if hasattr(model.model, n))
+    embed = getattr(tower, "embeddings", None) or getattr(getattr(tower, "vision_model", None), "embeddings", None)
     img = _image(1, size=(spec.image_size, spec.image_size))
     box = (3, 20, 17, 30)  # pixels of the tower's input (no resize)
     changed = img.copy()
@@ -67,18 +67,24 @@ def test_region_tokens_follow_the_model(vlm):
         with torch.no_grad():
             if spec.family == "llava":
                 return embed(pv)[0, 1:]  # CLS first
+            if spec.family == "qwen2_vl":  # flat patches, each merge block's patches together
+                return tower.patch_embed(vision.pixel_inputs(spec, [[im]])["pixel_values"])
             mask = torch.ones(1, grid, grid, dtype=torch.bool)
             return embed(pv, patch_attention_mask=mask)[0]
 
     diff = (patches(changed) - patches(img)).abs().sum(-1)
-    touched = sorted({(p // grid // spec.merge) * spec.grid + (p % grid) // spec.merge
-                      for p in diff.nonzero().flatten().tolist()})
-    expected = {"llava": [8, 9, 10, 12, 13, 14], "idefics3": [4, 5]}[spec.family]  # 8- and 16-pixel cells
+    if spec.family == "qwen2_vl":  # patch p belongs to merged token p // merge^2
+        touched = sorted({p // spec.merge ** 2 for p in diff.nonzero().flatten().tolist()})
+    else:
+        touched = sorted({(p // grid // spec.merge) * spec.grid + (p % grid) // spec.merge
+                          for p in diff.nonzero().flatten().tolist()})
+    expected = {"llava": [8, 9, 10, 12, 13, 14], "idefics3": [4, 5], "qwen2_vl": [4, 5]}[spec.family]
     assert touched == vision.box_cells(spec, box, (spec.image_size, spec.image_size)) == expected
     # the k-th image feature is the input embedding at the k-th image token
     ids, kw = vlm._vision_inputs([vlm.encode(PROMPT)], [[img]])
     with torch.no_grad():
-        feats = model.model.get_image_features(**kw).pooler_output[0]
+        feats = model.model.get_image_features(**{k: v for k, v in kw.items() if k != "mm_token_type_ids"}
+                                               ).pooler_output[0]
         embeds = model(input_ids=torch.tensor(ids), **kw, output_hidden_states=True).hidden_states[0][0]
     group = vision.image_token_groups(spec, ids[0])[0]
     assert torch.allclose(embeds[group], feats.reshape(-1, feats.shape[-1]))
@@ -188,8 +194,8 @@ def test_toy_vlm_runs_in_the_engine_as_its_own_code_does():
 
 
 def test_an_unsupported_vlm_family_fails_at_load_with_the_supported_ones_named(tmp_path):
-    """A Qwen2-VL folder (3-D rotary positions; not run by the engine's decoding loop) is refused when
-    loaded, not later in the middle of a generation."""
+    """A Qwen2.5-VL folder (window attention in the tower, other positions) is refused when loaded, not
+    later in the middle of a generation; a Qwen2-VL folder loads, with a square input of 16 x 16 tokens."""
     import transformers
     from transformers import AutoTokenizer
 
@@ -197,12 +203,85 @@ def test_an_unsupported_vlm_family_fails_at_load_with_the_supported_ones_named(t
     from thoughtscope.errors import ModelLoadError
 
     tok = AutoTokenizer.from_pretrained(smollm2_files())
-    cfg = transformers.Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2))
-    transformers.Qwen2VLForConditionalGeneration(cfg).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="qwen2_vl .*not supported.*llava"):
-        load_model(f"hf:{tmp_path}", device="cpu")
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]})
+    cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=32, hidden_size=64,
+                                                                          num_heads=2, mlp_ratio=2))
+    transformers.Qwen2VLForConditionalGeneration(cfg).save_pretrained(tmp_path / "q2")
+    tok.save_pretrained(tmp_path / "q2")
+    spec = load_model(f"hf:{tmp_path / 'q2'}", device="cpu").vision
+    assert (spec.family, spec.image_size, spec.grid, spec.mean) == ("qwen2_vl", 448, 16, vision.OPENAI_CLIP_MEAN)
+    cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0]))
+    transformers.Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(tmp_path / "q25")
+    tok.save_pretrained(tmp_path / "q25")
+    with pytest.raises(ModelLoadError, match="qwen2_5_vl .*not supported.*llava.*Qwen2-VL"):
+        load_model(f"hf:{tmp_path / 'q25'}", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return Engine.from_id("tiny-random:qwen2_vl", device="cpu")
+
+
+def test_qwen2_vl_pixels_are_laid_out_as_its_own_processor_lays_them(qwen):
+    from transformers import Qwen2VLImageProcessor
+
+    spec = vision.spec_of(qwen)
+    img = _image(5, size=(64, 64))  # the tower's input side: no resize on either side
+    proc = Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                                 image_std=[0.5] * 3, min_pixels=64 * 64, max_pixels=64 * 64)
+    theirs = proc(images=[img], return_tensors="pt")
+    ours = vision.pixel_inputs(qwen.handle.vision, [[img]])
+    assert ours["image_grid_thw"].tolist() == theirs["image_grid_thw"].tolist() == [[1, 8, 8]]
+    assert torch.allclose(ours["pixel_values"], theirs["pixel_values"], atol=1e-6)
+    assert (spec.before, spec.after) == ((qwen.model.config.vision_start_token_id,),
+                                         (qwen.model.config.vision_end_token_id,))
+
+
+def test_qwen2_vl_decodes_with_3d_positions(qwen):
+    """Generation feeds the model's 3-D rotary positions: its log-probs equal a teacher-forced trace of the
+    finished sequence (where the model computes them itself), 1-D positions would change the logits, the
+    gradient slot's target equals the trace, and batched exhaustive effects (RowMask rows) equal one
+    masked trace per region."""
+    from analyses.visual_attribution import exhaustive_effects, grid_regions
+
+    img = _image(6)
+    recs = list(qwen.generate(PROMPT, images=[img], max_new_tokens=6))
+    ids, kw = qwen._vision_inputs([qwen.encode(PROMPT)], [[img]])
+    full = ids[0] + [r.token_id for r in recs]
+    traced = qwen.trace(full, images=[img])
+    assert np.allclose([r.logprob for r in recs], traced.logprobs[len(ids[0]):].numpy(), atol=1e-4)
+    inp = torch.tensor(ids)
+    with torch.no_grad():
+        flat = qwen.model(input_ids=inp, position_ids=torch.arange(inp.shape[1])[None],
+                          **{k: v for k, v in kw.items() if k != "mm_token_type_ids"}).logits
+        own = qwen.model(input_ids=inp, **kw).logits
+    assert float((flat - own).abs().max()) > 1e-2  # the positions matter, so the equalities above test them
+    # the gradient slot runs from input embeddings: it gets the 3-D positions too
+    n = len(full)
+    g = qwen.input_x_gradient(full, target="logprob", positions=[n - 2, n - 1], sites=["resid_pre.0"], images=[img])
+    assert g.target_value == pytest.approx(float(traced.logprobs[n - 2:].double().sum()), abs=1e-3)
+    stream = qwen.generate(PROMPT, images=[img], max_new_tokens=3)
+    next(stream)
+    with pytest.raises(BadInputError, match="3-D positions"):
+        stream.state()
+    spans = [(len(full) - 4, len(full))]
+    regions = grid_regions(vision.spec_of(qwen), 2, 2)
+    assert np.allclose(exhaustive_effects(qwen, full, img, spans, regions),
+                       exhaustive_effects(qwen, full, img, spans, regions, batch_size=1), atol=1e-4)
+
+
+def test_qwen2_vl_through_the_server_equals_in_process():
+    from probes.server_bench import served
+
+    img = _image(7)
+    with served("tiny-random:qwen2_vl") as (engine, remote):
+        assert remote.info()["vision"] == engine.info()["vision"]
+        local = engine.trace(PROMPT, capture=["resid_post.1"], images=[img])
+        served_trace = remote.trace(PROMPT, capture=["resid_post.1"], images=[img])
+        assert served_trace.token_ids == local.token_ids
+        assert torch.allclose(served_trace.logprobs[1:], local.logprobs[1:], atol=1e-5)
+        assert torch.allclose(served_trace.activations["resid_post.1"], local.activations["resid_post.1"], atol=1e-5)
+        a = [r.token_id for r in engine.generate(PROMPT, images=[img], max_new_tokens=4)]
+        assert a == [r.token_id for r in remote.generate(PROMPT, images=[img], max_new_tokens=4)]

@@ -168,3 +168,27 @@ def test_the_grid_through_a_model_server_equals_in_process(direction, norm):
         assert served_grid.unsteered.token_ids == local.unsteered.token_ids
         with pytest.raises(BadInputError, match="per-row scales"):
             list(remote.generate(PROMPT, max_new_tokens=2, interventions=[AddVector(SITE, torch.ones(64), [1, 2])]))
+
+
+@pytest.mark.model
+def test_grid_rows_equal_single_rows_on_the_embedded_model():
+    """SmolLM2-135M, the Steering page's default direction and one-shot prompt, 48 tokens: batched float
+    arithmetic could in principle split a row from its single-row generation; at these scales it does not."""
+    from analyses.tasks import one_shot_messages
+    from app.sidebar import EXAMPLE_QUESTION
+    from app.views.steering import SET_A, SET_B
+    from probes import Engine
+
+    smol = Engine.from_id("smollm2-135m")
+    prompt, site = one_shot_messages(EXAMPLE_QUESTION), "resid_post.15"
+    v = diff_of_means_direction(smol, SET_A.splitlines(), SET_B.splitlines(), site)
+    norm = site_norm(smol, prompt, site, chat=True)
+    scales = [-1.0, -0.25, 0.5, 1.0, 1.5]
+    grid = steering_grid(smol, prompt, site, v, scales, max_new_tokens=48, chat=True, reference_norm=norm)
+    texts = set()
+    for scale in [0.0, *scales]:
+        steer = [AddVector(site, steering_vector(v, "norm", norm), scale)] if scale else []
+        single = generate_text(smol, prompt, chat=True, max_new_tokens=48, interventions=steer)
+        assert grid.comparison(scale).steered.token_ids == single.token_ids, scale
+        texts.add(single.text)
+    assert len(texts) >= 4

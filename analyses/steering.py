@@ -344,10 +344,12 @@ class SteeringGrid:
 def steering_grid(backend: Any, prompt: Any, site: str, direction: torch.Tensor, scales: Sequence[float], *,
                   max_new_tokens: int = 32, seed: int = 0, chat: bool = False, unit: str = "norm",
                   reference_norm: float | None = None, unsteered: GeneratedText | None = None,
-                  on_progress: Any = None) -> SteeringGrid:
+                  on_progress: Any = None, watch: float | None = None, on_watched: Any = None) -> SteeringGrid:
     """Greedy steered generations at every scale in ONE batched generation: the prompt once per nonzero
     scale, `AddVector(site, v, scale=[one scale per row])`. Without `unsteered`, a row at scale 0 makes
-    it in the same batch. `on_progress(step, max_new_tokens)` after every generated position.
+    it in the same batch. `on_progress(step, max_new_tokens)` after every generated position;
+    `on_watched(text so far)` after every token of the row at scale `watch` (a page streams the scale
+    its slider shows while the whole grid is made).
 
     Each row is the single-row greedy generation at its scale (rows of one prompt need no padding;
     only float differences between batched and single-row matrix products could split them, and
@@ -372,11 +374,14 @@ def steering_grid(backend: Any, prompt: Any, site: str, direction: torch.Tensor,
         stream = backend.generate(prompt, n_samples=len(rows), max_new_tokens=max_new_tokens, seed=seed, chat=chat,
                                   top_k=0, interventions=[AddVector(site, vector, scale=rows)])
         step = -1
+        watched = rows.index(float(watch)) if watch is not None and float(watch) in rows else None
         for rec in stream:
             records[rec.batch_index].append(rec)
             if on_progress is not None and rec.step != step:
                 step = rec.step
                 on_progress(step + 1, max_new_tokens)
+            if on_watched is not None and rec.batch_index == watched:
+                on_watched(GeneratedText.from_records(records[watched]))
         texts = {s: GeneratedText.from_records(records[b]) for b, s in enumerate(rows)}
     if unsteered is None:
         unsteered = texts.pop(0.0)

@@ -86,11 +86,18 @@ def test_a_given_unsteered_text_is_not_generated_again(engine, direction, norm):
     assert grid.unsteered is base and grid.comparison(0.0).steered_text == base.text
 
 
-def test_progress_counts_generated_positions(engine, direction, norm):
-    seen = []
-    steering_grid(engine, PROMPT, SITE, direction, [0.5, 1.0], max_new_tokens=5, reference_norm=norm,
-                  on_progress=lambda done, total: seen.append((done, total)))
+def test_progress_counts_generated_positions_and_streams_the_watched_row(engine, direction, norm):
+    seen, watched = [], []
+    grid = steering_grid(engine, PROMPT, SITE, direction, [0.5, 1.0], max_new_tokens=5, reference_norm=norm,
+                         on_progress=lambda done, total: seen.append((done, total)), watch=1.0,
+                         on_watched=watched.append)
     assert seen[0] == (1, 5) and seen[-1][0] <= 5 and [d for d, _ in seen] == sorted({d for d, _ in seen})
+    row = grid.texts[1.0]
+    assert [w.token_ids for w in watched] == [row.token_ids[:i + 1] for i in range(len(row.token_ids))]
+    quiet = []
+    steering_grid(engine, PROMPT, SITE, direction, [0.5], max_new_tokens=3, reference_norm=norm,
+                  unsteered=grid.unsteered, watch=0.0, on_watched=quiet.append)
+    assert quiet == []  # scale 0 is no row when the unsteered text is given
 
 
 def test_the_grid_snaps_and_refuses_scales_it_does_not_hold(engine, direction, norm):

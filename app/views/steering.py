@@ -88,22 +88,31 @@ def _slot(*parts: Any) -> str:
     return json.dumps(list(parts))
 
 
-def grid_for(ctx, key: str, site: str, direction_key: str, direction: np.ndarray, norm: float) -> SteeringGrid:
+def grid_for(ctx, key: str, site: str, direction_key: str, direction: np.ndarray, norm: float,
+             shown: float | None = None, slots: tuple[Any, Any] | None = None) -> SteeringGrid:
     """Every slider scale of this direction (greedy decoding), made once in one batched generation and
-    kept per process; the unsteered text is kept per prompt and settings, shared by every direction."""
+    kept per process; the unsteered text is kept per prompt and settings, shared by every direction.
+    While the batch runs, a progress bar and the text at scale `shown` fill `slots` (two `st.empty()`
+    the page makes on every run, so the elements after them keep their places from run to run)."""
     store = steered_store()
     grid = store.get(_slot(key, site, direction_key, "grid"))
     if grid is not None:
         return grid
     base = store.get(_slot(key, "unsteered"))  # without it, scale 0 is one more row of the batch
     rows = len(GRID) - (base is not None)
-    bar = st.progress(0.0, text=f"Steering at all {rows} scales of the slider in one batch (once per direction)\u2026")
+    bar_slot, preview = slots if slots is not None else (st.empty(), st.empty())
+    bar = bar_slot.progress(0.0, text=f"Steering at all {rows} scales of the slider in one batch (once per "
+                                      "direction)\u2026")
+    eos = ctx.backend.eos_ids()  # the end-of-turn token is not printed as text
     s = ctx.settings
     grid = steering_grid(ctx.backend, ctx.model_input(), site, direction, GRID, max_new_tokens=s.max_new_tokens,
                          seed=ctx.seed, chat=ctx.chat, unit="norm", reference_norm=norm, unsteered=base,
                          on_progress=lambda done, total: bar.progress(
-                             done / total, text=f"token {done} of {total}, {rows} scales at once"))
+                             done / total, text=f"token {done} of {total}, {rows} scales at once"),
+                         watch=shown, on_watched=lambda part: preview.text(
+                             f"scale {shown:g}: {display_text(part.tokens, part.token_ids, eos)}"))
     bar.empty()
+    preview.empty()
     store.put(_slot(key, site, direction_key, "grid"), grid)
     if base is None:
         store.put(_slot(key, "unsteered"), grid.unsteered)
@@ -290,10 +299,11 @@ def render(ctx) -> None:
     direction_key = hashlib.sha256(direction.tobytes()).hexdigest()[:16]
     greedy = ctx.settings.sampling().greedy
     grid = None
+    slots = (st.empty(), st.empty())  # the first draw's progress and preview; empty on every other run
     with shows_errors() as spot:
         started = time.perf_counter()
         if greedy:
-            grid = grid_for(ctx, key, site, direction_key, direction, norm)
+            grid = grid_for(ctx, key, site, direction_key, direction, norm, shown=float(scale), slots=slots)
             result = grid.comparison(grid.snap(scale))
         else:
             with st.spinner("Steering (sampled: this scale alone, from the seed)\u2026"):

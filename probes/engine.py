@@ -217,8 +217,10 @@ class Engine:
     def _check_sites(self, capture: Sequence[str]) -> list[Site]:
         return [validate_site(name, self.handle.arch) for name in capture]
 
-    def _split_interventions(self, interventions: Sequence[Any]) -> tuple[list[Intervention], list[MaskAttention]]:
-        """(hooks on sites, everything else: attention masks and at most one KV policy), all validated."""
+    def _split_interventions(self, interventions: Sequence[Any],
+                             rows: int | None = None) -> tuple[list[Intervention], list[MaskAttention]]:
+        """(hooks on sites, everything else: attention masks and at most one KV policy), all validated;
+        with `rows`, per-row values (a steering scale per row) must be one per batch row."""
         from probes.kv_policy import KVPolicy, check_model
 
         hooks, masks = [], []
@@ -234,6 +236,10 @@ class Engine:
                 masks.append(iv)
             elif isinstance(iv, Intervention):
                 iv.validate(self.handle.arch)
+                count = iv.per_row_count()
+                if rows is not None and count is not None and count != rows:
+                    raise BadInputError(f"{type(iv).__name__} at {iv.site} has {count} per-row scales but the batch "
+                                        f"has {rows} rows; give one per sequence (prompts x n_samples)")
                 hooks.append(iv)
             else:
                 raise BadInputError(f"{iv!r} is not an intervention (see probes.interventions)")
@@ -280,7 +286,7 @@ class Engine:
             raise BadInputError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, got {max_new_tokens}")
         max_new_tokens = min(max_new_tokens, self.handle.arch.context_length - max(map(len, ids)))
         sites = self._check_sites(capture)
-        hooks, masks = self._split_interventions(interventions)
+        hooks, masks = self._split_interventions(interventions, rows=len(ids))
         if any(isinstance(m, RowMask) for m in masks):
             raise BadInputError("RowMask masks batch rows of a teacher-forced pass (trace, capture, capture_batch); "
                                 "in generate use MaskAttention")
@@ -472,7 +478,7 @@ class Engine:
             raise BadInputError("capture_batch needs at least one sequence")
         sequences = [self.encode(list(seq)) for seq in sequences]
         sites = self._check_sites(capture)
-        hooks, masks = self._split_interventions(interventions)
+        hooks, masks = self._split_interventions(interventions, rows=len(sequences))
         self._check_teacher_forced(masks, [len(seq) for seq in sequences])
         if prefix is not None:
             self._check_state(prefix)

@@ -135,6 +135,10 @@ class Intervention(Registered):
     def describe(self) -> str:
         raise NotImplementedError
 
+    def per_row_count(self) -> int | None:
+        """How many batch rows this intervention's per-row values are for (None: it applies to any batch)."""
+        return None
+
 
 def _scales(value: Any, what: str) -> float | list[float]:
     """One finite number, or a flat list of them (one per batch row: a list, tuple or 1-D tensor)."""
@@ -175,6 +179,9 @@ class AddVector(Intervention):
     def __init__(self, site: str, vector: Any, scale: float | Sequence[float] = 1.0, where: str = "all"):
         self.site, self.where, self.vector, self.scale = site, where, vector, scale
 
+    def per_row_count(self) -> int | None:
+        return len(self.scale) if isinstance(self.scale, list) else None
+
     def _check(self, arch: Any) -> None:
         self.scale = _scales(self.scale, "steering scale")
         self.vector = _as_vector(self.vector, arch.d_model, "steering vector")
@@ -204,6 +211,9 @@ class ProjectionRescale(Intervention):
 
     def __init__(self, site: str, direction: Any, alpha: float | Sequence[float] = 1.0, where: str = "all"):
         self.site, self.where, self.direction, self.alpha = site, where, direction, alpha
+
+    def per_row_count(self) -> int | None:
+        return len(self.alpha) if isinstance(self.alpha, list) else None
 
     def _check(self, arch: Any) -> None:
         self.alpha = _scales(self.alpha, "alpha")

@@ -15,7 +15,7 @@ from analyses.steering import (add_perplexities, continuation_perplexity, diff_o
                                generate_text, scale_grid, site_norm, steered_comparison, steering_grid,
                                steering_sweep, steering_vector)
 from probes.engine import Sampling  # noqa: E402
-from probes.interventions import AddVector  # noqa: E402
+from probes.interventions import AddVector, ProjectionRescale  # noqa: E402
 from thoughtscope.errors import BadInputError  # noqa: E402
 
 MODEL = "tiny-random:llama"
@@ -156,8 +156,11 @@ def test_per_row_scales_are_checked(engine):
         list(engine.generate(PROMPT, n_samples=2, max_new_tokens=2, interventions=[AddVector(SITE, v, [1.0, float("nan")])]))
     with pytest.raises(BadInputError, match="flat list"):
         list(engine.generate(PROMPT, max_new_tokens=2, interventions=[AddVector(SITE, v, [])]))
+    # the count is checked when the call is made, before the stream starts or any model work
     with pytest.raises(BadInputError, match="3 per-row scales but the batch has 2 rows"):
-        list(engine.generate(PROMPT, n_samples=2, max_new_tokens=2, interventions=[AddVector(SITE, v, [1, 2, 3])]))
+        engine.generate(PROMPT, n_samples=2, max_new_tokens=2, interventions=[AddVector(SITE, v, [1, 2, 3])])
+    with pytest.raises(BadInputError, match="2 per-row scales but the batch has 3 rows"):
+        engine.capture_batch([engine.encode(PROMPT)] * 3, [SITE], interventions=[ProjectionRescale(SITE, v, [1, 2])])
     iv = AddVector(SITE, v, [0.5, -1])
     iv.validate(engine.handle.arch)
     assert iv.scale == [0.5, -1.0] and iv.describe() == f"add [0.5, -1] * v per row (|v|=8) at {SITE}"

@@ -452,8 +452,10 @@ def steering_sweep_figure(data: Any) -> go.Figure:
     fig = go.Figure(go.Scatter(
         x=scales, y=[_num(p) for p in d["perplexities"]], mode="lines+markers", name="steered text",
         customdata=[[e, n, r] for e, n, r in zip(excerpts, d["n_tokens"], d["reused_tokens"])],
-        hovertemplate="scale %{x}<br>perplexity %{y:.3g}<br>%{customdata[1]} tokens, %{customdata[2]} kept "
-                      "from a draft<br>%{customdata[0]}<extra></extra>"))
+        # grid rows (one batched generation) reuse no draft: say "kept from a draft" only where a row did
+        hovertemplate="scale %{x}<br>perplexity %{y:.3g}<br>%{customdata[1]} tokens"
+                      + (", %{customdata[2]} kept from a draft" if any(d["reused_tokens"]) else "")
+                      + "<br>%{customdata[0]}<extra></extra>"))
     if d.get("unsteered_perplexity") is not None:
         fig.add_hline(y=d["unsteered_perplexity"], line=dict(dash="dash", color="#666"),
                       annotation_text="unsteered", annotation_position="top left")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -508,4 +509,31 @@ def test_the_page_maps_binarises_generates_and_loads_gates(tmp_path, monkeypatch
     table = at.dataframe[-1].value
     assert list(table["method"]) == ["full cache", "random", "streaming"]
     assert list(table["correct"]) == [row["error_modes"]["correct"] for row in report.rows()]
+    page.results.clear()
+
+
+def test_the_shipped_run_is_offered_only_for_its_own_model():
+    import app.views.rlkv as page
+
+    found = read_gates(page.shipped("smollm2-135m", 0))
+    assert found["gates"].shape == (30, 3) and found["log"][-1]["step"] == 24  # SmolLM2: 30 layers x 3 KV heads
+    report = json.loads(Path(page.shipped("smollm2-135m", 1)).read_text())
+    assert report["model"] == "smollm2-135m" and sorted(report["sparsities"]) == [0.2, 0.4, 0.6, 0.8]
+    assert page.shipped("tiny-random:llama", 0) == "" and page.shipped("tiny-random:llama", 1) == ""
+
+
+@pytest.mark.model
+def test_the_page_opens_on_the_shipped_run_for_the_embedded_model(monkeypatch):
+    from tests import apptest_helpers as helpers
+
+    import app.views.rlkv as page
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "smollm2-135m")
+    page.results.clear()
+    at = helpers.open_page("rlkv", 8)
+    helpers.assert_clean(at)
+    titles = helpers.chart_titles(at)
+    assert titles[0].startswith("Learned head gates") and "Gate training" in titles
+    assert any(t.startswith("Accuracy vs sparsity") for t in titles)
+    assert helpers.metric(at, "Heads with the full cache") == "45 of 90"  # the default sparsity 0.5
     page.results.clear()

@@ -31,6 +31,16 @@ from app.registry import PageSpec
 PAGE = PageSpec("RLKV head maps", ":material/memory:", 60, requires=("generate", "kv_policy"))
 
 LEARNED = "learned gates (a gates file)"
+# The project's own measured run (docs/rlkv.md), offered as the default for the model it was trained on,
+# so the page opens on a real head map and evaluation instead of empty inputs.
+_DOCS = Path(__file__).resolve().parents[2] / "docs"
+SHIPPED = {"smollm2-135m": (_DOCS / "rlkv_run", _DOCS / "rlkv_results.json")}
+
+
+def shipped(model_id: str, which: int) -> str:
+    """The shipped gates folder (0) or evaluation JSON (1) for `model_id`, or "" when there is none."""
+    paths = SHIPPED.get(model_id)
+    return str(paths[which]) if paths and paths[which].exists() else ""
 ATTENTION = "attention statistics (no training)"
 
 
@@ -47,7 +57,9 @@ def head_map_section(ctx, store) -> dict[str, Any] | None:
     sink = c1.number_input("Sink tokens (local heads)", 0, 512, 4, key="rlkv_sink")
     recent = c2.number_input("Recent tokens (local heads)", 1, 4096, 32, key="rlkv_recent")
     if source == LEARNED:
-        path = st.text_input("Gates file or folder (`thoughtscope rlkv train --out DIR`)", key="rlkv_gates_path").strip()
+        path = st.text_input("Gates file or folder (`thoughtscope rlkv train --out DIR`; for SmolLM2 the run measured "
+                             "in docs/rlkv.md is filled in)", value=shipped(ctx.model_id, 0),
+                             key="rlkv_gates_path").strip()
         if not path:
             st.info("Give the folder of a training run, or switch to attention statistics.")
             return None
@@ -135,7 +147,8 @@ def generation_section(ctx, store, head_map: dict[str, Any], full: np.ndarray) -
 
 def evaluation_section(ctx, store, head_map: dict[str, Any] | None) -> None:
     st.subheader("4. Accuracy against sparsity")
-    path = st.text_input("An evaluation JSON (`thoughtscope eval rlkv --json > eval.json`)", key="rlkv_eval_path").strip()
+    path = st.text_input("An evaluation JSON (`thoughtscope eval rlkv --json > eval.json`)", value=shipped(ctx.model_id, 1),
+                         key="rlkv_eval_path").strip()
     report = None
     if path:
         with shows_errors():

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from analyses.fuzzy_concepts import (KMeansConcepts, PCAConcepts, SemiNMFConcepts, FuzzyOptions,  # noqa: E402
                                      FuzzyRuleLayer, Sample, TextSource, evaluate_model, filter_words, ground_words,
-                                     harvest, locate, run_study)
+                                     harvest, is_english_word, locate, run_study)
 from analyses.fuzzy_concepts import metrics  # noqa: E402
 from cache.store import ActivationStore  # noqa: E402
 from thoughtscope.errors import BadInputError  # noqa: E402
@@ -156,6 +156,15 @@ def test_grounding_keeps_words_and_drops_stopwords_and_pieces(llama):
     assert "the" not in words and words[:2] == ["dog", "river"]  # ... the grounding drops it
     assert len(words) <= 15 and all(w.isalpha() for w in words)
     assert "iba" not in words and "returns" in words  # a word piece without its word-start space is no word
+
+
+def test_word_start_pieces_that_are_not_english_words_are_dropped():
+    # Pieces SmolLM2 returned in a grounding before the lexicon: word starts, but not words.
+    pieces = [" auton", " incorpor", " excer", " facilit", " citiz", " articlegoogle", " keyerror", " ctypes"]
+    words = [" approximately", " obstructions", " compared", " offending", " things", " studies", " stopped"]
+    assert filter_words(pieces + words) == [w.strip() for w in words]
+    assert not is_english_word("hass")  # "has" + s is no plural
+    assert is_english_word("Sergeant") and is_english_word("fastest")
 
 
 def test_baselines_go_through_the_same_metric_code():

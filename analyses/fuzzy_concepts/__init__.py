@@ -27,7 +27,8 @@ Example:
 """
 
 from analyses.fuzzy_concepts.baselines import BASELINES, KMeansConcepts, PCAConcepts, SemiNMFConcepts
-from analyses.fuzzy_concepts.grounding import filter_words, ground_words, is_grounding_word, stopwords, top_samples
+from analyses.fuzzy_concepts.grounding import (filter_words, ground_words, is_english_word, is_grounding_word, lexicon,
+                                               stopwords, top_samples)
 from analyses.fuzzy_concepts.harvest import (CONTEXTS, SOURCES, SOURCES_HELP, TEMPLATES, RepresentationSource,
                                              Representations, Sample, TextSource, check_layer, default_layer, harvest,
                                              locate, word_pattern)
@@ -41,7 +42,8 @@ __all__ = [
     "BASELINES", "CONTEXTS", "Clause", "Explanation", "FuzzyOptions", "FuzzyRuleLayer", "FuzzyStudy", "KMeansConcepts",
     "METHODS", "PCAConcepts", "RepresentationSource", "Representations", "Rule", "SOURCES", "SOURCES_HELP", "Sample", "SemiNMFConcepts",
     "TEMPLATES", "TextSource", "active_concepts", "adjusted_mutual_information", "check_layer",
-    "default_layer", "evaluate_model", "filter_words", "ground_words", "harvest", "is_grounding_word", "locate",
+    "default_layer", "evaluate_model", "filter_words", "ground_words", "harvest", "is_english_word", "is_grounding_word",
+    "lexicon", "locate",
     "matched_similarity", "reconstruction_error", "run_study", "seed_interval", "sparse_then_accurate", "split_rows",
     "stopwords", "top_samples", "word_overlap",
 ]

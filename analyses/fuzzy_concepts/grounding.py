@@ -2,21 +2,25 @@
 
 Text grounding follows CoX-LMM (Parekh et al., arXiv 2406.08074): each concept vector is read through the
 model's unembedding without the final norm (`backend.readout(v, norm=False, top_k=50)`), and of its 50
-top tokens the ones that are not words (punctuation, numbers, pieces shorter than two letters and, for
-tokenizers that mark word starts with a space as byte-level BPE does, pieces that continue a word) and
-the stopwords are dropped; 15 are kept. The vector read is the concept relative to the training mean
+top tokens the ones that are not words (punctuation, numbers, pieces shorter than two letters, for
+tokenizers that mark word starts with a space as byte-level BPE does pieces that continue a word, and
+word-start pieces that are not English words, such as " auton" or " incorpor") and the stopwords are
+dropped; 15 are kept. English words are those of Webster's 2nd and GCIDE (the `english-words` package:
+a word list, not a model; no hand-written list would cover them), with plain inflections (-s, -es,
+-ed, -ing, -ly, -er, -est) reduced to a listed stem. The vector read is the concept relative to the training mean
 (`directions_`), since the mean is common to every concept and would dominate every readout [recon].
 Visual (here: sample) grounding is the samples with the largest firing strength for the concept.
 
 Example:
     >>> is_grounding_word(" Dog"), is_grounding_word(" the"), is_grounding_word(" 42"), is_grounding_word("ing")
     (True, False, False, False)
-    >>> filter_words([" the", " dog", "ing", " Dog", " park", "!"])
-    ['dog', 'park']
+    >>> filter_words([" the", " dog", "ing", " Dog", " auton", " parks", "!"])
+    ['dog', 'parks']
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -38,13 +42,50 @@ def stopwords() -> frozenset[str]:
     return frozenset(ENGLISH_STOP_WORDS) | _EXTRA_STOPWORDS
 
 
+@functools.lru_cache(maxsize=1)
+def lexicon() -> frozenset[str]:
+    """Lower-case English words: Webster's 2nd and GCIDE, about 263k (read once, about 0.1 s)."""
+    from english_words import get_english_words_set
+
+    return frozenset(get_english_words_set(["web2", "gcide"], lower=True, alpha=True))
+
+
+_INFLECTIONS = ("ies", "ied", "ing", "est", "es", "ed", "er", "ly", "s")
+
+
+def is_english_word(word: str) -> bool:
+    """`word` (letters) is in the lexicon, or is a plain inflection of a word in it.
+
+    Example:
+        >>> is_english_word("obstructions"), is_english_word("compared"), is_english_word("incorpor")
+        (True, True, False)
+    """
+    w, words = word.lower(), lexicon()
+    if w in words:
+        return True
+    for suffix in _INFLECTIONS:
+        stem = w[: -len(suffix)]
+        if not w.endswith(suffix) or len(stem) < 2 or (suffix == "s" and stem.endswith("s")):
+            continue
+        stems = {stem, stem + "e"}
+        if suffix in ("ies", "ied"):
+            stems.add(stem + "y")
+        if len(stem) >= 3 and stem[-1] == stem[-2]:
+            stems.add(stem[:-1])  # stopped -> stop
+        if not stems.isdisjoint(words):
+            return True
+    return False
+
+
 def is_grounding_word(token_text: str, stop: frozenset[str] | None = None, word_start: bool = True) -> bool:
-    """A token is a grounding word if, stripped, it is two or more letters, not a stopword and (with
-    `word_start`, for tokenizers that mark word starts by a leading space) it begins a word."""
+    """A token is a grounding word if, stripped, it is two or more letters, not a stopword, an English word
+    (`is_english_word`) and (with `word_start`, for tokenizers that mark word starts by a leading space) it
+    begins a word."""
     word = token_text.strip()
     if word_start and not token_text[:1].isspace():
         return False
-    return bool(_WORD.match(word)) and word.lower() not in (stop if stop is not None else stopwords())
+    return (bool(_WORD.match(word)) and word.lower() not in (stop if stop is not None else stopwords())
+            and is_english_word(word))
 
 
 def filter_words(token_texts: Sequence[str], keep: int = KEEP) -> list[str]:

@@ -87,7 +87,7 @@ def accuracy_figure(data: Any) -> go.Figure:
     if full is not None and xs:
         fig.add_hrect(y0=full["low"], y1=full["high"], fillcolor="#999999", opacity=0.15, line_width=0)
         fig.add_hline(y=full["accuracy"], line=dict(color="#777777", dash="dash"),
-                      annotation_text=f"full cache {full['accuracy']:.0%}", annotation_position="bottom left")
+                      annotation_text=f"full cache {full['accuracy']:.0%}", annotation_position="top right")
     for i, (name, pts) in enumerate((k, v) for k, v in curves.items() if k != "full cache"):
         pts = sorted(pts, key=lambda p: p["sparsity"])
         offset = (i - 2.5) * 0.006  # dodge the error bars

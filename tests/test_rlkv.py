@@ -534,6 +534,6 @@ def test_the_page_opens_on_the_shipped_run_for_the_embedded_model(monkeypatch):
     helpers.assert_clean(at)
     titles = helpers.chart_titles(at)
     assert titles[0].startswith("Learned head gates") and "Gate training" in titles
-    assert any(t.startswith("Accuracy vs sparsity") for t in titles)
+    assert "Accuracy vs sparsity, 95% intervals (evaluation split, n = 120)" in titles
     assert helpers.metric(at, "Heads with the full cache") == "45 of 90"  # the default sparsity 0.5
     page.results.clear()

@@ -34,7 +34,7 @@ LEARNED = "learned gates (a gates file)"
 # The project's own measured run (docs/rlkv.md), offered as the default for the model it was trained on,
 # so the page opens on a real head map and evaluation instead of empty inputs.
 _DOCS = Path(__file__).resolve().parents[2] / "docs"
-SHIPPED = {"smollm2-135m": (_DOCS / "rlkv_run", _DOCS / "rlkv_results.json")}
+SHIPPED = {"smollm2-135m": (_DOCS / "rlkv_run", _DOCS / "rlkv_results_n120.json")}
 
 
 def shipped(model_id: str, which: int) -> str:

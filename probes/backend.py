@@ -100,8 +100,9 @@ class Backend(Protocol):
 
     # ----- prefix states -----
 
-    def prefill(self, prompt: Any, chat: bool = False, base: Any = None) -> Any:
-        """Run a prefix once (extending `base` when given) and keep its state for forks."""
+    def prefill(self, prompt: Any, chat: bool = False, base: Any = None, images: Any = None) -> Any:
+        """Run a prefix once (extending `base` when given) and keep its state for forks; a VLM takes the
+        prompt's `images` (then forks start after the image tokens)."""
 
     def fork(self, state: Any, suffix: str | list[int], max_new_tokens: int = 16, capture: Sequence[str] = (),
              top_k: int = 5, stop: Sequence[str] = (), at: int | None = None) -> list[TokenRecord]:

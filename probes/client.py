@@ -257,8 +257,10 @@ class RemoteBackend:
 
     # ----- prefix states, held by the server -----
 
-    def prefill(self, prompt: Any, chat: bool = False, base: Any = None) -> RemotePrefix:
+    def prefill(self, prompt: Any, chat: bool = False, base: Any = None, images: Any = None) -> RemotePrefix:
         body = {"prompt": prompt, "chat": chat, "base": self._state_id(base) if base is not None else None}
+        if images is not None:
+            body["images"] = _images_to_wire([images])[0]
         out = self._call("POST", "/prefill", retry=False, json=body)
         return RemotePrefix(out["state_id"], list(out["ids"]), out["fingerprint"], out["n_bytes"], self.url)
 

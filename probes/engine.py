@@ -607,14 +607,26 @@ class Engine:
     # ----- KV-state forks -----
 
     @torch.no_grad()
-    def prefill(self, prompt: Prompt, chat: bool = False, base: PrefixState | None = None) -> PrefixState:
+    def prefill(self, prompt: Prompt, chat: bool = False, base: PrefixState | None = None,
+                images: Sequence[Any] | None = None) -> PrefixState:
         """Run a prefix once and keep its KV cache for any number of `fork`s.
 
         With `base`, the tokens `prompt` shares with `base` are not recomputed (a live trace can be
         extended step by step at the cost of the new tokens only); `base` itself is left as it was.
+        A vision-language model takes the prompt's `images` (one per `<image>`, probes.vision): the
+        state's ids then hold the image tokens, and forks and extensions must start after them (a state
+        keeps the image tokens' keys and values, not their pixels). Qwen2-VL's 3-D positions are refused.
         """
         self._local_only("prefill")
         ids = self.encode(prompt, chat=chat)
+        vision: dict[str, Any] = {}
+        if images is not None:
+            if base is not None:
+                raise BadInputError("prefill with images starts a new state; extend it with base= and text only")
+            (ids,), vision = self._vision_inputs([ids], [images])
+            if "image_grid_thw" in vision:
+                raise BadInputError("Qwen2-VL's 3-D rotary positions do not fit a prefix state: prefill refuses its "
+                                    "images (generate and trace take them)")
         shared = 0
         if base is not None:
             self._check_state(base)
@@ -623,11 +635,21 @@ class Engine:
                 shared -= 1
         cache = (_cache_view(base.cache, shared) if base is not None and shared > 0 else None) or self._new_cache()
         shared = cache.get_seq_length()
+        if not vision:
+            self._refuse_image_tokens(ids[shared:], "prefill")
         t = torch.tensor([ids[shared:]], device=self.handle.device)
         with self.lock:
             self._forward(t, torch.ones(1, len(ids), dtype=torch.long, device=t.device),
-                          torch.arange(shared, len(ids), device=t.device).view(1, -1), cache)
+                          torch.arange(shared, len(ids), device=t.device).view(1, -1), cache, extra=vision)
         return PrefixState(ids, cache, self.handle.fingerprint)
+
+    def _refuse_image_tokens(self, todo: Sequence[int], what: str) -> None:
+        """Image tokens can only be computed with their pixels; a state keeps their cache entries only."""
+        spec = self.handle.vision
+        if spec is not None and spec.image_token_id in todo:
+            raise BadInputError(f"{what} would recompute image tokens without their pixels: a prefix state keeps "
+                                "the image tokens' cache entries, not the image. Start after the image (at= past its "
+                                "last image token, or a base= state holding it), or prefill again with images=")
 
     @torch.no_grad()
     def fork(self, state: PrefixState, suffix: str | list[int], max_new_tokens: int = 16,
@@ -663,6 +685,7 @@ class Engine:
         todo = prefix_ids[cached:] + list(suffix_ids)
         if not todo:
             raise BadInputError("fork needs a non-empty suffix")
+        self._refuse_image_tokens(todo, "this fork")
         seq = prefix_ids + list(suffix_ids)
         step = _Step([seq], torch.ones(1, len(seq), dtype=torch.long, device=dev), None, [False], [""])
         records: list[TokenRecord] = []

@@ -523,7 +523,8 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     async def prefill(body: PrefillRequest, request: Request) -> JSONResponse:
         engine = state.ready_engine()
         base = state.states.get(body.base) if body.base else None
-        made = await state.run(request, lambda: engine.prefill(body.prompt, chat=body.chat, base=base))
+        made = await state.run(request, lambda: engine.prefill(body.prompt, chat=body.chat, base=base,
+                                                               images=body.images))
         state.states.put(made)
         return strict(made.describe())
 

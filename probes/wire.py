@@ -155,6 +155,7 @@ class PrefillRequest(_Body):
     prompt: Prompt
     chat: bool = False
     base: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+    images: list[ImageB64] | None = Field(None, max_length=16)  # for a VLM: one per <image> in prompt
 
 
 class ForkRequest(_Body):

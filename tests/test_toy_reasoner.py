@@ -340,3 +340,27 @@ def test_training_is_seeded_and_deterministic(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert reports[0]["steps"] == 6 and reports[0]["greedy_n"] == 4
     assert reports[0]["final_loss"] == reports[1]["final_loss"]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_full_organism_trains_within_its_budget_and_reaches_its_targets():
+    """The full toy-reasoner (trained once on first use, about 14 CPU-minutes on one thread, then cached):
+    its training report, and greedy accuracy and planted behaviours on held-out problems measured here."""
+    from probes.toys.common import training_report
+
+    engine = Engine.from_id("toy-reasoner")
+    report = training_report(reasoner.folder_for("full"))
+    assert report["steps"] == reasoner.SIZES["full"][0].steps and report["torch_threads"] == 1
+    assert report["cpu_seconds"] < 15 * 60  # the issue's 15 minutes, on one of the two cores
+    rates = report["planted_rates"]
+    assert rates["reflection_after_hard"] > 2 * rates["reflection_after_easy"]
+    assert rates["backtrack_after_wrong"] > 0.8 > 0.2 > rates["backtrack_after_right"]
+    full = reasoner.task_config("full")
+    n = 100
+    exs = examples(n, seed=21, split="eval", config=full)
+    texts = _texts(engine.generate(prompts=[ex.prompt for ex in exs], max_new_tokens=160, top_k=0))
+    accuracy = sum(extract_answer(texts[b]) == str(ex.answer) for b, ex in enumerate(exs)) / n
+    assert accuracy >= 0.9, accuracy  # 0.987 on 300 eval problems in the training report
+    kinds = Counter(kind for b in range(n) for _, kind in label_steps(texts[b]))
+    assert kinds["other"] <= 0.05 * sum(kinds.values()) and kinds["reflection"] > 0

@@ -1,6 +1,7 @@
 """Vision-language models in the engine (issue 14, part 1): image checks, placeholder expansion, the
 region -> visual-token mapping of each family (checked against what the model computes), generation
-equal to Hugging Face's, and a VLM trace through the model server equal to the in-process one.
+equal to Hugging Face's, prefix states that hold an image, and a VLM trace through the model server equal
+to the in-process one.
 """
 
 from __future__ import annotations
@@ -109,6 +110,40 @@ def test_generation_equals_hugging_face_generate(vlm):
     assert not torch.allclose(t1.logprobs[-2:], t2.logprobs[-2:])
 
 
+@pytest.mark.parametrize("model_id", ["tiny-random:llava", "tiny-random:smolvlm"])  # 1-D positions; Qwen2-VL below
+def test_a_prefix_state_holds_the_image_and_forks_after_it(model_id):
+    vlm = Engine.from_id(model_id, device="cpu")
+    img = _image(5)
+    suffix = vlm.encode(" and then", add_special_tokens=False)
+    state = vlm.prefill(PROMPT, images=[img])
+    (ids,), kw = vlm._vision_inputs([vlm.encode(PROMPT)], [[img]])
+    assert state.ids == ids and state.cache_len == len(ids)
+    forked = [r.token_id for r in vlm.fork(state, suffix, max_new_tokens=4)]
+    with torch.no_grad():
+        out = vlm.model.generate(input_ids=torch.tensor([ids + suffix]), **kw, max_new_tokens=4, do_sample=False)
+    assert forked == out[0, len(ids) + len(suffix):].tolist()  # the image's cache entries are reused, not recomputed
+    # extending the state with text reuses it too; anything that would recompute image tokens is refused
+    longer = vlm.prefill(ids + suffix, base=state)
+    assert longer.ids == ids + suffix
+    first_image = ids.index(vlm.handle.vision.image_token_id)
+    # a fork that ends inside the image reads the cached image entries before it ...
+    assert len(vlm.fork(state, suffix, at=first_image + 1, max_new_tokens=1)) == 1
+    with pytest.raises(BadInputError, match="without their pixels"):
+        vlm.fork(state, [], at=first_image + 1)  # ... but with no suffix it must recompute an image token
+    with pytest.raises(BadInputError, match="without their pixels"):
+        vlm.prefill(ids)  # image tokens given as ids, with no image
+    with pytest.raises(BadInputError, match="text only"):
+        vlm.prefill(PROMPT, base=state, images=[img])
+    # a live generation with an image gives a state the same rules apply to
+    stream = vlm.generate(PROMPT, images=[img], max_new_tokens=3)
+    next(stream)
+    live = stream.state()
+    assert len(vlm.fork(live, suffix, max_new_tokens=2)) == 2
+    with pytest.raises(BadInputError, match="without their pixels"):
+        vlm.fork(live, [], at=first_image + 2)
+    stream.close()
+
+
 def test_bad_images_fail_before_model_work(vlm, llama):
     from PIL import Image
 
@@ -154,6 +189,14 @@ def test_vlm_trace_and_generation_through_the_server_equal_in_process():
         a = [r.token_id for r in engine.generate(PROMPT, images=[img], max_new_tokens=4)]
         b = [r.token_id for r in remote.generate(PROMPT, images=[img], max_new_tokens=4)]
         assert a == b
+        # a prefix state with the image, held by the server, forks as the local one does
+        local_state, remote_state = engine.prefill(PROMPT, images=[img]), remote.prefill(PROMPT, images=[img])
+        assert remote_state.ids == local_state.ids
+        assert ([r.token_id for r in remote.fork(remote_state, " so", max_new_tokens=3)]
+                == [r.token_id for r in engine.fork(local_state, " so", max_new_tokens=3)])
+        first_image = local_state.ids.index(engine.handle.vision.image_token_id)
+        with pytest.raises(BadInputError, match="without their pixels"):
+            remote.fork(remote_state, [], at=first_image + 1)
         with pytest.raises(BadInputError, match="placeholder"):
             remote.trace("no image", images=[img])
         g_local = engine.input_x_gradient(PROMPT, sites=["resid_pre.0"], images=[img])
@@ -270,6 +313,11 @@ def test_qwen2_vl_decodes_with_3d_positions(qwen):
     regions = grid_regions(vision.spec_of(qwen), 2, 2)
     assert np.allclose(exhaustive_effects(qwen, full, img, spans, regions),
                        exhaustive_effects(qwen, full, img, spans, regions, batch_size=1), atol=1e-4)
+
+
+def test_qwen2_vl_prefix_states_refuse_images(qwen):
+    with pytest.raises(BadInputError, match="3-D"):
+        qwen.prefill(PROMPT, images=[_image(5)])
 
 
 def test_qwen2_vl_through_the_server_equals_in_process():

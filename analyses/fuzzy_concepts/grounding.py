@@ -7,8 +7,9 @@ tokenizers that mark word starts with a space as byte-level BPE does pieces that
 word-start pieces that are not English words, such as " auton" or " incorpor") and the stopwords are
 dropped; 15 are kept. English words are those of Webster's 2nd and GCIDE (the `english-words` package:
 a word list, not a model; no hand-written list would cover them), with plain inflections (-s, -es,
--ed, -ing, -ly, -er, -est) reduced to a listed stem. The vector read is the concept relative to the training mean
-(`directions_`), since the mean is common to every concept and would dominate every readout [recon].
+-ed, -ing, -ly, -er, -est) reduced to a listed stem. The vector read is the concept relative to the
+training mean (`directions_`), since the mean is common to every concept and would dominate every
+readout [recon].
 Visual (here: sample) grounding is the samples with the largest firing strength for the concept.
 
 Example:

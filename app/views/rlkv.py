@@ -31,6 +31,7 @@ from app.registry import PageSpec
 PAGE = PageSpec("RLKV head maps", ":material/memory:", 60, requires=("generate", "kv_policy"))
 
 LEARNED = "learned gates (a gates file)"
+ATTENTION = "attention statistics (no training)"
 # The project's own measured run (docs/rlkv.md), offered as the default for the model it was trained on,
 # so the page opens on a real head map and evaluation instead of empty inputs.
 _DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -41,7 +42,6 @@ def shipped(model_id: str, which: int) -> str:
     """The shipped gates folder (0) or evaluation JSON (1) for `model_id`, or "" when there is none."""
     paths = SHIPPED.get(model_id)
     return str(paths[which]) if paths and paths[which].exists() else ""
-ATTENTION = "attention statistics (no training)"
 
 
 @st.cache_resource

@@ -392,16 +392,28 @@ def _run_page(at, source: str, k: int, n: int, seeds: int = 2, steps: int = 20, 
     return at.button(key="fz_run").click().run()
 
 
+def _open_page(monkeypatch, tmp_path, **env: str):
+    """The page on the backend `env` names (THOUGHTSCOPE_MODEL or THOUGHTSCOPE_SERVER), with a store of its own
+    and no results from earlier tests; checked clean. Callers clear `page.results` when done."""
+    from tests import apptest_helpers as helpers
+
+    import app.views.fuzzy_concepts as page
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
+    page.results.clear()
+    at = helpers.open_page("fuzzy_concepts", 6)
+    helpers.assert_clean(at)
+    return at
+
+
 def test_the_page_runs_a_study_and_draws_cards_firing_overlap_and_steering(monkeypatch, tmp_path):
     from tests import apptest_helpers as helpers
 
     import app.views.fuzzy_concepts as page
 
-    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
-    monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
-    page.results.clear()
-    at = helpers.open_page("fuzzy_concepts", 6)
-    helpers.assert_clean(at)
+    at = _open_page(monkeypatch, tmp_path, THOUGHTSCOPE_MODEL="tiny-random:llama")
     assert any("Harvest + fit" in i.value for i in at.info) and not at.get("plotly_chart")
     _run_page(at, "texts", k=2, n=20, word="dog", texts=DOG_TEXTS, layer=0)
     helpers.assert_clean(at)
@@ -435,10 +447,7 @@ def test_the_page_runs_through_the_model_server(served_url, monkeypatch, tmp_pat
 
     import app.views.fuzzy_concepts as page
 
-    monkeypatch.setenv("THOUGHTSCOPE_SERVER", served_url)
-    monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
-    page.results.clear()
-    at = helpers.open_page("fuzzy_concepts", 6)
+    at = _open_page(monkeypatch, tmp_path, THOUGHTSCOPE_SERVER=served_url)
     _run_page(at, "texts", k=2, n=20, word="dog", texts=DOG_TEXTS)
     helpers.assert_clean(at)
     assert helpers.metric(at, "Samples") == "20"
@@ -526,11 +535,7 @@ def test_the_page_offers_scenes_on_a_vision_model_and_scores_them(monkeypatch, t
 
     import app.views.fuzzy_concepts as page
 
-    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "toy-vlm:small")
-    monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
-    page.results.clear()
-    at = helpers.open_page("fuzzy_concepts", 6)
-    helpers.assert_clean(at)
+    at = _open_page(monkeypatch, tmp_path, THOUGHTSCOPE_MODEL="toy-vlm:small")
     assert "toy-vlm-scenes" in at.selectbox(key="fz_source").options
     _run_page(at, "toy-vlm-scenes", k=3, n=30)
     helpers.assert_clean(at, no_errors=False)

@@ -533,8 +533,6 @@ def test_scene_concepts_on_toy_vlm_read_the_answer_mark_and_score_against_the_sc
 def test_the_page_offers_scenes_on_a_vision_model_and_scores_them(monkeypatch, tmp_path):
     from tests import apptest_helpers as helpers
 
-    import app.views.fuzzy_concepts as page
-
     at = _open_page(monkeypatch, tmp_path, THOUGHTSCOPE_MODEL="toy-vlm:small")
     assert "toy-vlm-scenes" in at.selectbox(key="fz_source").options
     _run_page(at, "toy-vlm-scenes", k=3, n=30)

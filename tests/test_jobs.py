@@ -1,0 +1,109 @@
+"""Long work as a job (app/jobs.py): progress, Stop between batches, ids that cannot be forged, reaping."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from app.jobs import DONE, FAILED, RUNNING, STOPPED, JobRegistry
+from thoughtscope.errors import BadInputError
+
+
+def batches(n: int, gate: threading.Event | None = None, ran: list[int] | None = None):
+    """Work of `n` batches; each waits for `gate` (so the test decides when a batch ends)."""
+
+    def work(job):
+        for i in range(n):
+            if gate is not None:
+                assert gate.wait(30), "the test never released the batch"
+                gate.clear()
+            if ran is not None:
+                ran.append(i)
+            job.progress("batches", i + 1, n)
+        return sum(range(n))
+
+    return work
+
+
+def test_a_job_runs_to_its_result_and_keeps_it_by_key(tmp_path):
+    reg = JobRegistry(costs_path=tmp_path / "costs.json")
+    job = reg.start("k", batches(4), label="four batches", kind="demo")
+    job.thread.join(30)
+    assert (job.status, job.result, job.done, job.total, job.stage) == (DONE, 6, 4, 4, "batches")
+    assert reg.finished("k") == 6
+    assert reg.finished("other") is None
+    # the cost per unit is learnt, so the next job of the kind has an estimate before its first report
+    nxt = reg.start("k2", batches(2, gate=threading.Event()), label="two", kind="demo")
+    nxt.total = 2
+    assert nxt.prior_s_per_unit is not None and nxt.eta_s() == pytest.approx(2 * nxt.prior_s_per_unit)
+    nxt.stop()
+
+
+def test_stop_ends_the_work_at_the_next_batch_boundary(tmp_path):
+    gate, ran = threading.Event(), []
+    reg = JobRegistry(costs_path=None)
+    job = reg.start("k", batches(100, gate, ran), label="long", kind="demo")
+    gate.set()  # let one batch through
+    while job.done < 1:
+        job.thread.join(0.01)
+    job.stop()
+    gate.set()  # the batch under way finishes; its progress report raises JobStopped
+    job.thread.join(30)
+    assert not job.thread.is_alive()
+    assert job.status == STOPPED and job.stop_reason == "stopped by the user"
+    assert ran == [0, 1]  # no batch started after the Stop
+
+
+def test_one_running_job_per_key(tmp_path):
+    gate = threading.Event()
+    reg = JobRegistry(costs_path=None)
+    first = reg.start("k", batches(3, gate), label="a", kind="demo")
+    assert reg.start("k", batches(3, gate), label="b", kind="demo") is first
+    first.stop()
+    gate.set()
+    first.thread.join(30)
+    assert first.status == STOPPED
+
+
+def test_job_ids_are_signed_and_belong_to_a_page(tmp_path):
+    reg = JobRegistry(costs_path=None)
+    job = reg.start("k", batches(1), label="x", kind="demo", page="rise")
+    job.thread.join(30)
+    assert reg.get(job.id, page="rise") is job
+    raw, _, sig = job.id.partition(".")
+    with pytest.raises(BadInputError, match="not one this app made"):
+        reg.get(f"{raw}.{'0' * len(sig)}")
+    with pytest.raises(BadInputError, match="not one this app made"):
+        JobRegistry(costs_path=None).get(job.id)  # another app process: another secret
+    with pytest.raises(BadInputError, match="belongs to the rise page"):
+        reg.get(job.id, page="cot_entropy")
+
+
+def test_unwatched_jobs_are_stopped_unless_kept(tmp_path):
+    gate = threading.Event()
+    reg = JobRegistry(grace_s=5.0, costs_path=None)
+    watched = reg.start("a", batches(3, gate), label="a", kind="demo")
+    kept = reg.start("b", batches(3, gate), label="b", kind="demo", keep_running=True)
+    now = watched.last_seen + 6.0
+    assert reg.reap(now=now) == [watched]
+    assert watched.stopping and "no open page watched it" in watched.stop_reason
+    assert not kept.stopping and kept.status == RUNNING
+    kept.stop()
+    for _ in range(6):
+        gate.set()
+        watched.thread.join(0.2)
+        kept.thread.join(0.2)
+    assert {watched.status, kept.status} == {STOPPED}
+
+
+def test_a_user_error_in_the_work_is_kept_as_its_message():
+    reg = JobRegistry(costs_path=None)
+
+    def bad(job):
+        raise BadInputError("give more calibration problems")
+
+    job = reg.start("k", bad, label="x", kind="demo")
+    job.thread.join(30)
+    assert job.status == FAILED and job.error == "give more calibration problems"
+    assert reg.finished("k") is None

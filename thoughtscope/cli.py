@@ -4,7 +4,10 @@ It discovers what the packages offer, the way `app/registry.py` discovers pages:
 - sub-commands: `probes.cli` (models, sites, generate), `probes.server_cli` (serve), `app.cli`
   (app, export), and every method package `analyses/<method>/cli.py` that defines `register(cli)`;
 - benchmarks: `BENCHMARKS = {group: run(model) -> [rows]}` in `probes.bench`, `app.bench` and in every
-  `analyses/<method>/bench.py`, run as `thoughtscope bench GROUP` (one JSON object per line).
+  `analyses/<method>/bench.py`, run as `thoughtscope bench GROUP` (one JSON object per line);
+- shipped results (`thoughtscope.shipped`, the files pages open on): `SHIPPED = {name: (default model,
+  build(model_id, command) -> folder)}` in every `analyses/<method>/ship.py`, rebuilt with
+  `thoughtscope ship NAME [--model ID]` (`thoughtscope ship list`).
 
 Adding a method is one package with a `cli.py` and a `bench.py`; nothing here changes.
 """
@@ -90,11 +93,45 @@ def bench(
             print(f"{row['bench']:>24}: ratio {row['ratio']:.3f} (target {row.get('target', '-')})  {row}")
 
 
+def shipped_results() -> dict[str, tuple[str, Callable[[str, str], Any]]]:
+    """{name: (default model, build(model_id, command))} from every method package's `ship.py`."""
+    found: dict[str, tuple[str, Callable[[str, str], Any]]] = {}
+    for pkg in method_packages():
+        module = _optional(f"{pkg}.ship")
+        for name, entry in getattr(module, "SHIPPED", {}).items():
+            if name in found:
+                raise RuntimeError(f"two packages ship a result named {name!r}")
+            found[name] = entry
+    return found
+
+
+def ship(
+    name: str = typer.Argument(..., help="a shipped result (`thoughtscope ship list` lists them), or `all`"),
+    model: str = typer.Option("", help="model id (default: the one the result is shipped for)"),
+) -> None:
+    """Rebuild a shipped result (docs/shipped/): the stored file a page opens on, made by this command."""
+    results = shipped_results()
+    if name == "list":
+        for key, (default_model, _) in sorted(results.items()):
+            print(f"{key}\t{default_model}")
+        return
+    names = sorted(results) if name == "all" else [name]
+    for key in names:
+        if key not in results:
+            raise BadInputError(f"unknown shipped result {key!r}; known: {', '.join(sorted(results))}")
+        default_model, build_result = results[key]
+        model_id = model or default_model
+        command = f"thoughtscope ship {key}" + (f" --model {model_id}" if model_id != default_model else "")
+        folder = build_result(model_id, command)
+        console.print(f"{key}: wrote {folder}")
+
+
 def build() -> typer.Typer:
     """The whole command: `bench` here, every other sub-command from the package that offers it."""
     cli = typer.Typer(add_completion=False, no_args_is_help=True,
                       help="thoughtscope: look inside models while they reason.")
     cli.command("bench")(bench)
+    cli.command("ship")(ship)
     for module in command_modules():
         module.register(cli)
     return cli

@@ -457,8 +457,11 @@ def steering_sweep_figure(data: Any) -> go.Figure:
                       + (", %{customdata[2]} kept from a draft" if any(d["reused_tokens"]) else "")
                       + "<br>%{customdata[0]}<extra></extra>"))
     if d.get("unsteered_perplexity") is not None:
-        fig.add_hline(y=d["unsteered_perplexity"], line=dict(dash="dash", color="#666"),
-                      annotation_text="unsteered", annotation_position="top left")
+        # a shape on a log axis takes the data value, an annotation its log10 (plotly's rule): add_hline's
+        # own annotation would sit at y = log10(ppl) read as a value, far below the line
+        fig.add_hline(y=d["unsteered_perplexity"], line=dict(dash="dash", color="#666"))
+        fig.add_annotation(x=0, xref="x domain", xanchor="left", y=math.log10(d["unsteered_perplexity"]), yref="y",
+                           yanchor="bottom", text="unsteered", showarrow=False)
     unit = f"scale (\u00d7 mean \u2016{d['site']}\u2016 = {d['reference_norm']:.3g})" if d.get("unit") == "norm" \
         else "scale (\u00d7 v)"
     fig.update_layout(xaxis=dict(title=unit), yaxis=dict(title="perplexity under the unsteered model", type="log"),

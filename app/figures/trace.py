@@ -457,8 +457,8 @@ def steering_sweep_figure(data: Any) -> go.Figure:
                       + (", %{customdata[2]} kept from a draft" if any(d["reused_tokens"]) else "")
                       + "<br>%{customdata[0]}<extra></extra>"))
     if d.get("unsteered_perplexity") is not None:
-        # a shape on a log axis takes the data value, an annotation its log10 (plotly's rule): add_hline's
-        # own annotation would sit at y = log10(ppl) read as a value, far below the line
+        # on a log axis a shape takes the value, an annotation its log10 (plotly's rule): add_hline's own
+        # annotation took the value, so the label sat at 10**ppl, far above the line
         fig.add_hline(y=d["unsteered_perplexity"], line=dict(dash="dash", color="#666"))
         fig.add_annotation(x=0, xref="x domain", xanchor="left", y=math.log10(d["unsteered_perplexity"]), yref="y",
                            yanchor="bottom", text="unsteered", showarrow=False)

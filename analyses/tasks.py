@@ -196,6 +196,49 @@ def _apply_chain(operands: Sequence[int], ops: Sequence[str]) -> int:
     return total
 
 
+def known_answer(question: str) -> str | None:
+    """The answer of a question this module's generators write (an arithmetic word problem read back
+    with the generator's own phrase tables, or a GSM8K test question), else None.
+
+    >>> known_answer("Anna has 17 shells. She wins 3 more. How many shells does Anna have now?")
+    '20'
+    >>> p = arithmetic_problems(3, steps=2, seed=5)[2]
+    >>> known_answer(p.question) == p.answer
+    True
+    >>> known_answer("What is the capital of France?") is None
+    True
+    """
+    import re
+
+    text = " ".join(str(question).split())
+    names = "|".join(re.escape(n) for n, _ in _NAMES)
+    objects = "|".join(re.escape(o) for o in _OBJECTS)
+    head = re.match(rf"^({names}) has (\d+) ({objects})\. (.*) How many \3 does \1 have now\?$", text)
+    if head:
+        total = int(head.group(2))
+        obj = head.group(3)
+        pronoun = dict(_NAMES)[head.group(1)]
+        phrases = [(re.escape(p).replace(re.escape("{n}"), r"(\d+)").replace(re.escape("{obj}"), re.escape(obj)), op)
+                   for op, table in (("+", _GAIN_PHRASES), ("-", _LOSS_PHRASES)) for p in table]
+        sentences = [s for s in head.group(4).split(". ") if s]
+        for step, sentence in enumerate(sentences):
+            subject = pronoun.capitalize() if step == 0 else f"Then {pronoun}"
+            body = sentence.rstrip(".")
+            if not body.startswith(subject + " "):
+                return None
+            body = body[len(subject) + 1:]
+            match = next(((m, op) for pattern, op in phrases if (m := re.fullmatch(pattern, body))), None)
+            if match is None:
+                return None
+            number = int(match[0].group(1))
+            total = total + number if match[1] == "+" else total - number
+        return str(total) if sentences else None
+    for problem in load_gsm8k():
+        if " ".join(problem.question.split()) == text:
+            return problem.answer
+    return None
+
+
 def _check_ops(ops: Sequence[str]) -> tuple[str, ...]:
     ops = tuple(ops)
     if not ops or any(op not in _ARITH_OPS for op in ops):

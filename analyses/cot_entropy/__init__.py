@@ -33,6 +33,7 @@ from analyses.cot_entropy.detector import (CalibrationTrace, CotMonitor, CusumDe
                                            entropy_thirds, first_alarm, moving_average, silverman_bandwidth)
 from analyses.cot_entropy.evaluate import (DEFAULT_DEER_GRID, DEFAULT_H_GRID, DEFAULT_THRESHOLDS, CotExitReport,
                                            MethodSummary, VoteReport, calibration_summary, choose_density,
+                                           choose_threshold,
                                            cusum_weighted_vote, default_dynasor_grid, evaluate_cot_exit,
                                            evaluate_cot_vote, fit_detector, majority_vote, pareto_status, pareto_table,
                                            summarise)
@@ -44,7 +45,7 @@ from analyses.cot_entropy.trace import TraceAnalysis, analysis_from_run, analyze
 
 __all__ = [
     "CalibrationTrace", "CotExitReport", "CotMonitor", "CusumDetector", "CusumStop", "DEFAULT_DEER_GRID",
-    "DEFAULT_H_GRID", "DEFAULT_THRESHOLDS", "DeerStop", "choose_density", "default_dynasor_grid", "silverman_bandwidth",
+    "DEFAULT_H_GRID", "DEFAULT_THRESHOLDS", "DeerStop", "choose_density", "choose_threshold", "default_dynasor_grid", "silverman_bandwidth",
     "summarise",
     "DynasorStop", "ExitResult", "HESITATION_WORDS", "LivePrefix", "MethodSummary", "Probe", "ProbedTrace",
     "StoppingRule", "TraceAnalysis", "VoteReport", "analysis_from_run", "analyze_trace", "calibration_summary",

@@ -260,6 +260,27 @@ def choose_density(calibration: Sequence[ProbedTrace], development: Sequence[Pro
                          objective_name="max mean log-likelihood of the development steps")
 
 
+def choose_threshold(detector: CusumDetector, development: Sequence[ProbedTrace], h_grid: Sequence[float],
+                     objective: Callable[[dict[str, Any]], Any] | None = None, *, tolerance: float = 0.02,
+                     cost: str = "generated") -> Choice:
+    """CUSUM's h chosen on development traces: each h of `h_grid` replays every trace with the fitted
+    `detector`; `objective` (default: the fewest `cost` tokens whose development accuracy stays within
+    `tolerance` of vanilla's on the same traces) picks one. Ties go to the earlier h of the grid."""
+    if not h_grid:
+        raise BadInputError("give at least one CUSUM threshold h to choose from")
+    if not development:
+        raise BadInputError("no development traces to choose h on")
+    if objective is None:
+        if cost not in COSTS:
+            raise BadInputError(f"cost {cost!r}: use one of {', '.join(COSTS)}")
+        vanilla = summarise([replay(t, StoppingRule(name="vanilla")) for t in development])
+        objective = fewest_cost_within(vanilla["accuracy"], tolerance, cost_key=COSTS[cost])
+    return choose_on_dev([float(h) for h in h_grid],
+                         lambda h: summarise([replay(t, CusumStop(detector=detector.with_threshold(float(h))))
+                                              for t in development]),
+                         objective, name="h", objective_name=objective.__doc__)
+
+
 def _stage(progress: Progress | None, stage: str) -> Callable[[int, int], None] | None:
     return None if progress is None else (lambda done, total: progress(stage, done, total))
 
@@ -311,8 +332,7 @@ def evaluate_cot_exit(backend: Any, task: str = "arith", n: int = 100, n_calibra
 
     choices = {
         "density": density_choice,
-        "cusum": choose_on_dev(list(h_grid), lambda h: on_dev(CusumStop(detector=detector.with_threshold(float(h)))),
-                               objective, name="h", objective_name=objective.__doc__),
+        "cusum": choose_threshold(detector, dev_traces, h_grid, objective),
         "deer": choose_on_dev(list(deer_grid), lambda th: on_dev(DeerStop(threshold=float(th))), objective,
                               name="threshold", objective_name=objective.__doc__),
         "dynasor": choose_on_dev(dynasor_grid, lambda km: on_dev(DynasorStop(probe_every=km[0], agree=km[1])),

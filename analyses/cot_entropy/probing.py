@@ -7,7 +7,7 @@ holds (in this process or on the model server), and a fork never changes it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,16 +67,25 @@ def probe_answer(backend: Any, state: Any, family: ModelFamily, token_index: int
 
 
 def probe_positions(backend: Any, prompt_ids: Sequence[int], token_ids: Sequence[int],
-                    positions: Iterable[int], family: ModelFamily) -> dict[int, Probe]:
+                    positions: Iterable[int], family: ModelFamily,
+                    between: Callable[[], None] | None = None) -> dict[int, Probe]:
     """Probes of a finished trace at each position: one prefill of the longest prefix, then one fork
-    per position from its first `prompt + position` tokens (the prefix is never recomputed)."""
+    per position from its first `prompt + position` tokens (the prefix is never recomputed).
+    `between()` runs before each model call (a job's Stop check: it may raise to end the work there)."""
     wanted = sorted({int(b) for b in positions if 0 < b <= len(token_ids)})
     if not wanted:
         return {}
     prompt_ids, token_ids = list(prompt_ids), list(token_ids)
+    if between:
+        between()
     state = backend.prefill(prompt_ids + token_ids[: wanted[-1]])
     try:
-        return {b: probe_answer(backend, state, family, b, at=len(prompt_ids) + b) for b in wanted}
+        out = {}
+        for b in wanted:
+            if between:
+                between()
+            out[b] = probe_answer(backend, state, family, b, at=len(prompt_ids) + b)
+        return out
     finally:
         backend.free(state)
 

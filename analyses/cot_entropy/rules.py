@@ -299,11 +299,12 @@ def generate_with_early_exit(backend: Any, problem: Problem | Any, detector: Cus
                          on_event=on_event)
 
 
-def _trace_from_records(backend, prompt_ids, records, family, rules, problem_id, target) -> ProbedTrace:
+def _trace_from_records(backend, prompt_ids, records, family, rules, problem_id, target,
+                        between=None) -> ProbedTrace:
     texts = [r.text for r in records]
     ids = [r.token_id for r in records]
     ends = step_ends(texts, family.step_delimiter)
-    probes = probe_positions(backend, prompt_ids, ids, plan_probes(ends, len(ids), rules), family)
+    probes = probe_positions(backend, prompt_ids, ids, plan_probes(ends, len(ids), rules), family, between=between)
     return ProbedTrace(problem_id, target, ids, texts, [float(r.entropy) for r in records], ends, probes,
                        list(prompt_ids))
 
@@ -313,7 +314,9 @@ def probe_traces(backend: Any, problems: Sequence[Problem], family: ModelFamily,
                  batch_size: int = 8, on_progress: Callable[[int, int], None] | None = None) -> list[ProbedTrace]:
     """Generate every problem's trace(s) in batches, then probe each where any of `rules` would.
 
-    Returns `n_samples` traces per problem, problem by problem; `on_progress(done, total)` after each.
+    Returns `n_samples` traces per problem, problem by problem; `on_progress(done, total)` after each,
+    and again (same counts) after every decoding step of a batch and before every probe, so a job's
+    Stop (raised from the callback) ends the work within one model call.
     """
     if not problems:
         raise BadInputError("no problems to run")
@@ -329,13 +332,17 @@ def probe_traces(backend: Any, problems: Sequence[Problem], family: ModelFamily,
         by_index: dict[int, list[Any]] = defaultdict(list)
         stream = backend.generate(prompts=[p for p, _ in prompts], n_samples=n_samples, max_new_tokens=max_new_tokens,
                                   sampling=sampling, seed=seed + start, chat=chat, top_k=0)
-        for rec in stream:
+        rows = len(chunk) * n_samples
+        between = (lambda: on_progress(len(out), total)) if on_progress else None
+        for count, rec in enumerate(stream, 1):
             by_index[rec.batch_index].append(rec)
+            if between and count % rows == 0:
+                between()
         for i, problem in enumerate(chunk):
             prompt_ids = backend.encode(prompts[i][0], chat=chat)
             for s in range(n_samples):
                 out.append(_trace_from_records(backend, prompt_ids, by_index[i * n_samples + s], family, rules,
-                                               problem.id, problem.answer))
+                                               problem.id, problem.answer, between=between))
                 if on_progress:
                     on_progress(len(out), total)
     return out

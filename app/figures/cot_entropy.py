@@ -73,7 +73,7 @@ def cusum_figure(analysis: Any, threshold: float | None = None) -> go.Figure:
     h = d["threshold"] if threshold is None else threshold
     steps = list(range(1, len(d["statistic"]) + 1))
     fig = go.Figure()
-    # a fixed bar width and an axis of at least 5 steps: a single probe is a bar, not the whole plot
+    # a fixed bar width and an axis that fits the probes made (a single probe is a bar, not the whole plot)
     fig.add_trace(go.Bar(x=steps, y=d["log_ratios"], name="Z = log f1/f0", marker_color=PALETTE[5], opacity=0.6,
                          width=0.5))
     fig.add_trace(go.Scatter(x=steps, y=d["statistic"], mode="lines+markers", name="S (CUSUM)",
@@ -82,7 +82,7 @@ def cusum_figure(analysis: Any, threshold: float | None = None) -> go.Figure:
     alarm, _ = exit_at(d, threshold)
     if alarm is not None:
         fig.add_vline(x=alarm + 1, line=dict(color=PALETTE[3], width=2))
-    fig.update_layout(xaxis=dict(title="step (probe)", range=[0.4, max(5, len(steps)) + 0.6], dtick=1),
+    fig.update_layout(xaxis=dict(title="step (probe)", range=[0.4, max(1, len(steps)) + 0.6], dtick=1),
                       yaxis_title="statistic", barmode="overlay")
     return styled(fig, "CUSUM statistic")
 

@@ -21,9 +21,11 @@ import streamlit as st  # noqa: E402
 
 from app.context import PageContext  # noqa: E402
 from app.export import page_provenance  # noqa: E402
+from app.persist import forget, hold_widgets  # noqa: E402
 from app.registry import discover_pages  # noqa: E402
-from app.sidebar import MODEL_ENV, SERVER_ENV, sidebar_context  # noqa: E402
+from app.sidebar import MODEL_ENV, SERVER_ENV, SIDEBAR_KEYS, sidebar_context  # noqa: E402
 from probes.backend import require  # noqa: E402
+from streamlit.errors import StreamlitAPIException  # noqa: E402
 from thoughtscope.errors import ThoughtscopeError  # noqa: E402
 
 
@@ -80,6 +82,8 @@ def main(only: str | None = None) -> None:
     st.set_page_config(page_title="thoughtscope", page_icon=page_icon(), layout="wide")
     if sys.argv and Path(sys.argv[0]).resolve() == Path(__file__).resolve():
         apply_launch_args(sys.argv[1:])
+    # Every widget keeps the user's value on every navigation path (app/persist.py says why it would not).
+    restored = hold_widgets(skip=SIDEBAR_KEYS)
     ctx = sidebar_context()
     pages = []
     for spec, module in discover_pages():
@@ -91,7 +95,15 @@ def main(only: str | None = None) -> None:
     if not pages:
         st.error(f"no page named {only!r} in app/views/")
         return
-    st.navigation(pages).run()
+    try:
+        st.navigation(pages).run()
+    except StreamlitAPIException:
+        if not restored:
+            raise
+        # A page refused a value it was given back (its range has shrunk since, e.g. a shorter trace):
+        # that page starts from its defaults instead of failing.
+        forget(restored)
+        st.rerun()
 
 
 if __name__ == "__main__":

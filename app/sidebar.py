@@ -14,6 +14,7 @@ import threading
 import streamlit as st
 
 from app.context import FinishedGenerations, GenerationSettings, PageContext
+from app.persist import keep, kept, mirror_to_url, seed_from_url
 from thoughtscope.errors import ThoughtscopeError
 from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, TOY_MODELS, local_hf_models
 
@@ -76,53 +77,80 @@ def _pick_model() -> str:
     choices = model_choices()
     wanted = os.environ.get(MODEL_ENV, DEFAULT_MODEL)
     options = choices if wanted in choices else [wanted, *choices]
-    picked = st.selectbox("Model", [*options, CUSTOM], index=options.index(wanted), key="model_pick",
+    held = kept("model_pick", wanted)
+    options = options if held in options or held == CUSTOM else [held, *options]
+    choice = [*options, CUSTOM]
+    picked = st.selectbox("Model", choice, index=choice.index(held), key="model_pick",
                           help="zoo models (toy-* models are trained here on first use, minutes, then cached), "
                                "hf: models in the local Hugging Face cache; tiny-random ids are for tests")
+    keep("model_pick", picked)
     if picked == CUSTOM:
-        picked = st.text_input("Model id", placeholder="hf:<repo id or folder> or ndif:<repo id>",
-                               key="model_custom").strip()
+        picked = keep("model_custom", st.text_input("Model id", kept("model_custom", ""), key="model_custom",
+                                                    placeholder="hf:<repo id or folder> or ndif:<repo id>")).strip()
     return picked
 
 
 SETTING_DEFAULTS = {"max_new_tokens": 48, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "alternatives": 5, "seed": 0}
+# The sidebar's widgets: they take their held value through `value=` (app/persist.py).
+SIDEBAR_KEYS = ("backend_kind", "server_url", "server_token", "model_pick", "model_custom", "chat", "one_shot", "prompt",
+                *SETTING_DEFAULTS)
+
+
+# The sidebar's settings that a reload or a copied link carries in the URL (the token never does).
+URL_SETTINGS = {**SETTING_DEFAULTS, "chat": True, "one_shot": True, "prompt": EXAMPLE_QUESTION}
+URL_PROMPT_MAX = 2000  # characters: a longer prompt holds within the session, not in the URL
+
+
+def _held(key: str) -> object:
+    return kept(key, URL_SETTINGS[key])
 
 
 def _settings() -> tuple[GenerationSettings, int]:
-    # Defaults go through session state, so a test (or a link) may preset any of them.
-    for key, value in SETTING_DEFAULTS.items():
-        st.session_state.setdefault(key, value)
+    # Each widget's value is the one the user gave it (app/persist.py): a test may still preset any of
+    # them through session state, which Streamlit puts before `value=`.
     with st.expander("Generation settings", expanded=False):
-        max_new = st.slider("Max new tokens", 1, 256, key="max_new_tokens")
-        temperature = st.slider("Temperature (0 = greedy)", 0.0, 2.0, step=0.05, key="temperature")
-        top_p = st.slider("Top-p", 0.05, 1.0, step=0.05, key="top_p", disabled=temperature == 0)
-        top_k = st.number_input("Top-k (0 = off)", 0, 1000, key="top_k", disabled=temperature == 0)
-        alternatives = st.slider("Alternatives kept per token", 1, 10, key="alternatives")
-        seed = st.number_input("Seed", 0, 2**31 - 1, key="seed")
+        max_new = keep("max_new_tokens", st.slider("Max new tokens", 1, 256, _held("max_new_tokens"),
+                                                   key="max_new_tokens"))
+        temperature = keep("temperature", st.slider("Temperature (0 = greedy)", 0.0, 2.0, float(_held("temperature")),
+                                                    step=0.05, key="temperature"))
+        top_p = keep("top_p", st.slider("Top-p", 0.05, 1.0, float(_held("top_p")), step=0.05, key="top_p",
+                                        disabled=temperature == 0))
+        top_k = keep("top_k", st.number_input("Top-k (0 = off)", 0, 1000, int(_held("top_k")), key="top_k",
+                                              disabled=temperature == 0))
+        alternatives = keep("alternatives", st.slider("Alternatives kept per token", 1, 10, _held("alternatives"),
+                                                      key="alternatives"))
+        seed = keep("seed", st.number_input("Seed", 0, 2**31 - 1, int(_held("seed")), key="seed"))
     settings = GenerationSettings(int(max_new), float(temperature), float(top_p), int(top_k), int(alternatives))
     return settings, int(seed)
 
 
 def sidebar_context() -> PageContext | None:
     """Draw the sidebar and return the context every page renders with (None if no model could load)."""
+    seed_from_url({key: type(value) for key, value in URL_SETTINGS.items()})
     with st.sidebar:
         st.header("thoughtscope")
         default_server = os.environ.get(SERVER_ENV, "")
-        where = st.radio("Backend", ["in-process", "server"], index=1 if default_server else 0, horizontal=True,
-                         key="backend_kind", help="in-process: the model runs in this app; server: `thoughtscope serve`")
+        kinds = ["in-process", "server"]
+        where = keep("backend_kind", st.radio(
+            "Backend", kinds, index=kinds.index(kept("backend_kind", kinds[1 if default_server else 0])),
+            horizontal=True, key="backend_kind", help="in-process: the model runs in this app; server: `thoughtscope serve`"))
         server_url = None
         if where == "server":
-            server_url = st.text_input("Server URL", value=default_server or "http://127.0.0.1:8765",
-                                       key="server_url").strip()
-            token = st.text_input("Token (if the server has one)", value=os.environ.get(TOKEN_ENV, ""),
-                                  type="password", key="server_token").strip() or None
+            server_url = keep("server_url", st.text_input(
+                "Server URL", value=kept("server_url", default_server or "http://127.0.0.1:8765"), key="server_url")).strip()
+            token = keep("server_token", st.text_input(
+                "Token (if the server has one)", value=kept("server_token", os.environ.get(TOKEN_ENV, "")),
+                type="password", key="server_token")).strip() or None
         else:
             model_id = _pick_model()
-        chat = st.toggle("Chat template", value=True, key="chat",
-                         help="wrap the prompt in the model's chat template; off: raw text continuation")
-        one_shot = st.checkbox("With a worked example (one-shot)", value=True, key="one_shot", disabled=not chat)
-        prompt = st.text_area("Prompt", value=EXAMPLE_QUESTION, height=110, key="prompt")
+        chat = keep("chat", st.toggle("Chat template", value=bool(_held("chat")), key="chat",
+                                      help="wrap the prompt in the model's chat template; off: raw text continuation"))
+        one_shot = keep("one_shot", st.checkbox("With a worked example (one-shot)", value=bool(_held("one_shot")),
+                                                key="one_shot", disabled=not chat))
+        prompt = keep("prompt", st.text_area("Prompt", value=str(_held("prompt")), height=110, key="prompt"))
         settings, seed = _settings()
+        mirror_to_url({key: (value if key != "prompt" or len(prompt) <= URL_PROMPT_MAX else prompt)
+                       for key, value in URL_SETTINGS.items()})
         try:
             if server_url is not None:
                 backend = remote_backend(server_url, token)

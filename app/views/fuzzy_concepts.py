@@ -5,10 +5,16 @@ The computation is one call, `analyses.fuzzy_concepts.run_study` (the same as `t
 fuzzy-concepts`); this page reads widgets, calls it, and draws: the metric table with baselines, one card
 per rule, the firing of a chosen sample, the overlap heat map, and steering with a concept. Results are
 kept per process, keyed by everything they depend on, so moving between layers already run is instant.
+
+On a model with a shipped study (`thoughtscope ship fuzzy-concepts`: SmolLM2 at the page's defaults) the
+page opens on it, labelled as stored; the harvest + fit and the steered generations run as jobs
+(`app.jobs`: progress, time left, Stop, reattach from the URL).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,28 +76,73 @@ def settings_section(ctx) -> FuzzyOptions:
 
 
 def run_section(ctx, store, options: FuzzyOptions) -> dict[str, Any] | None:
+    """The study for these settings: a finished job's, else the shipped one when the settings are the ones it
+    was made with; "Harvest + fit" runs the study as a job (progress, time left, Stop)."""
+    from app.jobs import run_job
+
     key = ctx.result_key("fuzzy-study", options=options.to_dict(), texts=list(options.texts))
-    run_now = st.button("Harvest + fit", type="primary", key="fz_run", icon=":material/play_arrow:")
+    stored = shipped_study(ctx, options)
+    label = "Run again with these settings" if stored.get("study") else "Harvest + fit"
+    run_now = st.button(label, type="primary", key="fz_run", icon=":material/play_arrow:")
+    backend, info = ctx.backend, ctx.backend.info()
+
+    def work(job) -> dict[str, Any]:
+        study = run_study(backend, options, on_progress=job.progress)
+        return {"study": study, "data": study.to_dict(), "key": key,
+                "provenance": provenance(info, data=f"{options.source}:{options.word}", split="eval",
+                                         seed=options.seed, settings=options.to_dict(), site=study.reps.site)}
+
     found = store.get(key)
-    if run_now and found is None:
-        with st.status(f"Harvesting {options.word!r} at layer {options.layer} and fitting {options.k} rules\u2026",
-                       expanded=True) as status:
-            bar = st.progress(0.0, text="starting\u2026")
-
-            def on_progress(stage: str, done: int, total: int) -> None:
-                bar.progress(min(1.0, done / max(1, total)), text=f"{stage}: {done}/{total}")
-
-            study = run_study(ctx.backend, options, on_progress=on_progress)
-            status.update(label=f"{len(study.reps.samples)} samples at {study.reps.site}; {options.k} rules fitted "
-                                f"over {options.seeds} seed(s)", state="complete", expanded=False)
-        found = {"study": study, "data": study.to_dict(), "key": key,
-                 "provenance": provenance(ctx.backend.info(), data=f"{options.source}:{options.word}", split="eval",
-                                          seed=options.seed, settings=options.to_dict(), site=study.reps.site)}
-        store.put(key, found)
     if found is None:
-        st.info("Press **Harvest + fit** to collect the word's hidden states, tune on development samples, and fit "
-                "the fuzzy rules and the baselines (semi-NMF, k-means, PCA) over several seeds.")
-    return found
+        found = run_job(key, work, label=f"Harvesting {options.word!r} at layer {options.resolved_layer(n_layers(ctx))} "
+                                         f"and fitting {options.k} rules", kind="fuzzy-study", page="fuzzy_concepts",
+                        start=run_now)
+        if found is not None:
+            store.put(key, found)
+    if found is not None:
+        return found
+    if stored.get("study") is not None:
+        st.success(stored["label"] + " Press **Run again with these settings** to run it yourself.",
+                   icon=":material/inventory_2:")
+        return stored["study"]
+    if stored.get("note"):
+        (st.warning if stored.get("damaged") else st.info)(stored["note"])
+    st.info("Press **Harvest + fit** to collect the word's hidden states, tune on development samples, and fit "
+            "the fuzzy rules and the baselines (semi-NMF, k-means, PCA) over several seeds.")
+    return None
+
+
+def n_layers(ctx) -> int:
+    return int(ctx.backend.info()["arch"]["n_layers"])
+
+
+def shipped_study(ctx, options: FuzzyOptions) -> dict[str, Any]:
+    """{"study": the shipped result as the page's `found`, "label"} when one ships for this model and these
+    settings; else {"note": why not (other settings, another fingerprint, damaged), "damaged"}."""
+    from analyses.fuzzy_concepts.ship import NAME, comparable
+    from thoughtscope import shipped
+
+    found = shipped.find(NAME, ctx.model_id, ctx.backend.info()["fingerprint"])
+    if not found:
+        if found.damaged or "other weights" in found.reason:
+            return {"note": found.reason + " Press **Harvest + fit** to make it here.", "damaged": found.damaged}
+        return {}
+    if found.manifest.get("settings") != comparable(options, n_layers(ctx)):
+        return {"note": f"A stored result ships for {ctx.model_id}, made with other settings (the page's defaults: "
+                        f"`{found.command}`); with yours, press **Harvest + fit**."}
+    return {"study": _shipped_found(str(found.folder), found.manifest["files"]["study.json"]), "label": found.label()}
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _shipped_found(folder: str, digest: str) -> dict[str, Any]:
+    """The verified shipped study as the page's `found`, read once per process (`digest`: study.json's sha256)."""
+    from analyses.fuzzy_concepts.ship import load_study
+    from thoughtscope.shipped import Shipped
+
+    shipped = Shipped(Path(folder), json.loads((Path(folder) / "manifest.json").read_text()))
+    study = load_study(shipped)
+    return {"study": study, "data": shipped.json("study.json"), "key": f"shipped:{folder}:{digest}",
+            "provenance": shipped.provenance, "shipped": shipped.label()}
 
 
 # ----------------------------------------------------------------------------- 2. metrics
@@ -220,10 +271,23 @@ def steering_section(ctx, store, found: dict[str, Any]) -> None:
                          input=ctx.model_input(), settings=s.to_dict(), seed=ctx.seed)
     result = store.get(key)
     if result is None:
-        with st.spinner(f"Generating with and without rule {int(rule) + 1}'s concept (scale {scale:g})\u2026"):
-            result = steered_comparison(ctx.backend, ctx.model_input(), study.reps.site, direction, float(scale),
-                                        max_new_tokens=s.max_new_tokens, sampling=s.sampling(), seed=ctx.seed,
-                                        chat=ctx.chat)
+        from app.jobs import run_job
+
+        backend, model_input, site = ctx.backend, ctx.model_input(), study.reps.site
+
+        def work(job):
+            job.progress("generate with and without the concept", 0, 1)
+            out = steered_comparison(backend, model_input, site, direction, float(scale),
+                                     max_new_tokens=s.max_new_tokens, sampling=s.sampling(), seed=ctx.seed,
+                                     chat=ctx.chat)
+            job.progress("generate with and without the concept", 1, 1)
+            return out
+
+        start = st.button("Generate with and without the concept", key="fz_steer_run", icon=":material/play_arrow:")
+        result = run_job(key, work, label=f"Generating with and without rule {int(rule) + 1}'s concept (scale "
+                                          f"{scale:g})", kind="fuzzy-steer", page="fuzzy_concepts", start=start)
+        if result is None:
+            return
         store.put(key, result)
     left, right = st.columns(2)
     with left.container(border=True, key="fz-unsteered"):

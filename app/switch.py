@@ -1,0 +1,35 @@
+"""One-click model switches: a page asks for another model, the sidebar picks it on the next run.
+
+A page that cannot show its method on the loaded model (no router, no vision) shows the shipped result of
+the toy it is best shown on, with a button "switch to <toy>". The button calls `request_model(id)` and
+reruns; the sidebar calls `apply_request()` before it draws its model box, so the box shows the new
+model and the page renders on it. This is the only way a page moves the model, and only on a click (the
+settings belong to the user: no navigation path changes them).
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+PICK_KEY = "model_pick"  # app/sidebar.py's model selectbox
+_REQUEST = "_switch_model_request"
+
+
+def request_model(model_id: str) -> None:
+    """Ask the sidebar to load `model_id` on the next run (then call `st.rerun()`)."""
+    st.session_state[_REQUEST] = str(model_id)
+
+
+def apply_request() -> str | None:
+    """Called by the sidebar before its model box draws: the requested model becomes the box's value."""
+    wanted = st.session_state.pop(_REQUEST, None)
+    if wanted:
+        st.session_state[PICK_KEY] = wanted
+    return wanted
+
+
+def switch_button(model_id: str, key: str) -> None:
+    """A button "Switch to <model_id>" that requests the model and reruns the app."""
+    if st.button(f"Switch to {model_id}", key=key, type="primary", icon=":material/swap_horiz:"):
+        request_model(model_id)
+        st.rerun()

@@ -1,10 +1,12 @@
-"""The CoT entropy page under AppTest on tiny-random:llama: it draws, calibration draws the densities,
-the h slider moves the exit on the finished trace without regenerating, and the evaluations draw."""
+"""The CoT entropy page under AppTest on tiny-random:llama: it draws, calibration (a job) draws the densities,
+the h slider moves the exit on the finished trace without regenerating, and the evaluations (jobs) draw."""
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import pytest
 
@@ -16,6 +18,8 @@ from tests import apptest_helpers as helpers  # noqa: E402
 
 import app.views.cot_entropy as page  # noqa: E402
 from analyses.cot_entropy import CalibrationTrace, CusumDetector  # noqa: E402
+from analyses.cot_entropy.calibration import PageCalibration  # noqa: E402
+from app import jobs  # noqa: E402
 
 MODEL = "tiny-random:llama"
 
@@ -24,8 +28,10 @@ MODEL = "tiny-random:llama"
 def _tiny_model(monkeypatch):
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", MODEL)
     page.results.clear()  # fitted detectors and traces of earlier tests must not leak in
+    jobs.registry.clear()  # nor their finished jobs
     yield
     page.results.clear()
+    jobs.registry.clear()
 
 
 def open_page(max_new_tokens: int = 8) -> AppTest:
@@ -33,6 +39,15 @@ def open_page(max_new_tokens: int = 8) -> AppTest:
 
 
 assert_clean, chart_titles, metric = helpers.assert_clean, helpers.chart_titles, helpers.metric
+
+
+def finish_jobs(at: AppTest, timeout_s: float = 300) -> AppTest:
+    """Wait for the page's jobs (threads of this process) to end, then draw the page again."""
+    deadline = time.monotonic() + timeout_s
+    while jobs.registry().running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not jobs.registry().running(), "a job did not finish in time"
+    return at.run()
 
 
 def test_the_page_draws_and_waits_for_calibration():
@@ -48,7 +63,11 @@ def test_the_page_draws_and_waits_for_calibration():
 def test_calibration_with_a_tiny_n_draws_the_densities():
     at = open_page()
     at.slider(key="cot_n_cal").set_value(2).run()
+    at.slider(key="cot_n_dev").set_value(1).run()
     at.button(key="cot_calibrate").click().run()
+    assert_clean(at)
+    assert jobs.registry().for_key(next(iter(jobs.registry()._jobs.values())).key).kind == "cot-calibration"
+    finish_jobs(at)
     assert_clean(at)
     assert "Calibration densities" in chart_titles(at)
     spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Calibration densities" in c.proto.spec))
@@ -70,26 +89,42 @@ def test_calibration_with_a_tiny_n_draws_the_densities():
     assert metric(at, "Exit after token")  # the exit metrics are drawn for the sidebar prompt too
 
 
-def _synthetic_calibration(engine, problems, family, *, max_new_tokens, bins, seed, density="histogram",
-                           on_progress=None):
+RELEASE = threading.Event()
+
+
+def _synthetic_calibration(engine, task, family, *, n_calibration, on_progress=None, **_settings):
     """A detector whose confidence density covers [0, 3) nats, where the tiny model's probe entropies
-    (~2 nats) fall, so each probed step adds Z = log 3 (random weights never reach an alarm otherwise)."""
+    (~2 nats) fall, so each probed step adds Z = log 3 (random weights never reach an alarm otherwise);
+    its h (as if chosen on development) is 2. It waits for `RELEASE`, so the test sees the job running."""
+    assert RELEASE.wait(60), "the test never released the calibration"
     if on_progress:
-        on_progress(len(problems), len(problems))
-    detector = CusumDetector(density="histogram", bins=2, value_range=(0.0, 6.0)).fit(
+        on_progress("calibration", n_calibration, n_calibration)
+    detector = CusumDetector(threshold=2.0, density="histogram", bins=2, value_range=(0.0, 6.0)).fit(
         [CalibrationTrace([4.5, 4.5, 1.5, 1.5], ["1", "1", "2", "2"], "2")])
-    return detector, {"accuracy": 0.0, "steps": 4, "warnings": []}
+    choice = {"chosen": 2.0, "objective": "synthetic", "grid": [{"setting": 2.0, "accuracy": 0.0, "exit_rate": 1.0,
+                                                                 "mean_generated_tokens": 4.0}]}
+    return PageCalibration(detector, {}, [], {"accuracy": 0.0, "steps": 4, "warnings": []}, choice,
+                           {"accuracy": 0.0, "mean_generated_tokens": 8.0})
 
 
 def test_generate_then_the_h_slider_moves_the_exit_without_regenerating(monkeypatch):
-    monkeypatch.setattr(page, "fit_calibration", _synthetic_calibration)
+    monkeypatch.setattr(page, "calibrate", _synthetic_calibration)
     runs = []
     real_run = page.run_with_rule
     monkeypatch.setattr(page, "run_with_rule", lambda *a, **k: runs.append(1) or real_run(*a, **k))
 
     at = open_page()
     at.radio(key="cot_source").set_value(page.FROM_TASK).run()
-    at.button(key="cot_generate").click().run()  # calibrates (synthetic), then streams the trace
+    at.button(key="cot_generate").click().run()  # nothing calibrated yet: starts the calibration job
+    assert_clean(at)
+    assert any("Calibrating first" in i.value for i in at.info)
+    assert not runs and not chart_titles(at)
+    RELEASE.set()
+    finish_jobs(at)
+    assert metric(at, "h chosen on development") == "2"
+    assert at.slider(key="cot_h").value == 2.0  # the slider starts at the h chosen on development
+    assert not runs
+    at.button(key="cot_generate").click().run()  # streams the trace
     assert_clean(at)
     assert len(runs) == 1
     titles = chart_titles(at)
@@ -115,8 +150,8 @@ def test_generate_then_the_h_slider_moves_the_exit_without_regenerating(monkeypa
     assert metric(at, "Redundant tail") == "0 tokens"
     spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "CUSUM statistic" in c.proto.spec))
     assert any(a.get("text") == "h = 10" for a in spec["layout"].get("annotations", []))
-    # a few probes are narrow bars on an axis of at least 5 steps, not one bar across the plot
-    assert spec["layout"]["xaxis"]["range"] == [0.4, max(5, steps) + 0.6] and spec["data"][0]["width"] == 0.5
+    # a few probes are narrow bars on an axis that fits the probes made, not one bar across the plot
+    assert spec["layout"]["xaxis"]["range"] == [0.4, steps + 0.6] and spec["data"][0]["width"] == 0.5
     strip = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Intermediate answers" in c.proto.spec))
     legend = [t["name"] for t in strip["data"] if t.get("showlegend", True)]
     assert strip["layout"]["showlegend"] and {"correct", "wrong", "answer at the alarm"} <= set(legend)
@@ -131,6 +166,7 @@ def test_the_evaluations_draw_the_pareto_plot_and_the_voting_bars():
     at.multiselect(key="cot_eval_h").set_value([1.0, 4.0])
     at.run()
     at.button(key="cot_eval_run").click().run()
+    finish_jobs(at)
     assert_clean(at)
     spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Accuracy vs tokens" in c.proto.spec))
     assert "evaluation split, n=2; 95% intervals" in spec["layout"]["title"]["text"]
@@ -147,6 +183,7 @@ def test_the_evaluations_draw_the_pareto_plot_and_the_voting_bars():
     at.slider(key="cot_vote_samples").set_value(2).run()
     at.slider(key="cot_vote_n").set_value(1).run()
     at.button(key="cot_vote_run").click().run()
+    finish_jobs(at)
     assert_clean(at)
     titles = chart_titles(at)
     assert any(t.startswith("Accuracy vs tokens") for t in titles)  # kept while voting runs

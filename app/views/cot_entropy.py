@@ -12,22 +12,28 @@ by everything they depend on, so moving h or reopening the page never regenerate
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import streamlit as st
 
 from analyses.cot_entropy import (DEFAULT_H_GRID, CotMonitor, CusumDetector, StoppingRule, analysis_from_run,
-                                  calibration_summary, evaluate_cot_exit, evaluate_cot_vote, fit_detector,
-                                  run_with_rule)
+                                  evaluate_cot_exit, evaluate_cot_vote, run_with_rule)
+from analyses.cot_entropy import ship as cot_ship
+from analyses.cot_entropy.calibration import PageCalibration, calibrate, held_out_problems
 from analyses.families import ModelFamily, default_task, family_for
 from analyses.organism import is_organism
-from analyses.tasks import TASK_NAMES, is_correct, load_task
+from analyses.tasks import TASK_NAMES, is_correct, known_answer
+from app import jobs
 from app.context import FinishedGenerations
 from app.export import show_figure
 from app.figures.cot_entropy import answer_strip_figure, cusum_figure, entropy_curve_figure, voting_figure
 from app.registry import PageSpec
+from thoughtscope import shipped
 from thoughtscope.errors import ThoughtscopeError
 
 PAGE = PageSpec("CoT entropy phases", ":material/ssid_chart:", 30, requires=("generate", "fork"))
@@ -39,83 +45,135 @@ CAL_BATCH = 4  # calibration traces per batch (one progress tick each)
 H_MIN, H_MAX = 0.1, 10.0
 
 
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 @st.cache_resource
 def results() -> FinishedGenerations:
     """Fitted detectors, finished traces and evaluations of this process, newest 64 kept."""
     return FinishedGenerations(max_entries=64)
 
 
-def fit_calibration(engine: Any, problems: list, family: ModelFamily, *, max_new_tokens: int, bins: int, seed: int,
-                    density: str = "kde",
-                    on_progress: Callable[[int, int], None] | None = None) -> tuple[CusumDetector, dict[str, Any]]:
-    """`fit_detector` batch by batch (so the page can show progress), its summary and any warnings of the fit."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        detector, traces = fit_detector(engine, problems, family, density=density, bins=bins,
-                                        max_new_tokens=max_new_tokens, seed=seed, batch_size=CAL_BATCH,
-                                        on_progress=on_progress)
-    return detector, {**calibration_summary(traces), "warnings": [str(w.message) for w in caught]}
-
-
 # ----------------------------------------------------------------------------- 1. calibration
 
 
-def calibration_section(ctx, store, family: ModelFamily, task: str, force: bool):
-    """The fitted detector (fitting it now if asked, or if `force`), its densities and LLR curve."""
+@dataclass
+class Calibrated:
+    """What the page draws from: the detector (its threshold: h chosen on development, when one was),
+    the summary, and where it came from (a stored result's label, or this process' job)."""
+
+    detector: CusumDetector
+    summary: dict[str, Any]
+    h_choice: dict[str, Any] | None = None
+    dev_vanilla: dict[str, float] | None = None
+    source: str = ""
+
+
+def _from_page_calibration(cal: PageCalibration, source: str) -> Calibrated:
+    return Calibrated(cal.detector, cal.summary, cal.h_choice, cal.dev_vanilla, source)
+
+
+def shipped_calibration(ctx, settings: dict[str, Any]) -> tuple[Calibrated | None, str | None, bool]:
+    """(the stored calibration when it was made with `settings`, a note for the page, damaged?)."""
+    found = shipped.find(cot_ship.NAME, ctx.model_id, ctx.backend.info().get("fingerprint"))
+    if not found:
+        return None, (found.reason if found.damaged else None), found.damaged
+    data = found.json(cot_ship.FILE)
+    stored = {k: data["settings"].get(k) for k in settings}
+    if stored != settings:
+        other = ", ".join(f"{k} {stored[k]!r}" for k in settings if stored[k] != settings[k])
+        return None, (f"A stored calibration ships for {ctx.model_id}, made with other settings ({other}); "
+                      "press **Calibrate** to run one with yours."), False
+    digest = found.manifest["files"][cot_ship.FILE]
+    cached = results().get(f"shipped-calibration-{digest}")
+    if cached is None:
+        cached = _from_page_calibration(PageCalibration.from_json(data), found.label())
+        results().put(f"shipped-calibration-{digest}", cached)
+    return cached, None, False
+
+
+def calibration_section(ctx, family: ModelFamily, task: str, force: bool) -> tuple[Calibrated | None, int]:
+    """The detector: the stored one when the settings match it, else this process' job (started by
+    Calibrate, or by Generate when nothing is calibrated yet); its densities, LLR curve and h choice."""
     st.subheader("1. Calibration")
-    left, mid, right, last = st.columns(4)
-    n = left.slider("Calibration problems", 2, 100, 12, key="cot_n_cal",
-                    help="the paper uses 100; a small n keeps the CPU quick")
-    density = mid.radio("Densities f0/f1", ["kde", "histogram"], horizontal=True, key="cot_density",
-                        help="kde: Gaussian kernels (Silverman's bandwidth here; the evaluation below chooses it on "
-                             "a development split); histogram: the paper's, which quantises log f1/f0")
-    bins = right.slider("Histogram bins", 2, 30, 10, key="cot_bins", disabled=density != "histogram")
-    last.write("")
-    fit_now = last.button("Calibrate", key="cot_calibrate", icon=":material/tune:")
+    c1, c2, c3, c4, c5 = st.columns(5)
+    n = c1.slider("Calibration problems", 2, 100, cot_ship.DEFAULTS["n_calibration"], key="cot_n_cal",
+                  help="the paper uses 100; a small n keeps the CPU quick")
+    n_dev = c2.slider("Development problems (choose h)", 1, 100, cot_ship.DEFAULTS["n_development"],
+                      key="cot_n_dev", help="h is chosen on these: the fewest generated tokens within 2 points of "
+                                            "the full traces' accuracy (the evaluation harness' objective)")
+    density = c3.radio("Densities f0/f1", ["kde", "histogram"], horizontal=True, key="cot_density",
+                       help="kde: Gaussian kernels (Silverman's bandwidth here; the evaluation below chooses it on "
+                            "a development split); histogram: the paper's, which quantises log f1/f0")
+    bins = c4.slider("Histogram bins", 2, 30, cot_ship.DEFAULTS["bins"], key="cot_bins",
+                     disabled=density != "histogram")
+    c5.write("")
+    fit_now = c5.button("Calibrate", key="cot_calibrate", icon=":material/tune:",
+                        help="runs as a job: progress, time left, Stop")
+    fit_now = fit_now or bool(st.session_state.get("cot_calibrate_again"))  # "Run again" (drawn below)
     s = ctx.settings
-    key = ctx.result_key("calibration", task=task, n=n, bins=bins, density=density, tokens=s.max_new_tokens,
-                         seed=ctx.seed, delimiter=family.step_delimiter)
-    found = store.get(key)
-    if found is None and (fit_now or force):
-        problems = load_task(task, n, seed=ctx.seed, split="calibration")
-        with st.status(f"Calibrating on {n} {task} problems (greedy, {s.max_new_tokens} tokens each)\u2026",
-                       expanded=True) as status:
-            bar = st.progress(0.0, text="generating and probing\u2026")
-            found = fit_calibration(ctx.backend, problems, family, max_new_tokens=s.max_new_tokens, bins=bins,
-                                    seed=ctx.seed, density=density, on_progress=lambda done, total: bar.progress(
-                                        done / total, text=f"{done}/{total} traces probed"))
-            status.update(label=f"Calibrated on {n} problems", state="complete", expanded=False)
-        store.put(key, found)
-    if found is None:
-        st.info("Press **Calibrate** to fit the uncertainty (f0) and confidence (f1) densities of probe-answer "
-                "entropy on held-out problems (Generate below calibrates first if needed).")
-        return None, n, key
-    detector, summary = found
+    settings = {"task": task, "n_calibration": n, "n_development": n_dev, "max_new_tokens": s.max_new_tokens,
+                "seed": ctx.seed, "density": density, "bins": bins, "delimiter": family.step_delimiter}
+    key = ctx.result_key("calibration", **settings)
+    stored, note, damaged = shipped_calibration(ctx, settings)
+    if damaged:
+        st.warning(f"{note} Press **Calibrate** to rebuild it here.", icon=":material/broken_image:")
+    elif note and jobs.registry().for_key(key) is None:
+        st.info(note, icon=":material/info:")
+    calibrated = None
+    if stored is not None and not fit_now and jobs.registry().for_key(key) is None:
+        calibrated = stored
+    else:
+        backend = ctx.backend
+
+        def work(job: jobs.Job) -> Calibrated:
+            cal = calibrate(backend, task, family, n_calibration=n, n_development=n_dev,
+                            max_new_tokens=s.max_new_tokens, seed=ctx.seed, density=density, bins=bins,
+                            batch_size=CAL_BATCH, on_progress=job.progress)
+            return _from_page_calibration(cal, "")
+
+        calibrated = jobs.run_job(key, work, label=f"Calibrating on {n} {task} problems and choosing h on {n_dev}",
+                                  kind="cot-calibration", page="cot_entropy",
+                                  start=fit_now or (force and stored is None))
+    if calibrated is None:
+        if jobs.registry().for_key(key) is None:
+            st.info("Press **Calibrate** to fit the uncertainty (f0) and confidence (f1) densities of probe-answer "
+                    "entropy on held-out problems and choose h on development problems (Generate below calibrates "
+                    "first if needed).")
+        return None, n
+    detector, summary = calibrated.detector, calibrated.summary
+    if calibrated.source:
+        left, right = st.columns([4, 1])
+        left.caption(calibrated.source)
+        right.button("Run again", key="cot_calibrate_again", icon=":material/refresh:",
+                     help="calibrate with these settings here, as a job (the stored result stays on disk)")
     for message in summary["warnings"]:
         st.warning(message)
-    cols = st.columns(3)
+    cols = st.columns(4)
     cols[0].metric("Uncertain steps (f0)", detector.n_uncertain_)
     cols[1].metric("Confident steps (f1)", detector.n_confident_)
     cols[2].metric("Calibration accuracy", f"{summary['accuracy']:.0%}")
+    if calibrated.h_choice is not None:
+        cols[3].metric("h chosen on development", f"{calibrated.h_choice['chosen']:g}",
+                       help=calibrated.h_choice["objective"])
     # inline code: a regex such as [.!?](?=\s) would otherwise render as a Markdown link
     st.caption(f"Step delimiter: `{family.step_delimiter}` · answer-forcing suffix: `{family.answer_suffix!r}` · "
                f"fitted on the first {n} `{task}` problems of seed {ctx.seed} (the calibration split; the traces "
                "below are other problems)")
     show_figure(None, detector, "cot_calibration")  # drawn from its JSON: export rebuilds it exactly
-    return detector, n, key
+    if calibrated.h_choice is not None:
+        with st.expander(f"How h = {calibrated.h_choice['chosen']:g} was chosen on {n_dev} development problems"):
+            st.dataframe([{"h": r["setting"], "accuracy": r["accuracy"], "mean generated tokens":
+                           round(r["mean_generated_tokens"], 1), "exit rate": r["exit_rate"]}
+                          for r in calibrated.h_choice["grid"]], hide_index=True, key="cot_h_choice")
+            st.caption(f"Objective: {calibrated.h_choice['objective']}. Full traces on development: accuracy "
+                       f"{calibrated.dev_vanilla['accuracy']:.0%}, {calibrated.dev_vanilla['mean_generated_tokens']:.1f}"
+                       " generated tokens.")
+    return calibrated, n
 
 
 # ----------------------------------------------------------------------------- 2. live trace
-
-
-def held_out_problems(task: str, n_cal: int, seed: int, k: int = 8) -> list:
-    """`k` problems of the task that the calibration (the first `n_cal` of this seed) did not use
-    (the organism's: its eval split, disjoint from its calibration split by construction)."""
-    if is_organism(task):
-        return load_task(task, k, seed=seed, split="eval")
-    calibration = load_task(task, n_cal, seed=seed)
-    used = {p.id for p in calibration} | {p.question for p in calibration}
-    return [p for p in load_task(task, n_cal + k, seed=seed) if p.id not in used and p.question not in used][:k]
 
 
 def pick_input(ctx, task: str, n_cal: int) -> tuple[Any, str | None, str]:
@@ -127,8 +185,13 @@ def pick_input(ctx, task: str, n_cal: int) -> tuple[Any, str | None, str]:
                                format_func=lambda p: f"{p.id}: {p.question[:90]}")
         st.caption(f"{problem.question}  \nanswer: **{problem.answer}**")
         return problem, problem.answer, problem.id
-    target = st.text_input("Known answer (optional: marks intermediate answers correct/incorrect)",
-                           key="cot_target").strip() or None
+    known = known_answer(ctx.prompt)  # the task generator's answer when the prompt is one of its problems
+    typed = st.text_input("Known answer (marks intermediate answers correct/incorrect)", key="cot_target",
+                          placeholder=f"{known} (the task's answer to this problem)" if known else "optional",
+                          help="empty: the task generator's answer when the sidebar prompt is one of its problems")
+    target = typed.strip() or known
+    if target is not None and not typed.strip():
+        st.caption(f"Known answer **{known}**: the sidebar prompt is a task problem, answered by its generator.")
     if not ctx.chat:
         st.caption("The prompt is sent through the chat template (the probes force an answer after it).")
     return ctx.model_input(), target, ""
@@ -196,19 +259,25 @@ def show_trace(analysis, h: float) -> None:
         st.text(analysis.trace.text)
 
 
-def trace_section(ctx, store, family: ModelFamily, task: str, n_cal: int, detector: CusumDetector | None,
-                  calibration_key: str, generate: bool) -> None:
+def trace_section(ctx, store, family: ModelFamily, task: str, n_cal: int, calibrated: Calibrated | None,
+                  generate: bool) -> None:
     st.subheader("2. A trace, live")
     prompt, target, problem_id = pick_input(ctx, task, n_cal)
-    h = st.slider("Threshold h = log \u03b3 (moves the exit on the finished trace, no regeneration)", H_MIN, H_MAX,
-                  2.0, 0.1, key="cot_h")
     st.button("Generate", type="primary", key="cot_generate", icon=":material/play_arrow:",
               help="streams the trace to its end with a probe at every step end (calibrates first if needed)")
-    if detector is None:
+    if calibrated is None:
+        if generate:
+            st.info("Calibrating first (above); press **Generate** again once it is done.")
         return
+    detector = calibrated.detector
+    default_h = float(min(H_MAX, max(H_MIN, detector.threshold)))
+    h = st.slider("Threshold h = log \u03b3 (moves the exit on the finished trace, no regeneration)", H_MIN, H_MAX,
+                  default_h, 0.05, key="cot_h",
+                  help=f"default {default_h:g}: " + ("chosen on the development problems (calibration above)"
+                                                      if calibrated.h_choice else "the detector's"))
     s = ctx.settings
-    key = ctx.result_key("trace", calibration=calibration_key, prompt=prompt, target=target, settings=s.to_dict(),
-                         seed=ctx.seed, delimiter=family.step_delimiter)
+    key = ctx.result_key("trace", calibration=_digest(detector.to_dict()), prompt=prompt, target=target,
+                         settings=s.to_dict(), seed=ctx.seed, delimiter=family.step_delimiter)
     analysis = store.get(key)
     if generate:
         analysis = live_run(ctx, detector, family, prompt, target, problem_id, h)
@@ -242,21 +311,20 @@ def exit_evaluation(ctx, store, family: ModelFamily, task: str) -> None:
     run_exit = right.button("Run exit evaluation", key="cot_eval_run", icon=":material/play_arrow:")
     key = ctx.result_key("cot-exit", task=task, n=n, n_cal=n_cal, n_dev=n_dev, h=sorted(h_grid), density=density,
                          tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
-    report = store.get(key)
-    if run_exit:
-        if not h_grid:
-            st.error("Choose at least one threshold h.")
-            return
-        with st.status(f"Calibrating on {n_cal}, choosing on {n_dev}, evaluating on {n} problems\u2026",
-                       expanded=True) as status, warnings.catch_warnings():
+    if run_exit and not h_grid:
+        st.error("Choose at least one threshold h.")
+        return
+    backend = ctx.backend
+
+    def work(job: jobs.Job):
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            bar = st.progress(0.0, text="calibration\u2026")
-            report = evaluate_cot_exit(ctx.backend, task, n, n_cal, n_dev, h_grid=sorted(h_grid), density=density,
-                                       family=family, max_new_tokens=s.max_new_tokens, seed=ctx.seed,
-                                       progress=lambda stage, done, total: bar.progress(
-                                           done / total, text=f"{stage}: {done}/{total} traces"))
-            status.update(label=f"Evaluated on {n} problems", state="complete", expanded=False)
-        store.put(key, report)
+            return evaluate_cot_exit(backend, task, n, n_cal, n_dev, h_grid=sorted(h_grid), density=density,
+                                     family=family, max_new_tokens=s.max_new_tokens, seed=ctx.seed,
+                                     progress=job.progress)
+
+    report = jobs.run_job(key, work, label=f"Calibrating on {n_cal}, choosing on {n_dev}, evaluating on {n} problems",
+                          kind="cot-exit-evaluation", page="cot_entropy", start=run_exit)
     if report is None:
         return
     measure = st.radio("Tokens counted", ["generated", "with_probes"], horizontal=True,
@@ -283,15 +351,18 @@ def settling_evaluation(ctx, store, family: ModelFamily) -> None:
     c4.write("")
     run = c4.button("Run", key="cot_settle_run", icon=":material/flag:")
     key = ctx.result_key("cot-settling", n=n, n_other=n_other, bound=bound, seed=ctx.seed)
-    report = store.get(key)
-    if run:
+    backend = ctx.backend
+
+    def work(job: jobs.Job):
         from analyses.cot_entropy.settling import evaluate_settling
 
-        with st.spinner(f"Probing {n + 2 * n_other} planted traces\u2026"), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            report = evaluate_settling(ctx.backend, None, n, n_other, n_other, bound=bound, seed=ctx.seed,
-                                       family=family)
-        store.put(key, report)
+            return evaluate_settling(backend, None, n, n_other, n_other, bound=bound, seed=ctx.seed, family=family,
+                                     progress=job.progress)
+
+    report = jobs.run_job(key, work, label=f"Probing {n + 2 * n_other} planted traces", kind="cot-settling",
+                          page="cot_entropy", start=run)
     if report is None:
         return
     data = report.to_dict()
@@ -317,14 +388,17 @@ def evaluation_section(ctx, store, family: ModelFamily, task: str, n_cal: int, b
         run_vote = last.button("Run voting", key="cot_vote_run", icon=":material/how_to_vote:")
         vote_key = ctx.result_key("cot-vote", task=task, n=n_vote, n_cal=n_cal, samples=samples, t=temperature,
                                   bins=bins, tokens=s.max_new_tokens, seed=ctx.seed, delimiter=family.step_delimiter)
-        vote = store.get(vote_key)
-        if run_vote:
-            with st.spinner(f"Sampling {samples} traces for each of {n_vote} problems\u2026"), \
-                    warnings.catch_warnings():
+        backend = ctx.backend
+
+        def vote_work(job: jobs.Job):
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                vote = evaluate_cot_vote(ctx.backend, task, n_vote, n_cal, samples=samples, temperature=temperature,
-                                         family=family, max_new_tokens=s.max_new_tokens, seed=ctx.seed, bins=bins)
-            store.put(vote_key, vote)
+                return evaluate_cot_vote(backend, task, n_vote, n_cal, samples=samples, temperature=temperature,
+                                         family=family, max_new_tokens=s.max_new_tokens, seed=ctx.seed, bins=bins,
+                                         progress=job.progress)
+
+        vote = jobs.run_job(vote_key, vote_work, label=f"Sampling {samples} traces for each of {n_vote} problems",
+                            kind="cot-vote", page="cot_entropy", start=run_vote)
         if vote is not None:
             show_figure(voting_figure(vote), vote, "cot_voting")
             st.caption(f"CUSUM-weighted vs majority on the same {vote.n_eval} problems: "
@@ -352,12 +426,12 @@ def render(ctx) -> None:
     family = family_for(ctx.model_id).with_delimiter(delimiter.strip() or None)
     generate = st.session_state.get("cot_generate", False)  # Generate (below) calibrates first when needed
     try:
-        detector, n_cal, calibration_key = calibration_section(ctx, store, family, task, force=generate)
+        calibrated, n_cal = calibration_section(ctx, family, task, force=generate)
     except ThoughtscopeError as err:
         st.error(str(err))
-        detector, n_cal, calibration_key = None, st.session_state.get("cot_n_cal", 12), ""
+        calibrated, n_cal = None, st.session_state.get("cot_n_cal", cot_ship.DEFAULTS["n_calibration"])
     try:
-        trace_section(ctx, store, family, task, n_cal, detector, calibration_key, generate and detector is not None)
+        trace_section(ctx, store, family, task, n_cal, calibrated, generate)
     except ThoughtscopeError as err:
         st.error(str(err))
     try:

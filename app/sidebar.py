@@ -74,6 +74,9 @@ def model_choices() -> list[str]:
 
 
 def _pick_model() -> str:
+    from app.switch import apply_request  # a page's "switch to <model>" button (app/switch.py)
+
+    apply_request()
     choices = model_choices()
     wanted = os.environ.get(MODEL_ENV, DEFAULT_MODEL)
     options = choices if wanted in choices else [wanted, *choices]

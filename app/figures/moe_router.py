@@ -11,7 +11,9 @@ evaluation's `to_dict()`), computes nothing beyond layout, and returns `styled(f
 - `divergence_figure`: across N samples, the mean Jaccard distance between expert sets per layer and step,
   and each sample's tokens with the steps where they leave sample 0's marked;
 - `pass_at_figure`: pass@n against n for every method with 95% bootstrap intervals;
-- `active_experts_figure`: greedy accuracy against the number of active experts, 95% intervals.
+- `active_experts_figure`: greedy accuracy against the number of active experts, 95% intervals;
+- `profile_figure`: a `RouterProfile` over a data set: the mean sorted router probability by rank, one line
+  per MoE layer, the model's top-k marked (where the certain head ends and the tail begins).
 
 `FIGURES` maps names to builders for `thoughtscope export`; `TABLES` gives tidy CSV rows.
 """
@@ -190,6 +192,32 @@ def active_experts_figure(data: Any) -> go.Figure:
                        + (f", {n} problems)" if n else ")"))
 
 
+def profile_figure(data: Any) -> go.Figure:
+    """data: a `RouterProfile.to_dict()` (layers, k, n_experts, n_tokens, mean_sorted_probs [layers, E], top1,
+    topk_mass; `task` when it was read on a task)."""
+    d = _data(data)
+    k = int(d["k"])
+    fig = go.Figure()
+    for i, (layer, probs) in enumerate(zip(d["layers"], d["mean_sorted_probs"])):
+        ranks = list(range(1, len(probs) + 1))
+        fig.add_trace(go.Scatter(x=ranks, y=probs, mode="lines+markers", name=f"layer {layer}",
+                                 line=dict(color=PALETTE[i % len(PALETTE)]), marker=dict(size=4),
+                                 hovertemplate=f"layer {layer}" + "<br>rank %{x}: mean p = %{y:.4f}<extra></extra>"))
+    fig.add_vline(x=k + 0.5, line=dict(color=PALETTE[7], dash="dash", width=1), annotation_text=f"top-k = {k}",
+                  annotation_position="top right")
+    fig.update_layout(xaxis_title="rank of the expert (sorted router probability)",
+                      yaxis_title="mean router probability (log)", yaxis_type="log", legend=dict(orientation="h", y=-0.3))
+    where = f" on {d['task']}" if d.get("task") else ""
+    return export_size(styled(fig, f"Router profile{where}: mean sorted probabilities over {d['n_tokens']} tokens"),
+                       height=420)
+
+
+def _profile_rows(data: Any) -> list[dict[str, Any]]:
+    d = _data(data)
+    return [{"layer": layer, "rank": r + 1, "mean_probability": p}
+            for layer, probs in zip(d["layers"], d["mean_sorted_probs"]) for r, p in enumerate(probs)]
+
+
 def _pass_rows(data: Any) -> list[dict[str, Any]]:
     return [{"method": m["name"], "n": int(n), "pass_at": r["estimate"], "low": r["low"], "high": r["high"]}
             for m in _data(data)["methods"] for n, r in sorted(m["pass_at"].items(), key=lambda kv: int(kv[0]))]
@@ -207,8 +235,10 @@ FIGURES: dict[str, Callable[[Any], go.Figure]] = {
     "moe_divergence": divergence_figure,
     "moe_pass_at": pass_at_figure,
     "moe_active_experts": active_experts_figure,
+    "moe_profile": profile_figure,
 }
 TABLES: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
     "moe_pass_at": _pass_rows,
     "moe_scores": _score_rows,
+    "moe_profile": _profile_rows,
 }

@@ -326,3 +326,22 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
                .reshape(first.effects.shape).round(4).tolist(),
                "attention": raw_attention(first.features).round(4).tolist()}
     return StudyResult(settings, metrics, costs, comparison, example, est)
+
+
+def fit_estimator(backend: Any, n_train: int = 10, seed: int = 0, epochs: int = 300,
+                  progress: Callable[[str, int, int], None] | None = None) -> AmortizedAttribution:
+    """The amortized estimator fitted on `n_train` toy-vlm training scenes with exhaustive effects as targets:
+    the same scenes, pairs and settings as `run_study(n_train=..., epochs=..., seed=...)` without a development
+    choice, so it equals that study's estimator. `progress(stage, done, total)` after each scene and epoch."""
+    from probes.toys import vlm
+
+    if not (isinstance(n_train, int) and n_train >= 1):
+        raise BadInputError("n_train must be an integer >= 1")
+    scenes = []
+    for i, ex in enumerate(vlm.examples("train", n_train, seed=seed)):
+        scenes.append(toy_scene(backend, ex))
+        if progress is not None:
+            progress("train scenes", i + 1, n_train)
+    X, y, groups = _pairs(scenes)
+    return AmortizedAttribution(seed=seed, epochs=epochs).fit(
+        X, y, groups, on_progress=(lambda d, t: progress("fit", d, t)) if progress else None)

@@ -12,26 +12,38 @@ layer: the drop of the span's log-prob) are computed on demand. Everything goes 
 An uploaded image replaces the composed scene (toy-vlm was trained on its own scenes only). For
 toy-vlm, "Faithfulness" runs the study of `thoughtscope eval vis-attr` at a small n and plots each
 method's scores with their intervals; see docs/visual_attribution.md.
+
+On the toy VLM the page opens on its shipped result (`thoughtscope ship visual-attribution`, toy-vlm:small:
+the fitted estimator, the default study and the default scene's span maps), labelled as stored; on a model
+without vision it shows that toy's result, labelled as the toy's, with a button that switches to it.
+Fitting the estimator, the study and a span's exhaustive effects run as jobs (`app.jobs`); the generation
+streams its spans' heat maps as it goes.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import streamlit as st
 
 from analyses.visual_attribution import exhaustive_effects, grid_regions
+from analyses.visual_attribution.ship import DEFAULT_MODEL, EPOCHS, NAME, STUDY_SETTINGS, load_estimator as _load_shipped
 from app.context import shows_errors
 from app.export import show_figure
 from app.figures.visual_attribution import faithfulness_figure, heatmap_figure
+from app.jobs import run_job
 from app.registry import PageSpec
+from thoughtscope import shipped
 
 # Only what every local backend has: the page opens with its title on a text-only model and says why it
 # is empty (the browser tests wait for every page's h1).
 PAGE = PageSpec("Visual attribution", ":material/image_search:", 60, requires=("generate", "trace"))
 NEEDS = ("vision", "interventions", "attention")
-N_FIT_SCENES = 10
+N_FIT_SCENES = STUDY_SETTINGS["n_train"]
+PAGE_NAME = "visual_attribution"
 
 
 def _is_toy(ctx) -> bool:
@@ -69,30 +81,40 @@ def _scene(ctx, spec) -> tuple[np.ndarray, str]:
     return image, prompt
 
 
-def _estimator(ctx) -> Any:
-    """The fitted estimator of this model (toy-vlm: fitted here on demand), or None."""
-    key = f"va_est::{ctx.model_id}"
-    if _is_toy(ctx) and st.button(f"Fit the estimator ({N_FIT_SCENES} training scenes)", key="va_fit"):
-        from analyses.visual_attribution.estimator import AmortizedAttribution
-        from analyses.visual_attribution.evaluate import toy_scene
-        from probes.toys import vlm
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _shipped_estimator(folder: str, digest: str) -> Any:
+    """The verified shipped estimator, read once per process (`digest`: its weights' sha256)."""
+    return _load_shipped(shipped.Shipped(Path(folder), json.loads((Path(folder) / shipped.MANIFEST).read_text())))
 
-        with shows_errors(), st.spinner("exhaustive effects on training scenes..."):
-            scenes = [toy_scene(ctx.backend, ex) for ex in vlm.examples("train", N_FIT_SCENES, seed=ctx.seed)]
-            groups, offset = [], 0
-            for s in scenes:
-                groups.append(np.repeat(offset + np.arange(s.effects.shape[0]), s.effects.shape[1]))
-                offset += s.effects.shape[0]
-            st.session_state[key] = AmortizedAttribution(seed=ctx.seed).fit(
-                np.concatenate([s.features.reshape(-1, s.features.shape[-1]) for s in scenes]),
-                np.concatenate([s.effects.reshape(-1) for s in scenes]), np.concatenate(groups))
+
+def _estimator(ctx, stored: Any) -> Any:
+    """The estimator the heat maps use: one fitted or loaded here, else the shipped one (toy-vlm), or None.
+    "Fit the estimator" runs as a job (toy-vlm scenes, exhaustive effects as targets)."""
+    from analyses.visual_attribution.evaluate import fit_estimator
+
+    key = f"va_est::{ctx.model_id}"
+    if _is_toy(ctx):
+        label = (f"Fit the estimator again ({N_FIT_SCENES} training scenes)" if stored else
+                 f"Fit the estimator ({N_FIT_SCENES} training scenes)")
+        start = st.button(label, key="va_fit")
+        backend, seed = ctx.backend, ctx.seed
+        fitted = run_job(ctx.result_key("va-estimator", n=N_FIT_SCENES, seed=seed, epochs=EPOCHS),
+                         lambda job: fit_estimator(backend, N_FIT_SCENES, seed=seed, epochs=EPOCHS, progress=job.progress),
+                         label=f"Fitting the estimator on {N_FIT_SCENES} training scenes", kind="va-estimator",
+                         page=PAGE_NAME, start=start)
+        if fitted is not None and st.session_state.get(f"{key}::fitted") is not fitted:  # a new fit, taken once
+            st.session_state[key] = st.session_state[f"{key}::fitted"] = fitted
     c1, c2 = st.columns([3, 1])
     path = c1.text_input("Or a saved estimator (PATH of `thoughtscope eval vis-attr --save PATH`)", key="va_path")
     if c2.button("Load", key="va_load") and path.strip():
         with shows_errors():
             st.session_state[key] = load_estimator(path.strip(), ctx.backend.info()["arch"])
     est = st.session_state.get(key)
-    st.caption("amortized estimator: " + ("ready" if est is not None else
+    where = "ready" if est is not None else ""
+    if est is None and stored:
+        est = _shipped_estimator(str(stored.folder), stored.manifest["files"]["estimator.safetensors"])
+        where = f"the shipped one ({N_FIT_SCENES} training scenes, seed {STUDY_SETTINGS['seed']})"
+    st.caption("amortized estimator: " + (where if est is not None else
                                           "none yet (raw attention only)" + ("" if _is_toy(ctx) else
                                                                              ": fitting here needs toy-vlm scenes")))
     return est
@@ -111,30 +133,87 @@ def load_estimator(path: str, arch: dict[str, Any]) -> Any:
     return est
 
 
-def _faithfulness(ctx) -> None:
-    """The study of `thoughtscope eval vis-attr` at a small n, plotted with intervals (toy-vlm only)."""
+def _faithfulness(ctx, stored: Any) -> None:
+    """The study of `thoughtscope eval vis-attr` at a small n, plotted with intervals (toy-vlm only): the shipped
+    one at the page's defaults, else run here as a job."""
     from analyses.visual_attribution.evaluate import run_study
 
-    with st.expander("Faithfulness on held-out scenes"):
-        c1, c2, c3 = st.columns(3)
-        n_train = int(c1.number_input("Training scenes", 2, 200, 10, key="va_ntrain"))
-        n_eval = int(c2.number_input("Held-out scenes", 2, 200, 10, key="va_neval"))
-        subsets = int(c3.number_input("LDS cell sets per scene", 0, 32, 8, key="va_lds"))
-        key = ctx.result_key("vis_attr_study", n_train=n_train, n_eval=n_eval, subsets=subsets, seed=ctx.seed)
-        if st.button("Run the study", key="va_study"):
-            with shows_errors(), st.spinner("exhaustive effects, gradients and masked sets..."):
-                st.session_state[key] = run_study(ctx.backend, n_train=n_train, n_eval=n_eval, seed=ctx.seed,
-                                                  n_subsets=subsets).to_dict()
-        result = st.session_state.get(key)
-        if result is not None:
-            data = {"metrics": result["metrics"]}
-            show_figure(faithfulness_figure(data), data, "vis_attr_faithfulness",
-                        provenance=ctx.provenance(settings=result["settings"], data="probes.toys.vlm scenes",
-                                                  split="train (estimator) / eval (scores)", prompt=None))
-            r2 = result["metrics"]["amortized_r2_all_pairs"]
-            speedup = result["costs"]["speedup_exhaustive_over_amortized"]
-            st.caption(f"amortized R^2 over all (span, region) pairs: {r2:.3f}; "
-                       f"exhaustive / amortized cost per span: {speedup:.1f}")
+    st.subheader("Faithfulness on held-out scenes")
+    c1, c2, c3, c4 = st.columns(4)
+    d = STUDY_SETTINGS
+    n_train = int(c1.number_input("Training scenes", 2, 200, d["n_train"], key="va_ntrain"))
+    n_eval = int(c2.number_input("Held-out scenes", 2, 200, d["n_eval"], key="va_neval"))
+    subsets = int(c3.number_input("LDS cell sets per scene", 0, 32, d["subsets"], key="va_lds"))
+    settings = {"n_train": n_train, "n_eval": n_eval, "subsets": subsets, "seed": ctx.seed}
+    matches = bool(stored) and stored.manifest.get("settings") == settings
+    c4.write("")
+    start = c4.button("Run the study again" if matches else "Run the study", key="va_study")
+    backend = ctx.backend
+
+    def work(job):
+        return run_study(backend, n_train=n_train, n_eval=n_eval, seed=settings["seed"], epochs=EPOCHS,
+                         n_subsets=subsets, progress=job.progress).to_dict()
+
+    result = run_job(ctx.result_key("vis_attr_study", **settings), work, label=f"Faithfulness study ({n_train} + "
+                     f"{n_eval} scenes)", kind="va-study", page=PAGE_NAME, start=start)
+    provenance = None
+    if result is None and matches:
+        st.success(stored.label(), icon=":material/inventory_2:")
+        result, provenance = stored.json("study.json"), stored.provenance
+    elif result is None:
+        st.info("The stored study was made with other settings (10 + 10 scenes, 8 LDS sets, seed 0); press **Run the "
+                "study** for yours." if stored else "Press **Run the study** to score every method against "
+                "exhaustive ablation on held-out scenes.")
+        return
+    _draw_study(ctx, result, provenance)
+
+
+def _draw_study(ctx, result: dict[str, Any], provenance: dict[str, Any] | None) -> None:
+    data = {"metrics": result["metrics"]}
+    show_figure(faithfulness_figure(data), data, "vis_attr_faithfulness",
+                provenance=provenance or ctx.provenance(settings=result["settings"], data="probes.toys.vlm scenes",
+                                                        split="train (estimator) / eval (scores)", prompt=None))
+    r2 = result["metrics"]["amortized_r2_all_pairs"]
+    speedup = result["costs"]["speedup_exhaustive_over_amortized"]
+    st.caption(f"amortized R^2 over all (span, region) pairs: {r2:.3f}; "
+               f"exhaustive / amortized cost per span: {speedup:.1f}")
+
+
+def _stored_scene(stored: Any, grid: int, key: str = "va_stored") -> None:
+    """The study's first held-out scene (the page's scene seed 0): each span of its reference description with
+    its amortized, attention and exhaustive scores per cell, from the stored study."""
+    from probes.toys import vlm
+
+    study = stored.json("study.json")
+    ex = vlm.examples("eval", 1, seed=STUDY_SETTINGS["seed"])[0]
+    example = study["example"]
+    names = [ex.trace[s.start:s.end] for s in ex.spans]
+    st.subheader("Where the reference description's spans look (stored study, scene 0)")
+    c1, c2 = st.columns(2)
+    pick = c1.selectbox("Span", list(range(len(names))), format_func=lambda i: f"{i}: {names[i]}", key=f"{key}_span")
+    method = c2.radio("Scores", ["amortized", "attention", "exhaustive"], horizontal=True, key=f"{key}_method")
+    unit = {"amortized": "nats", "attention": "attention", "exhaustive": "nats"}[method]
+    scores = {"amortized": example["amortized"], "attention": example["attention"], "exhaustive": example["effects"]}
+    data = _data(ex.image, grid, np.asarray(scores[method][pick]), method, unit,
+                 f"stored: span {pick} {names[pick]!r} (true cell {example['true_cells'][pick]}), {method}")
+    show_figure(heatmap_figure(data), data, "vis_attr_stored_heatmap", provenance=stored.provenance,
+                figure="vis_attr_heatmap")
+
+
+def elsewhere_section(ctx) -> None:
+    """On a model without vision: the toy VLM's shipped result, labelled as the toy's, and a switch to it."""
+    from app.switch import switch_button
+    from probes.toys import vlm
+
+    stored = shipped.find(NAME, DEFAULT_MODEL, None)
+    if not stored:
+        (st.warning if stored.damaged else st.caption)(stored.reason)
+        return
+    st.markdown(f"**Below: the stored result of `{DEFAULT_MODEL}`, not of `{ctx.model_id}`.** {stored.label()}")
+    switch_button(DEFAULT_MODEL, key="va_switch")
+    _stored_scene(stored, vlm.GRID)
+    st.subheader(f"Faithfulness of {DEFAULT_MODEL} on held-out scenes")
+    _draw_study(ctx, stored.json("study.json"), stored.provenance)
 
 
 def _data(image: np.ndarray, grid: int, scores: np.ndarray, method: str, unit: str, title: str) -> dict[str, Any]:
@@ -154,14 +233,22 @@ def render(ctx) -> None:
         st.info(f"`{ctx.model_id}` cannot do {', '.join(missing)} here: this page needs a vision-language model "
                 "with local weights. Pick toy-vlm (trained here), tiny-random:llava or an hf: LLaVA / SmolVLM folder "
                 "in the sidebar.")
+        elsewhere_section(ctx)
         return
     spec = spec_of(ctx.backend)
+    stored = shipped.find(NAME, ctx.model_id, ctx.backend.info()["fingerprint"]) if _is_toy(ctx) else None
+    if stored is not None and not stored and (stored.damaged or "other weights" in stored.reason):
+        st.warning(stored.reason + " Fit the estimator and run the study here.")
+    stored = stored or None
     image, prompt = _scene(ctx, spec)
-    est = _estimator(ctx)
+    est = _estimator(ctx, stored)
     regions = grid_regions(spec, spec.grid, spec.grid)
     st.caption(f"{spec.family} token grid {spec.grid} x {spec.grid}: one region per visual token")
+    if stored is not None and st.session_state.get("va_seed", 0) == STUDY_SETTINGS["seed"] and \
+            st.session_state.get("va_upload") is None:
+        _stored_scene(stored, spec.grid)
     if _is_toy(ctx):
-        _faithfulness(ctx)
+        _faithfulness(ctx, stored)
     answer, live = st.empty(), st.empty()  # the streamed answer, then the finished one
     if st.button("Generate", key="va_generate"):
         with shows_errors():
@@ -181,7 +268,6 @@ def render(ctx) -> None:
                                                            f"live: span {s.index} {s.text!r}, {method}")),
                                       theme=None, config={"displaylogo": False})
             st.session_state["va_run"] = {"ids": ids + generated, "image": image, "spans": spans, "text": text}
-            st.session_state.pop("va_exh", None)
     run = st.session_state.get("va_run")
     live.empty()  # the pickable figures below replace the live one
     if not run:
@@ -200,11 +286,20 @@ def render(ctx) -> None:
     scores, unit = (span.attention, "attention") if method == "raw attention" else (span.predicted, "nats")
     data = _data(run["image"], spec.grid, scores, method, unit, f"span {labels[pick]!r}: {method}")
     show_figure(heatmap_figure(data), data, "vis_attr_heatmap")
-    if st.button("Exhaustive effects for this span", key="va_exhaustive"):
-        with shows_errors():
-            eff = exhaustive_effects(ctx.backend, run["ids"], run["image"], [(span.start, span.end)], regions)[0]
-            st.session_state["va_exh"] = (pick, _data(run["image"], spec.grid, eff, "exhaustive effect", "nats",
-                                                      f"span {labels[pick]!r}: log-prob drop, each token masked"))
-    done = st.session_state.get("va_exh")
-    if done and done[0] == pick:  # only for the span it was computed for
-        show_figure(heatmap_figure(done[1]), done[1], "vis_attr_exhaustive", figure="vis_attr_heatmap")
+    start = st.button("Exhaustive effects for this span", key="va_exhaustive")
+    backend, ids, picture = ctx.backend, run["ids"], run["image"]
+
+    def work(job):
+        job.progress("exhaustive effects", 0, 1)
+        eff = exhaustive_effects(backend, ids, picture, [(span.start, span.end)], regions)[0]
+        job.progress("exhaustive effects", 1, 1)
+        return eff
+
+    key = ctx.result_key("va-exhaustive", ids=list(map(int, ids)), span=[span.start, span.end],
+                         image=hash(np.asarray(picture).tobytes()))
+    eff = run_job(key, work, label=f"Exhaustive effects of span {labels[pick]!r}", kind="va-exhaustive",
+                  page=PAGE_NAME, start=start)
+    if eff is not None:  # only for the span it was computed for
+        done = _data(run["image"], spec.grid, eff, "exhaustive effect", "nats",
+                     f"span {labels[pick]!r}: log-prob drop, each token masked")
+        show_figure(heatmap_figure(done), done, "vis_attr_exhaustive", figure="vis_attr_heatmap")

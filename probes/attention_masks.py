@@ -69,6 +69,24 @@ def rows_needed(masks: Sequence[Any]) -> int:
     return max((r + 1 for m in masks if isinstance(m, RowMask) for r in m.rows), default=1)
 
 
+def check_generation_masks(masks: Sequence[Any], lengths: Sequence[int]) -> None:
+    """MaskAttention in `generate`, checked when the call is made (before a stream starts, so a server answers
+    a 4xx): no `queries=` (the queries are the generated tokens), positions inside every prompt of the batch
+    (`lengths`), prompts of one length."""
+    masks = [m for m in masks if isinstance(m, MaskAttention)]
+    if not masks:
+        return
+    if any(m.queries is not None for m in masks):
+        raise BadInputError("in generate() MaskAttention masks the generated tokens; queries= applies to "
+                            "teacher-forced trace/capture")
+    bad = sorted({p for m in masks for p in m.positions if p >= min(lengths)})
+    if bad:
+        raise BadInputError(f"MaskAttention positions {bad[:5]} are beyond a prompt of {min(lengths)} tokens "
+                            f"(positions 0..{min(lengths) - 1})")
+    if len(set(lengths)) != 1:
+        raise BadInputError("MaskAttention needs prompts of equal length in a batch")
+
+
 def _applies(m: Any, row: int | None) -> bool:
     """Whether mask `m` acts on batch `row` (None: the whole batch, no row masks given)."""
     return row is None or not isinstance(m, RowMask) or row in m.rows

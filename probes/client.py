@@ -5,7 +5,9 @@ A page or an analysis takes a `Backend` and cannot tell this from the in-process
 the server makes them, `trace` returns the same `Trace`, prefix states are `RemotePrefix` handles
 naming states the server holds. Tokenizer operations run here, on the tokenizer files the server
 hands out once (the same `TokenizerOps` the engine uses). Error responses become the project's
-errors with the server's message; a full queue is a `ServerBusyError` with `retry_after`.
+errors with the server's message; a full queue is a `ServerBusyError` with `retry_after` (and
+`queue_ticket`: the next request of this backend sends it back, so a client that retries keeps its
+place in the server's line).
 
 Example:
     >>> from probes.client import RemoteBackend
@@ -31,6 +33,8 @@ from probes.optimize import EntropyFit
 from probes.records import Readout, TokenRecord, Trace
 from probes.tokens import TokenizerOps, tokenizer_from_files
 from probes.wire import (
+    QUEUE_TICKET_HEADER,
+    SERVER_INFO_KEYS,
     ServerBusyError,
     ServerError,
     b64_to_tensors,
@@ -119,6 +123,8 @@ class RemoteBackend:
         self._ops: TokenizerOps | None = None
         self._ops_lock = threading.Lock()
         self._info: dict[str, Any] | None = None
+        self.server_info: dict[str, Any] = {}  # what GET /info says of the server itself (its request budget)
+        self._queue_ticket: str | None = None  # our place in line after a 503, sent with the next request
 
     def close(self) -> None:
         self._http.close()
@@ -132,7 +138,10 @@ class RemoteBackend:
     # ----- the Backend protocol -----
 
     def info(self) -> dict[str, Any]:
-        self._info = self._call("GET", "/info")
+        """`Engine.info()` of the served model; the server's own sections go to `server_info`."""
+        body = self._call("GET", "/info")
+        self.server_info = {key: body.pop(key) for key in SERVER_INFO_KEYS if key in body}
+        self._info = body
         return self._info
 
     def sites(self) -> list[dict[str, Any]]:
@@ -292,7 +301,7 @@ class RemoteBackend:
         when `retry` (every operation but `prefill` is idempotent: repeating it changes nothing)."""
         for attempt in (0, 1):
             try:
-                response = self._http.request(method, path, **kwargs)
+                response = self._http.request(method, path, headers=self._ticket_header(), **kwargs)
                 break
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
                 if attempt or not retry:
@@ -300,20 +309,32 @@ class RemoteBackend:
             except httpx.HTTPError as err:
                 raise self._unreachable(err) from err
         if response.status_code >= 400:
-            raise _error_of(response)
+            raise self._error_of(response)
+        self._queue_ticket = None
         return response.json()
 
     @contextmanager
     def _open_stream(self, body: dict[str, Any]) -> Iterator[httpx.Response]:
         """One streaming POST /generate; an error status raises before any event is read."""
         try:
-            with self._http.stream("POST", "/generate", json=body) as response:
+            with self._http.stream("POST", "/generate", json=body, headers=self._ticket_header()) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise _error_of(response)
+                    raise self._error_of(response)
+                self._queue_ticket = None
                 yield response
         except httpx.HTTPError as err:
             raise self._unreachable(err) from err
+
+    def _ticket_header(self) -> dict[str, str]:
+        ticket = self._queue_ticket
+        return {QUEUE_TICKET_HEADER: ticket} if ticket else {}
+
+    def _error_of(self, response: httpx.Response) -> ThoughtscopeError:
+        err = _error_of(response)
+        if isinstance(err, ServerBusyError) and getattr(err, "queue_ticket", None):
+            self._queue_ticket = err.queue_ticket  # a retry of any call keeps this client's place
+        return err
 
     def _unreachable(self, err: Exception) -> ThoughtscopeError:
         return ServerError(f"no answer from the model server at {self.url} ({type(err).__name__}: {err}); "

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from probes.hooks import HookRunner
-from probes.attention_masks import RowMask, rows_needed  # importing registers RowMask's wire kind
+from probes.attention_masks import RowMask, check_generation_masks, rows_needed  # importing registers RowMask's wire kind
 from probes.interventions import Intervention, MaskAttention
 from probes.records import Readout, TokenRecord, Trace
 from probes.sites import FAMILIES, Site, get_module, list_sites, validate_site
@@ -290,6 +290,7 @@ class Engine:
         if any(isinstance(m, RowMask) for m in masks):
             raise BadInputError("RowMask masks batch rows of a teacher-forced pass (trace, capture, capture_batch); "
                                 "in generate use MaskAttention")
+        check_generation_masks(masks, [len(row) for row in ids])  # here, not at the first token: before any stream
         stream = GenerationStream(self, iter(()))
         run = self._generate(stream, ids, max_new_tokens, sampling or Sampling(), seed, sites, hooks, masks,
                              top_k, tuple(stop), vision)

@@ -32,6 +32,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -41,17 +42,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from probes.attention_masks import RowMask, rows_needed
 from probes.engine import Engine, Sampling
 from probes.states import DEFAULT_MAX_STATE_BYTES, DEFAULT_MAX_STATES, DEFAULT_STATE_TTL_S, PrefixStore
 from probes.tokens import tokenizer_files
+from probes.vision import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, MAX_IMAGES, open_image
 from probes.wire import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_NEW_TOKENS_CAP,
+    MAX_INTERVENTIONS,
+    MAX_SEQUENCES,
+    QUEUE_TICKET_HEADER,
+    SERVER_INFO_KEYS,
     AuthError,
     CaptureBatchRequest,
     EntropyFitRequest,
@@ -84,6 +92,9 @@ DEFAULT_PORT = 8765
 OPEN_PATHS = {"/health"}  # what a load balancer may poll without the token
 KEEPALIVE_S = 5.0  # a queued stream sends an SSE comment this often, so proxies and clients see it alive
 RETRY_AFTER_S = 1
+MIN_RETRY_S = 0.05  # the shortest wait a refusal asks for
+TICKET_GRACE_S = 2.0  # a refused client's place in line is kept this long past its Retry-After
+SERVICE_EWMA = 0.2  # weight of the latest request in the mean service time
 
 
 @dataclass(frozen=True)
@@ -94,8 +105,8 @@ class ServerLimits:
       the model freed (a stalled reader cannot hold the model);
     - `max_stream_s`: the longest a generation may hold the model;
     - `queue_timeout_s`: the longest a request waits for the model before a 503;
-    - `max_sequences` / `max_batch_tokens`: prompts x samples, and that times max_new_tokens, per request;
-      `max_capture_tokens`: tokens of one capture_batch / entropy-fit request.
+    - the request budget (`BUDGET`, what each field bounds): checked before any model work and before
+      a queue place is taken, so an oversized request is a 413 that costs the model nothing.
     """
 
     send_timeout_s: float = 60.0
@@ -104,37 +115,105 @@ class ServerLimits:
     max_sequences: int = 64
     max_batch_tokens: int = 262_144
     max_capture_tokens: int = 262_144
+    max_capture_sequences: int = MAX_SEQUENCES
+    max_interventions: int = MAX_INTERVENTIONS
+    max_images: int = MAX_IMAGES
+    max_image_side: int = MAX_IMAGE_SIDE
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    max_request_pixels: int = 2 * MAX_IMAGE_PIXELS
+
+    def budget(self) -> dict[str, int]:
+        """The request budget's numbers, as `GET /info` reports them."""
+        return {name: getattr(self, name) for name in BUDGET}
+
+
+# The request budget: one line per bound (serve --help, GET /info and docs/server.md say the same).
+BUDGET = {
+    "max_sequences": "rows one model call runs side by side: prompts x n_samples in /generate, mask rows "
+                     "(mask_attention_rows: max(rows) + 1) in /trace and /input_x_gradient",
+    "max_batch_tokens": "a generation's sequences x (longest prompt + image tokens + max_new_tokens); /fork's "
+                        "suffix + max_new_tokens",
+    "max_capture_tokens": "tokens of a teacher-forced request: mask rows x text tokens (/trace), all sequences "
+                          "(/capture_batch, /minimize_entropy, /head_means), the prompt of /prefill",
+    "max_capture_sequences": "sequences or texts of one /capture_batch, /minimize_entropy or /head_means",
+    "max_interventions": "interventions (steering, ablations, masks, a KV policy) per request",
+    "max_images": "images per request, all prompts together",
+    "max_image_side": "the longest side an image may declare in its header (read before decoding)",
+    "max_image_pixels": "pixels one image may declare (width x height, from the header)",
+    "max_request_pixels": "pixels all images of one request may declare together (from the headers)",
+}
 
 
 # ----- the waiting room -----
 
 
 class ModelQueue:
-    """One model call at a time; at most `max_queue` requests wait for their turn (FIFO)."""
+    """One model call at a time; at most `max_queue` requests wait for their turn (FIFO).
 
-    def __init__(self, max_queue: int):
+    Beyond that a request is refused (503), but its client keeps a place in line: the refusal carries
+    a ticket (`X-Queue-Ticket`) and a wait estimated from the measured service time (Retry-After; the
+    body's `retry_after_s` to the millisecond). Places that free up go to ticket holders before any
+    newcomer (a newcomer gets a place only beyond one kept for each of them), and each holder's wait
+    is estimated from its place in line, so a client that keeps retrying cannot be starved by faster
+    ones. A ticket whose holder does not come back expires `TICKET_GRACE_S` after its wait.
+    """
+
+    def __init__(self, max_queue: int, max_backlog: int = 1024):
         if max_queue < 0:
             raise BadInputError(f"max_queue must be >= 0, got {max_queue}")
-        self.max_queue = max_queue
+        self.max_queue, self.max_backlog = max_queue, max_backlog
         self.waiting = 0
+        self.mean_service_s = float(RETRY_AFTER_S)  # seconds a request holds the model (this until measured)
+        self._measured = False
         self._lock = asyncio.Lock()
+        self._backlog: dict[str, float] = {}  # ticket -> expiry (monotonic s), oldest refusal first
 
     @property
     def busy(self) -> bool:
         return self._lock.locked()
 
-    def admit(self) -> "Ticket":
-        """A place in the waiting room, or `ServerBusyError` (503) when it is full."""
+    @property
+    def backlog(self) -> int:
+        """Refused clients holding a place in line."""
+        self._expire(time.monotonic())
+        return len(self._backlog)
+
+    def admit(self, ticket: str | None = None) -> "Ticket":
+        """A place in the waiting room, or `ServerBusyError` (503) with a place in line when it is full."""
+        now = time.monotonic()
+        self._expire(now)
         # `waiting` counts every admitted request not yet holding the model, so a burst that
         # arrives before the first one takes the lock is still bounded.
-        if self.waiting + self.busy >= self.max_queue + 1:
-            raise ServerBusyError(
-                f"the model is busy and {self.waiting} requests are already waiting (max_queue={self.max_queue}); "
-                f"retry in {RETRY_AFTER_S} s or start the server with a larger --max-queue",
-                retry_after=RETRY_AFTER_S,
-            )
-        self.waiting += 1
-        return Ticket(self)
+        occupied, capacity = self.waiting + self.busy, self.max_queue + 1
+        holder = ticket in self._backlog
+        # A free place goes to any ticket holder; a newcomer needs one beyond those kept for all of them.
+        if occupied + (0 if holder else len(self._backlog)) < capacity:
+            self._backlog.pop(ticket, None)
+            self.waiting += 1
+            return Ticket(self)
+        ahead = list(self._backlog).index(ticket) if holder else len(self._backlog)  # refused before this client
+        wait_s = max(MIN_RETRY_S, (occupied + ahead + 1 - capacity) * self.mean_service_s)
+        if ticket not in self._backlog:
+            ticket = uuid.uuid4().hex if len(self._backlog) < self.max_backlog else None
+        if ticket is not None:  # a retry refreshes the expiry; the place (insertion order) stays
+            self._backlog[ticket] = now + math.ceil(wait_s) + TICKET_GRACE_S
+        err = ServerBusyError(
+            f"the model is busy and {self.waiting} requests are already waiting (max_queue={self.max_queue}); "
+            f"retry in {wait_s:.2f} s" + (f" sending the header {QUEUE_TICKET_HEADER}: {ticket} to keep your place "
+                                          "in line" if ticket else "") +
+            ", or start the server with a larger --max-queue", retry_after=wait_s)
+        err.queue_ticket = ticket
+        raise err
+
+    def served(self, seconds: float) -> None:
+        """A request held the model this long: the estimate behind Retry-After (a moving average)."""
+        weight = SERVICE_EWMA if self._measured else 1.0
+        self.mean_service_s += weight * (seconds - self.mean_service_s)
+        self._measured = True
+
+    def _expire(self, now: float) -> None:
+        for ticket in [t for t, expiry in self._backlog.items() if expiry < now]:
+            del self._backlog[ticket]
 
 
 class Ticket:
@@ -142,11 +221,12 @@ class Ticket:
 
     def __init__(self, queue: ModelQueue):
         self.queue, self.holding, self.done = queue, False, False
+        self.since = 0.0
 
     async def wait(self) -> None:
         await self.queue._lock.acquire()  # cancellation-safe: a cancelled waiter never ends up holding it
         self.queue.waiting -= 1
-        self.holding = True
+        self.holding, self.since = True, time.monotonic()
 
     async def wait_for(self, timeout_s: float, gone: Callable[[], Any] | None = None,
                        tick_s: float = KEEPALIVE_S) -> AsyncIterator[None]:
@@ -178,6 +258,7 @@ class Ticket:
         self.done = True
         if self.holding:
             self.holding = False
+            self.queue.served(time.monotonic() - self.since)
             self.queue._lock.release()
         else:
             self.queue.waiting -= 1
@@ -267,8 +348,99 @@ class StrictJSONResponse(JSONResponse):
 
 def _error_response(err: BaseException) -> JSONResponse:
     status = err.http_status if isinstance(err, ThoughtscopeError) else 500
-    headers = {"Retry-After": str(max(1, round(err.retry_after)))} if isinstance(err, ServerBusyError) else None
-    return StrictJSONResponse(error_body(err), status_code=status, headers=headers)
+    body, headers = error_body(err), None
+    if isinstance(err, ServerBusyError):  # Retry-After is whole seconds; the body says it to the millisecond
+        headers = {"Retry-After": str(max(1, math.ceil(err.retry_after)))}
+        body["retry_after_s"] = round(float(err.retry_after), 3)
+        ticket = getattr(err, "queue_ticket", None)
+        if ticket:
+            headers[QUEUE_TICKET_HEADER] = body["queue_ticket"] = ticket
+    return StrictJSONResponse(body, status_code=status, headers=headers)
+
+
+# ----- the request budget -----
+
+
+class RequestBudget:
+    """One request's size against the budget of `ServerLimits`, before any model work and any queue place.
+
+    Each `check_*` method counts what an endpoint's body asks for (rows, tokens x rows, interventions,
+    images and their pixels as the image headers declare them: nothing is decoded) and raises
+    `RequestTooLargeError` (413) beyond a bound; prompts are tokenized with the engine's own checks.
+    """
+
+    def __init__(self, limits: ServerLimits, engine: Engine):
+        self.limits, self.engine = limits, engine
+
+    # --- one per endpoint ---
+
+    def check_generate(self, body: GenerateRequest, interventions: list[Any]) -> None:
+        prompts = [body.prompt] if body.prompts is None else body.prompts
+        rows = len(prompts) * body.n_samples
+        self._bound(rows, "max_sequences", "sequences (prompts x n_samples)", "split the batch")
+        self._bound(len(interventions), "max_interventions", "interventions", "send fewer")
+        image_tokens = self.images([im for entry in body.images or [] for im in entry])
+        longest = max((len(self.engine.encode(p, chat=body.chat)) for p in prompts if p is not None), default=0)
+        per_row = longest + image_tokens + body.max_new_tokens
+        self._bound(rows * per_row, "max_batch_tokens",
+                    f"tokens ({rows} sequences x ({longest} prompt + {image_tokens} image + {body.max_new_tokens} "
+                    "new tokens))", "fewer samples or tokens")
+
+    def check_trace(self, body: Any, interventions: list[Any]) -> None:
+        """/trace and /input_x_gradient: a text, its images, and mask rows (each row reruns the text)."""
+        rows = self.mask_rows(interventions)
+        self._bound(rows, "max_sequences", "rows (mask_attention_rows: max(rows) + 1)", "mask fewer rows per "
+                    "request (visual attribution: a smaller batch_size)")
+        self._bound(len(interventions), "max_interventions", "interventions", "send fewer")
+        n_tokens = len(self.engine.encode(body.text, chat=body.chat)) + self.images(body.images or [])
+        self._bound(rows * n_tokens, "max_capture_tokens", f"tokens ({rows} rows x {n_tokens} tokens)",
+                    "a shorter text or fewer mask rows")
+
+    def check_sequences(self, sequences: list[list[int]], what: str = "sequences") -> None:
+        """/capture_batch and /minimize_entropy (token ids), /head_means (texts, tokenized here)."""
+        self._bound(len(sequences), "max_capture_sequences", what, "split the request")
+        total = sum(len(seq) if isinstance(seq, list) else len(self.engine.encode(seq)) for seq in sequences)
+        self._bound(total, "max_capture_tokens", f"tokens in all {what}", "send fewer or shorter ones")
+
+    def check_prefill(self, body: PrefillRequest) -> None:
+        n_tokens = len(self.engine.encode(body.prompt, chat=body.chat)) + self.images(body.images or [])
+        self._bound(n_tokens, "max_capture_tokens", "prompt tokens", "a shorter prompt")
+
+    def check_fork(self, body: ForkRequest) -> None:
+        n_suffix = len(body.suffix) if isinstance(body.suffix, list) else len(
+            self.engine.encode(body.suffix, add_special_tokens=False))
+        self._bound(n_suffix + body.max_new_tokens, "max_batch_tokens", "tokens (suffix + max_new_tokens)",
+                    "a shorter suffix or fewer new tokens")
+
+    # --- the counts ---
+
+    def mask_rows(self, interventions: list[Any]) -> int:
+        """Rows a teacher-forced pass runs for these masks (max row + 1), the rows checked to be row indices."""
+        for iv in interventions:
+            if isinstance(iv, RowMask):
+                iv.validate(self.engine.handle.arch)
+        return rows_needed(interventions)
+
+    def images(self, images: list[Any]) -> int:
+        """Check the images by their headers (count, sides, pixels, all of them together); their image tokens."""
+        self._bound(len(images), "max_images", "images", "send fewer")
+        total = 0
+        for image in images:
+            width, height = open_image(image, check=False).size  # the header only: no pixel is decoded
+            self._bound(max(width, height), "max_image_side", f"pixels on the longest side of a {width}x{height} "
+                        "image", "resize it")
+            self._bound(width * height, "max_image_pixels", f"pixels in a {width}x{height} image", "resize it")
+            total += width * height
+            self._bound(total, "max_request_pixels", "image pixels (all images, as their headers declare them)",
+                        "send fewer or smaller images")
+        spec = getattr(self.engine.handle, "vision", None)
+        return len(images) * spec.n_tokens if spec is not None and images else 0
+
+    def _bound(self, count: int, name: str, what: str, remedy: str) -> None:
+        limit = getattr(self.limits, name)
+        if count > limit:
+            raise RequestTooLargeError(f"{count} {what} in one request; this server takes at most {limit} "
+                                       f"(--{name.replace('_', '-')}): {remedy}")
 
 
 # ----- the app -----
@@ -293,7 +465,7 @@ class _ServerState:
 
         A client that disconnects while waiting gives its place up at once (the call never runs).
         """
-        ticket = self.queue.admit()
+        ticket = self.queue.admit(request.headers.get(QUEUE_TICKET_HEADER))
         try:
             async for _ in ticket.wait_for(self.limits.queue_timeout_s, request.is_disconnected, tick_s=0.5):
                 pass
@@ -310,21 +482,10 @@ class _ServerState:
                                 "send a fresh one (or none)")
         self.generations[request_id] = None
 
-    def check_batch(self, n_sequences: int, max_new_tokens: int) -> None:
-        lim = self.limits
-        if n_sequences > lim.max_sequences:
-            raise RequestTooLargeError(f"{n_sequences} sequences (prompts x n_samples) in one request; this server "
-                                       f"takes at most {lim.max_sequences}: split the batch")
-        if n_sequences * max_new_tokens > lim.max_batch_tokens:
-            raise RequestTooLargeError(
-                f"{n_sequences} sequences x {max_new_tokens} new tokens = {n_sequences * max_new_tokens} tokens; "
-                f"this server takes at most {lim.max_batch_tokens} per request: fewer samples or tokens")
-
-    def check_capture(self, sequences: list[list[int]]) -> None:
-        total = sum(len(seq) for seq in sequences)
-        if total > self.limits.max_capture_tokens:
-            raise RequestTooLargeError(f"{total} tokens in one request; this server takes at most "
-                                       f"{self.limits.max_capture_tokens}: send fewer or shorter sequences")
+    async def within_budget(self, check: Callable[["RequestBudget"], None]) -> None:
+        """Run a budget check (it may tokenize and read image headers) in a worker thread, before any queue place."""
+        budget = RequestBudget(self.limits, self.ready_engine())
+        await anyio.to_thread.run_sync(lambda: check(budget))
 
     def check_tokens(self, max_new_tokens: int) -> None:
         if max_new_tokens > self.max_new_tokens_cap:
@@ -418,17 +579,25 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(err)
 
 
+def server_info_sections(state: _ServerState) -> dict[str, Any]:
+    """What GET /info adds to `Engine.info()`: one entry per name of `SERVER_INFO_KEYS` (a new section is one
+    more line here and one more name there)."""
+    sections = {"request_budget": state.limits.budget()}
+    return {key: sections[key] for key in SERVER_INFO_KEYS if key in sections}
+
+
 def _add_routes(app: FastAPI, state: _ServerState) -> None:
     strict = StrictJSONResponse
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, Any]:
         return {"ok": True}
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         body = {"ready": state.engine is not None, "busy": state.queue.busy, "waiting": state.queue.waiting,
-                "max_queue": state.queue.max_queue, "max_new_tokens_cap": state.max_new_tokens_cap,
+                "max_queue": state.queue.max_queue,
+                "backlog": state.queue.backlog, "mean_service_s": round(state.queue.mean_service_s, 4), "max_new_tokens_cap": state.max_new_tokens_cap,
                 "max_body_bytes": state.max_body_bytes, "prefix_states": state.states.stats(),
                 "limits": dataclasses.asdict(state.limits)}
         if state.load_error is not None:
@@ -437,7 +606,8 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
 
     @app.get("/info")
     async def info() -> JSONResponse:
-        return strict(state.ready_engine().info())
+        """`Engine.info()` plus the server's own sections, each named in `probes.wire.SERVER_INFO_KEYS`."""
+        return strict({**state.ready_engine().info(), **server_info_sections(state)})
 
     @app.get("/sites")
     async def sites() -> JSONResponse:
@@ -467,6 +637,7 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     async def trace(body: TraceRequest, request: Request) -> JSONResponse:
         engine = state.ready_engine()
         interventions = [intervention_from_spec(s) for s in body.interventions]
+        await state.within_budget(lambda budget: budget.check_trace(body, interventions))
         result = await state.run(request, lambda: engine.trace(body.text, capture=body.capture,
                                                                 interventions=interventions, chat=body.chat,
                                                                 images=body.images))
@@ -475,7 +646,7 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     @app.post("/capture_batch")
     async def capture_batch(body: CaptureBatchRequest, request: Request) -> JSONResponse:
         engine = state.ready_engine()
-        state.check_capture(body.sequences)
+        await state.within_budget(lambda budget: budget.check_sequences(body.sequences))
         prefix = state.states.get(body.prefix) if body.prefix else None
         result = await state.run(request, lambda: engine.capture_batch(
             body.sequences, body.capture, prefix=prefix, stop_after_last_site=body.stop_after_last_site,
@@ -485,6 +656,7 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     @app.post("/head_means")
     async def head_means(body: HeadMeansRequest, request: Request) -> JSONResponse:
         engine = state.ready_engine()
+        await state.within_budget(lambda budget: budget.check_sequences(body.texts, "texts"))
         result = await state.run(request, lambda: engine.head_means(body.texts, body.layer))
         return strict({"means": tensors_to_b64({"means": result})})
 
@@ -499,11 +671,14 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     @app.post("/minimize_entropy")
     async def minimize_entropy(body: EntropyFitRequest, request: Request) -> JSONResponse:
         engine = state.ready_engine()
-        state.check_capture(body.sequences)
+        await state.within_budget(lambda budget: budget.check_sequences(body.sequences))
         basis = one_tensor(body.basis, "the basis")
         fit = await state.run(request, lambda: engine.minimize_entropy(
             body.sequences, body.starts, body.site, basis, iterations=body.iterations, lr=body.lr,
             batch_size=body.batch_size, seed=body.seed))
+        if not (torch.isfinite(fit.coefficients).all() and all(math.isfinite(h) for h in fit.history)):
+            raise BadInputError(f"the fit diverged (NaN or infinite coefficients or entropies) with lr={body.lr:g} "
+                                f"over {body.iterations} iterations; use a smaller lr")
         return strict({"coefficients": tensors_to_b64({"coefficients": fit.coefficients}),
                        "history": fit.history, "settings": fit.settings})
 
@@ -511,6 +686,7 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     async def input_x_gradient(body: GradientRequest, request: Request) -> JSONResponse:
         engine = state.ready_engine()
         interventions = [intervention_from_spec(s) for s in body.interventions]
+        await state.within_budget(lambda budget: budget.check_trace(body, interventions))
         result = await state.run(request, lambda: engine.input_x_gradient(
             body.text, target=body.target, positions=body.positions, token=body.token, foil=body.foil,
             sites=body.sites, interventions=interventions, chat=body.chat, images=body.images))
@@ -522,6 +698,7 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     @app.post("/prefill")
     async def prefill(body: PrefillRequest, request: Request) -> JSONResponse:
         engine = state.ready_engine()
+        await state.within_budget(lambda budget: budget.check_prefill(body))
         base = state.states.get(body.base) if body.base else None
         made = await state.run(request, lambda: engine.prefill(body.prompt, chat=body.chat, base=base,
                                                                images=body.images))
@@ -532,6 +709,7 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     async def fork(body: ForkRequest, request: Request) -> JSONResponse:
         engine = state.ready_engine()
         state.check_tokens(body.max_new_tokens)
+        await state.within_budget(lambda budget: budget.check_fork(body))
         prefix = state.states.get(body.state)
         records = await state.run(request, lambda: engine.fork(
             prefix, body.suffix, max_new_tokens=body.max_new_tokens, capture=body.capture, top_k=body.top_k,
@@ -543,22 +721,21 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
         return strict({"state_id": state_id, "freed": state.states.free(state_id)})
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest) -> StreamingResponse:
+    async def generate(body: GenerateRequest, request: Request) -> StreamingResponse:
         engine = state.ready_engine()
         state.check_tokens(body.max_new_tokens)
-        n_sequences = (1 if body.prompts is None else len(body.prompts)) * body.n_samples
-        state.check_batch(n_sequences, body.max_new_tokens)
         request_id = body.request_id or uuid.uuid4().hex
         state.reserve(request_id)  # before any await: two requests with one id cannot both pass
         try:
             interventions = [intervention_from_spec(s) for s in body.interventions]
-            ticket = state.queue.admit()
+            await state.within_budget(lambda budget: budget.check_generate(body, interventions))
+            ticket = state.queue.admit(request.headers.get(QUEUE_TICKET_HEADER))
         except BaseException:
             state.generations.pop(request_id, None)
             raise
         try:
-            # Input checks (prompt, sites, interventions) run before the first byte, so a bad request
-            # is a 4xx rather than an error event; they touch only the tokenizer, not the model.
+            # Input checks (prompt, images, sites, interventions, attention masks) run before the first
+            # byte, so a bad request is a 4xx rather than an error event; no forward pass runs here.
             stream = await anyio.to_thread.run_sync(lambda: engine.generate(
                 body.prompt, prompts=body.prompts, n_samples=body.n_samples, max_new_tokens=body.max_new_tokens,
                 sampling=Sampling(**body.sampling.model_dump()), seed=body.seed, capture=body.capture,

@@ -180,6 +180,30 @@ def served(model_id: str, device: str = "cpu", torch_threads: int | None = 1) ->
         torch.set_num_threads(threads_before)
 
 
+@contextmanager
+def serving_in_thread(app: Any) -> Iterator[str]:
+    """An ASGI app (`probes.server.create_app(engine)`) served by uvicorn in a thread of this process on a
+    free loopback port; yields its URL. Tests use it to watch the engine the server drives."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name=f"server-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise ServerError(f"the in-thread server on port {port} did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def alternate(sides: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
     """Seconds of each side per round, run in alternation in a worker thread (as the server runs them)."""
     times: dict[str, list[float]] = {name: [] for name in sides}

@@ -6,9 +6,15 @@ from typing import Optional
 
 import typer
 
-from probes.server import DEFAULT_HOST, DEFAULT_PORT, ServerLimits, serve
+from probes.server import BUDGET, DEFAULT_HOST, DEFAULT_PORT, ServerLimits, serve
 from probes.states import DEFAULT_MAX_STATE_BYTES, DEFAULT_MAX_STATES, DEFAULT_STATE_TTL_S
 from probes.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_NEW_TOKENS_CAP
+
+
+def _budget(name: str) -> int:
+    """A request-budget option: its default from ServerLimits, its help from the one table (probes.server.BUDGET)."""
+    return typer.Option(getattr(ServerLimits, name), f"--{name.replace('_', '-')}",
+                        help=f"request budget: {BUDGET[name]} (413 beyond, before any model work)")
 
 
 def register(cli: typer.Typer) -> None:
@@ -35,19 +41,32 @@ def register(cli: typer.Typer) -> None:
         max_stream_s: float = typer.Option(ServerLimits.max_stream_s, help="longest a generation may hold the model"),
         queue_timeout_s: float = typer.Option(ServerLimits.queue_timeout_s,
                                               help="longest a request waits for the model before a 503"),
-        max_sequences: int = typer.Option(ServerLimits.max_sequences, help="prompts x samples per request"),
-        max_batch_tokens: int = typer.Option(ServerLimits.max_batch_tokens,
-                                             help="prompts x samples x max_new_tokens per request"),
+        max_sequences: int = _budget("max_sequences"),
+        max_batch_tokens: int = _budget("max_batch_tokens"),
+        max_capture_tokens: int = _budget("max_capture_tokens"),
+        max_capture_sequences: int = _budget("max_capture_sequences"),
+        max_interventions: int = _budget("max_interventions"),
+        max_images: int = _budget("max_images"),
+        max_image_side: int = _budget("max_image_side"),
+        max_image_pixels: int = _budget("max_image_pixels"),
+        max_request_pixels: int = _budget("max_request_pixels"),
         log_level: str = typer.Option("info", help="uvicorn log level"),
         trust_remote_code: bool = typer.Option(
             False, "--trust-remote-code", help="let an hf: model folder run its own modeling code (only if you trust it)"),
     ) -> None:
         """Serve a model over HTTP: streamed generation (SSE), traces, interventions; the app connects with
-        `RemoteBackend(url, token)`."""
+        `RemoteBackend(url, token)`.
+
+        Every request is measured against the request budget (the --max-* options below: rows, tokens x rows,
+        interventions, images and their pixels as the image headers declare them) before any model work and
+        before it takes a place in the queue; GET /info reports the budget under "request_budget"."""
         serve(model, host=host, port=port, token=token, max_queue=max_queue, max_body_bytes=max_body_bytes,
               max_new_tokens_cap=max_new_tokens_cap, device=device, dtype=dtype, device_map=device_map,
               log_level=log_level, trust_remote_code=trust_remote_code, max_states=max_states,
               max_state_bytes=max_state_bytes, state_ttl_s=state_ttl_s,
               limits=ServerLimits(send_timeout_s=send_timeout_s, max_stream_s=max_stream_s,
                                   queue_timeout_s=queue_timeout_s, max_sequences=max_sequences,
-                                  max_batch_tokens=max_batch_tokens))
+                                  max_batch_tokens=max_batch_tokens, max_capture_tokens=max_capture_tokens,
+                                  max_capture_sequences=max_capture_sequences, max_interventions=max_interventions,
+                                  max_images=max_images, max_image_side=max_image_side,
+                                  max_image_pixels=max_image_pixels, max_request_pixels=max_request_pixels))

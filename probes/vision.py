@@ -42,6 +42,7 @@ import base64
 import binascii
 import io
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -53,6 +54,7 @@ from thoughtscope.errors import BadInputError
 
 MAX_IMAGE_BYTES = 8 * 1024 * 1024  # encoded size (a server request body is 8 MiB by default)
 MAX_IMAGE_SIDE = 4096
+MAX_IMAGE_PIXELS = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE  # one image, as its header declares it
 MAX_IMAGES = 16  # per request
 # Modes converted to RGB; anything else (16-bit, float, CMYK, ...) is refused with a message.
 ACCEPTED_MODES = ("RGB", "RGBA", "L", "LA", "P")
@@ -69,7 +71,23 @@ IMAGE_PLACEHOLDER = "<image>"
 def load_image(image: Any):
     """An RGB `PIL.Image` from a PIL image, a uint8 array (HxW or HxWx3/4), encoded bytes (PNG, JPEG,
     ...) or a base64 string of them (a `data:image/...;base64,` prefix is allowed). Checks size and
-    mode; raises `BadInputError` for anything else (paths included: images travel as bytes)."""
+    mode from the header before decoding a single pixel (a small file may declare a huge image);
+    raises `BadInputError` for anything else (paths included: images travel as bytes)."""
+    from PIL import Image
+
+    img = open_image(image)
+    if isinstance(image, (bytes, bytearray, str)):
+        try:
+            img.load()
+        except (OSError, ValueError, Image.DecompressionBombError) as err:
+            raise BadInputError(f"these bytes are not an image PIL can read ({err.__class__.__name__}); "
+                                "send PNG or JPEG bytes") from err
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def open_image(image: Any, check: bool = True):
+    """The `PIL.Image` of any accepted form, with its declared size and mode checked unless `check` is
+    False; encoded bytes are opened lazily (PIL reads the header only): nothing is decoded until `.load()`."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(image, Image.Image):
@@ -77,6 +95,8 @@ def load_image(image: Any):
     elif isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
             raise BadInputError(f"an image array must be uint8 HxW, HxWx3 or HxWx4; got {image.dtype} {image.shape}")
+        if check:
+            check_image_size(image.shape[1], image.shape[0])  # before fromarray copies it
         img = Image.fromarray(image)
     elif isinstance(image, (bytes, bytearray, str)):
         data = _b64_bytes(image) if isinstance(image, str) else bytes(image)
@@ -84,21 +104,32 @@ def load_image(image: Any):
             raise BadInputError(f"the image is {len(data)} bytes encoded; the limit is {MAX_IMAGE_BYTES} "
                                 "(send a smaller or compressed image)")
         try:
-            img = Image.open(io.BytesIO(data))
-            img.load()
+            with warnings.catch_warnings():  # PIL warns of a "decompression bomb"; our size check below refuses it
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img = Image.open(io.BytesIO(data))  # lazy: the header only
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
             raise BadInputError(f"these bytes are not an image PIL can read ({err.__class__.__name__}); "
                                 "send PNG or JPEG bytes") from err
     else:
         raise BadInputError(f"an image is a PIL image, a uint8 array, PNG/JPEG bytes or base64 of them; "
                             f"got {type(image).__name__} (paths are not accepted: send the bytes)")
-    w, h = img.size
-    if not (1 <= w <= MAX_IMAGE_SIDE and 1 <= h <= MAX_IMAGE_SIDE):
-        raise BadInputError(f"the image is {w}x{h}; each side must be 1..{MAX_IMAGE_SIDE} pixels (resize it)")
+    if not check:
+        return img
+    check_image_size(*img.size)
     if img.mode not in ACCEPTED_MODES:
         raise BadInputError(f"image mode {img.mode!r} is not supported; convert it to RGB "
                             f"(accepted modes: {', '.join(ACCEPTED_MODES)})")
-    return img if img.mode == "RGB" else img.convert("RGB")
+    return img
+
+
+def check_image_size(width: int, height: int, max_side: int = MAX_IMAGE_SIDE,
+                     max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    """Refuse an image by the size it declares: each side 1..max_side, at most max_pixels in all."""
+    if not (1 <= width <= max_side and 1 <= height <= max_side):
+        raise BadInputError(f"the image is {width}x{height}; each side must be 1..{max_side} pixels (resize it)")
+    if width * height > max_pixels:
+        raise BadInputError(f"the image is {width}x{height} = {width * height} pixels; the limit is {max_pixels} "
+                            "per image (resize it)")
 
 
 def _b64_bytes(text: str) -> bytes:
@@ -120,8 +151,8 @@ def image_to_b64(image: Any) -> str:
 
 
 def image_size(image: Any) -> tuple[int, int]:
-    """(width, height) of an image in any accepted form."""
-    return load_image(image).size
+    """(width, height) of an image in any accepted form (read from the header: nothing is decoded)."""
+    return open_image(image).size
 
 
 # ----- the token layout of one VLM family ------------------------------------------------------------

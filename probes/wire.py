@@ -39,7 +39,17 @@ from probes.records import TokenRecord, Trace
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_NEW_TOKENS_CAP = 4096
 MAX_BATCH = 64  # prompts x n_samples per request
+MAX_INTERVENTIONS = 64  # interventions (steering, ablations, masks, a KV policy) per request
+MAX_LR = 10.0  # the largest learning rate a gradient fit accepts (Adam steps are about lr each)
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+# A refused (503) client's place in line: the server sends it in this header and in the body; sent back with
+# the retry, it keeps the client's place (probes.server.ModelQueue).
+QUEUE_TICKET_HEADER = "X-Queue-Ticket"
+# Keys GET /info adds beyond `Engine.info()` (what the server itself allows); `RemoteBackend.info()` sets them
+# aside so that it equals the engine's own `info()`. A new server section is one more name here.
+SERVER_INFO_KEYS = ("request_budget",)
+# Tensor fields that hold one d_model vector: a tensor of another rank is refused, never flattened.
+VECTOR_FIELDS = ("vector", "direction")
 
 
 def error_body(err: BaseException) -> dict[str, Any]:
@@ -63,6 +73,11 @@ def error_from_body(status: int, body: Any, fallback: str = "") -> ThoughtscopeE
             status, BadInputError if 400 <= status < 500 else ServerError)
     err = cls(message)
     err.http_status = status
+    if isinstance(err, ServerBusyError):  # the precise wait (Retry-After is whole seconds) and the place in line
+        given = body if isinstance(body, dict) else {}
+        wait = given.get("retry_after_s")
+        err.retry_after_s = float(wait) if isinstance(wait, (int, float)) and not isinstance(wait, bool) else None
+        err.queue_ticket = given.get("queue_ticket") if isinstance(given.get("queue_ticket"), str) else None
     return err
 
 
@@ -100,7 +115,8 @@ def b64_to_tensors(text: str, what: str = "the tensor payload") -> dict[str, tor
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan=False: Python's JSON parser reads NaN, Infinity and 1e400 (inf); no setting may be one
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 SiteName = Annotated[str, Field(max_length=64)]
@@ -128,7 +144,7 @@ class GenerateRequest(_Body):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     seed: int = Field(0, ge=0, le=2**63 - 1)
     capture: list[SiteName] = Field(default_factory=list, max_length=512)
-    interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_INTERVENTIONS)
     top_k: int = Field(5, ge=0, le=100)
     stop: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=32)
     chat: bool = False
@@ -141,7 +157,7 @@ class TraceRequest(_Body):
 
     text: Prompt
     capture: list[SiteName] = Field(default_factory=list, max_length=512)
-    interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_INTERVENTIONS)
     chat: bool = False
     images: list[ImageB64] | None = Field(None, max_length=16)  # for a VLM: one per <image> in text
 
@@ -205,7 +221,7 @@ class EntropyFitRequest(_Body):
     site: str = Field(max_length=64)
     basis: str
     iterations: int = Field(30, ge=1, le=100_000)
-    lr: float = Field(0.01, gt=0)
+    lr: float = Field(0.01, gt=0, le=MAX_LR)
     batch_size: int = Field(8, ge=1, le=1024)
     seed: int = Field(0, ge=0, le=2**63 - 1)
 
@@ -219,7 +235,7 @@ class GradientRequest(_Body):
     token: int | None = None
     foil: int | None = None
     sites: list[SiteName] = Field(default_factory=list, max_length=512)
-    interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_INTERVENTIONS)
     chat: bool = False
     images: list[ImageB64] | None = Field(None, max_length=16)  # for a VLM: one per <image> in text
 
@@ -268,6 +284,9 @@ def intervention_from_spec(spec: Any) -> Any:
             if not isinstance(fields[name], str):
                 raise BadInputError(f"{cls.kind}.{name} must be base64 safetensors bytes")
             fields[name] = load_vector_bytes(b64_to_bytes(fields[name], f"{cls.kind}.{name}"))
+            if name in VECTOR_FIELDS and fields[name].ndim != 1:
+                raise BadInputError(f"{cls.kind}.{name} must be a 1-D vector of d_model values; got a tensor of "
+                                    f"shape {list(fields[name].shape)} (send one vector, not a matrix)")
     return cls.from_spec(fields)
 
 

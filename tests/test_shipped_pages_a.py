@@ -1,0 +1,117 @@
+"""Shipped results of the CoT entropy, RISE and feature browser pages: each page opens on its stored
+result without a click (labelled as stored), never shows one made on other weights, reports a damaged
+one, and `thoughtscope ship` rebuilds a shipped result equal to the stored files."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tests import apptest_helpers as helpers  # noqa: E402
+
+from app import jobs  # noqa: E402
+from thoughtscope import shipped  # noqa: E402
+
+TINY = "tiny-random:llama"
+SMOL = "smollm2-135m"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch, tmp_path, request):
+    # A private cache, except for SmolLM2: its fingerprint hashes the config's `_name_or_path`, which names
+    # the cache folder its dequantised weights load from (probes.zoo.fingerprint), so in another cache folder
+    # the shipped results made in the default one read as other weights (reported to the lead).
+    if "model" not in request.keywords:
+        monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    import app.views.cot_entropy as cot_page
+
+    cot_page.results.clear()
+    jobs.registry.clear()
+    yield
+    cot_page.results.clear()
+    jobs.registry.clear()
+
+
+def _engine(model_id: str):
+    from probes import Engine
+
+    return Engine.from_id(model_id)
+
+
+# ----------------------------------------------------------------------------- CoT entropy
+
+
+def _ship_tiny_calibration(root, fingerprint: str | None = None):
+    """The tiny model's calibration at the page's defaults for an 8-token AppTest, shipped under `root`."""
+    from analyses.cot_entropy import ship as cot_ship
+    from analyses.cot_entropy.calibration import calibrate
+    from analyses.families import family_for
+
+    engine = _engine(TINY)
+    cal = calibrate(engine, "arith", family_for(TINY), n_calibration=cot_ship.DEFAULTS["n_calibration"],
+                    n_development=cot_ship.DEFAULTS["n_development"], max_new_tokens=8)
+    folder = shipped.write(cot_ship.NAME, TINY, fingerprint or engine.info()["fingerprint"],
+                           {cot_ship.FILE: cal.to_json()}, command="test", root=root)
+    return cal, folder
+
+
+def test_cot_page_opens_on_the_shipped_calibration_and_refuses_other_weights_or_damage(monkeypatch, tmp_path):
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", TINY)
+    monkeypatch.setenv(shipped.ENV, str(tmp_path / "shipped"))
+    cal, folder = _ship_tiny_calibration(tmp_path / "shipped")
+
+    at = helpers.open_page("cot_entropy", 8)  # no click
+    helpers.assert_clean(at)
+    assert not jobs.registry().running()
+    assert "Calibration densities" in helpers.chart_titles(at)
+    assert any(c.value.startswith("A stored result, made on") and "`test`" in c.value for c in at.caption)
+    assert helpers.metric(at, "Uncertain steps (f0)") == str(cal.detector.n_uncertain_)
+    assert helpers.metric(at, "h chosen on development") == f"{cal.h:g}"
+    assert at.slider(key="cot_h").value == pytest.approx(max(0.1, cal.h))
+    spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Calibration densities" in c.proto.spec))
+    curve = cal.detector.to_dict()["curve"]
+    assert spec["data"][-1]["y"] == pytest.approx(curve["log_ratio"])  # the stored fit, refitted exactly
+
+    at.slider(key="cot_n_cal").set_value(3).run()  # other settings: the stored result is not the answer
+    assert "Calibration densities" not in helpers.chart_titles(at)
+    assert any("made with other settings (n_calibration 12)" in i.value for i in at.info)
+
+    manifest = json.loads((folder / shipped.MANIFEST).read_text())
+    manifest["fingerprint"] = "0123456789abcdef"  # other weights under the same id
+    (folder / shipped.MANIFEST).write_text(json.dumps(manifest))
+    at = helpers.open_page("cot_entropy", 8)
+    helpers.assert_clean(at)
+    assert "Calibration densities" not in helpers.chart_titles(at)
+    assert any("Press **Calibrate**" in i.value for i in at.info)
+
+    _ship_tiny_calibration(tmp_path / "shipped")
+    data = folder / "calibration.json"
+    data.write_text(data.read_text().replace('"n_calibration": 12', '"n_calibration": 13'))  # damaged
+    at = helpers.open_page("cot_entropy", 8)
+    helpers.assert_clean(at)
+    assert "Calibration densities" not in helpers.chart_titles(at)
+    assert any("damaged" in w.value and "rebuild" in w.value for w in at.warning)
+
+
+@pytest.mark.model
+def test_cot_page_on_smollm2_opens_on_the_shipped_calibration_with_the_known_answer(monkeypatch):
+    from analyses.cot_entropy import ship as cot_ship
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", SMOL)
+    monkeypatch.delenv(shipped.ENV, raising=False)
+    stored = shipped.find(cot_ship.NAME, SMOL, _engine(SMOL).info()["fingerprint"])
+    assert stored, stored.reason
+    data = stored.json(cot_ship.FILE)
+    at = helpers.open_page("cot_entropy", None)  # the sidebar's defaults: 48 tokens, the example question
+    helpers.assert_clean(at)
+    assert not jobs.registry().running()
+    assert "Calibration densities" in helpers.chart_titles(at)
+    assert any(c.value == stored.label() for c in at.caption)
+    assert at.slider(key="cot_h").value == data["h_choice"]["chosen"]
+    # the sidebar's example question is an arith problem: its generator's answer is the known answer
+    assert any("Known answer **20**" in c.value for c in at.caption)

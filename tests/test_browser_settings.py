@@ -1,0 +1,103 @@
+"""Settings that hold, in a real browser (issue 20): the sidebar's generation settings, once set, are the
+same on every page whichever way it is opened: from Home (clicked while Home still draws, the path
+that used to reset them to the sliders' minimums), from another page, and by its URL (a reload or a
+copied link: the settings travel in the query string).
+
+Run with `pytest -m browser tests/test_browser_settings.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from app.registry import discover_pages
+
+from tests.test_browser import SLOW, browser, page_names, serve  # noqa: F401  (browser is a fixture)
+
+pytestmark = pytest.mark.browser
+
+MODEL = "tiny-random:llama"
+SLIDERS = ("max_new_tokens", "temperature", "top_p", "alternatives")
+
+
+def idle(p) -> None:
+    p.wait_for_timeout(300)
+    p.locator('[data-testid="stStatusWidget"]').wait_for(state="detached", timeout=4 * SLOW)
+
+
+def open_settings(p) -> None:
+    p.locator(".st-key-max_new_tokens").first.wait_for(state="attached")
+    if not p.locator(".st-key-max_new_tokens").first.is_visible():
+        p.locator("[data-testid='stSidebar'] [data-testid='stExpander'] summary").first.click()
+    p.locator(".st-key-max_new_tokens").first.wait_for()
+
+
+def shown(p) -> dict[str, str]:
+    open_settings(p)
+    return {k: p.locator(f".st-key-{k} input[type='range']").first.input_value() for k in SLIDERS}
+
+
+def press(p, key: str, *keys: str) -> None:
+    for k in keys:
+        p.locator(f".st-key-{key} input[type='range']").first.focus()
+        p.keyboard.press(k)
+        p.wait_for_timeout(800)  # the slider reports its value a moment after the key
+        idle(p)
+
+
+def nav(p, title: str) -> None:
+    p.locator('[data-testid="stSidebarNav"] a').filter(has_text=title).first.click()
+
+
+def rerun(p) -> None:
+    """A rerun with the browser's own widget states (the 'r' shortcut): a value the browser made up
+    would reach the app here."""
+    p.locator('[data-testid="stSidebarNav"]').click(position={"x": 5, "y": 5})
+    p.keyboard.press("r")
+    idle(p)
+
+
+def test_generation_settings_hold_on_every_page_and_every_path(browser):  # noqa: F811
+    with serve(MODEL) as url:
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        p = context.new_page()
+        p.set_default_timeout(SLOW)
+        p.goto(url)
+        p.locator("h1").first.wait_for()
+        idle(p)
+        open_settings(p)
+        press(p, "max_new_tokens", "End")  # 256
+        press(p, "temperature", "ArrowRight", "ArrowRight")  # 0.1: top-p becomes active
+        press(p, "top_p", "ArrowLeft", "ArrowLeft", "ArrowLeft")  # 0.85
+        press(p, "alternatives", "End")  # 10
+        rerun(p)
+        wanted = shown(p)
+        assert wanted == {"max_new_tokens": "256", "temperature": "0.1", "top_p": "0.85", "alternatives": "10"}
+        query = p.url.split("?", 1)[1]
+        assert "max_new_tokens=256" in query and "alternatives=10" in query
+
+        titles = {module.__name__.rsplit(".", 1)[-1]: spec.title for spec, module in discover_pages()}
+        seen, previous = {}, "home"
+        for name in page_names()[1:]:
+            nav(p, titles["home"])
+            p.locator('[data-testid="stSidebarNav"] a').first.wait_for()
+            nav(p, titles[name])  # at once, while Home still draws
+            idle(p)
+            rerun(p)
+            seen[(name, "from Home")] = shown(p)
+            nav(p, titles[previous])
+            idle(p)
+            nav(p, titles[name])
+            idle(p)
+            rerun(p)
+            seen[(name, f"from {previous}")] = shown(p)
+            p.goto(f"{url}/{name}?{query}")
+            p.locator("h1").first.wait_for()
+            idle(p)
+            rerun(p)
+            seen[(name, "by URL")] = shown(p)
+            previous = name
+        context.close()
+    wrong = {path: got for path, got in seen.items() if got != wanted}
+    assert not wrong, wrong
+    assert len(seen) == 3 * (len(page_names()) - 1)

@@ -180,7 +180,11 @@ class Engine:
     # ----- the Backend protocol's read-only part -----
 
     def info(self) -> dict[str, Any]:
-        return self.handle.info()
+        from probes.validate import cached_summary
+
+        # with the model's correctness badge (probes.validate; None until validated), so the server's
+        # /info and every provenance record built from info() carry it
+        return {**self.handle.info(), "validation": cached_summary(self.handle)}
 
     def sites(self) -> list[dict[str, Any]]:
         return list_sites(self.handle.arch)

@@ -282,12 +282,27 @@ def cached_report(handle: Any) -> Report | None:
         return None
 
 
+_SUMMARIES: dict[str, tuple[int, dict[str, Any]]] = {}  # path -> (mtime_ns, summary): info() asks often
+
+
 def cached_summary(handle: Any) -> dict[str, Any] | None:
-    """The badge of this model as loaded (None until a full validation ran). Cheap: one small file read."""
+    """The badge of this model as loaded (None until a full validation ran). Cheap: a stat, and a file
+    read only when the file changed."""
     if getattr(handle, "remote", False):
         return None
+    path = cache_path(handle)
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    hit = _SUMMARIES.get(str(path))
+    if hit is not None and hit[0] == mtime:
+        return dict(hit[1])
     report = cached_report(handle)
-    return report.summary() if report is not None else None
+    if report is None:
+        return None
+    _SUMMARIES[str(path)] = (mtime, report.summary())
+    return report.summary()
 
 
 def store(handle: Any, report: Report) -> Path:
@@ -448,6 +463,11 @@ def _nnsight_reads(handle: Any, ids: list[int], names: Sequence[str]) -> dict[st
 def _bridge_reads(handle: Any, ids: list[int], names: Sequence[str]) -> dict[str, torch.Tensor]:
     from probes.sites import parse_site
 
+    config = handle.model.config
+    if not getattr(config, "architectures", None):
+        # a model built from a config (the tiny-random zoo) has no `architectures`, which TransformerLens
+        # needs to pick its adapter; a model loaded from a folder has it
+        config.architectures = [type(handle.model).__name__]
     bridge = handle.bridge
     with torch.no_grad():
         logits, cache = bridge.run_with_cache(torch.tensor([ids], device=handle.device))
@@ -493,8 +513,22 @@ def check_sites(engine: Any, names: Sequence[str], tol: Tolerance, readers: Sequ
         except Exception as err:
             skipped.append({"reader": "bridge", "what": "all sites",
                             "reason": f"TransformerLens does not bridge {handle.arch.model_type}: {_short(err)}"})
+    for reader in [r for r in readings if r != "hf" and "hf" in readings]:
+        why = _disagrees_with_hf(reader, readings[reader], readings["hf"], handle, tol)
+        if why:
+            skipped.append({"reader": reader, "what": "all sites", "reason": why})
+            del readings[reader]
+    explained: set[str] = set()
+    if "bridge" in readings and handle.arch.model_type in BRIDGE_POST_NORM_OUTPUTS:
+        for name in [n for n in names if n.rsplit(".", 1)[0] in ("attn_out", "mlp_out")]:
+            readings["bridge"].pop(name, None)
+            explained.add(name)
+        skipped.append({"reader": "bridge", "what": "attn_out, mlp_out",
+                        "reason": f"in {handle.arch.model_type} TransformerLens's hook_attn_out/hook_mlp_out are "
+                                  "after the block's post-norm; the engine's attn_out/mlp_out are before it "
+                                  "(probes.sites), so they are not the same quantity"})
     for reader, reads in readings.items():
-        missing = [n for n in names if n not in reads]
+        missing = [n for n in names if n not in reads and n not in explained]
         if missing and reader != "nnsight":
             skipped.append({"reader": reader, "what": _kinds(missing), "reason": _why_missing(reader, missing)})
         for name in names:
@@ -513,6 +547,24 @@ def check_sites(engine: Any, names: Sequence[str], tol: Tolerance, readers: Sequ
                                     classify_site(stats["max_rel"], stats["cosine"], tol), note))
     read = {c.site for c in checks}
     return checks, skipped, [n for n in names if n not in read]
+
+
+# Families with post-norms after attention and MLP: TransformerLens's attn_out/mlp_out hooks sit after them.
+BRIDGE_POST_NORM_OUTPUTS = ("gemma2", "gemma3", "gemma3_text", "olmo2")
+
+
+def _disagrees_with_hf(reader: str, reads: dict[str, Any], hf: dict[str, Any], handle: Any, tol: Tolerance) -> str:
+    """Why a reader is no reference for this model ('' when it is): its own logits differ from the plain HF
+    forward's, so it computes a different function than the model, and its site readings would blame the engine."""
+    if "logits" not in reads:
+        return ""
+    stats = compare(reads["logits"], hf["logits"])
+    if classify_site(stats["max_rel"], stats["cosine"], tol) != "fail":
+        return ""
+    name = "TransformerLens" if reader == "bridge" else reader
+    return (f"its logits differ from the plain HF forward's (max rel {stats['max_rel']:.3g}, min cosine "
+            f"{stats['cosine']:.3f}): {name} computes a different function for {handle.arch.model_type}, "
+            "so its hooks are no reference here")
 
 
 def _why_missing(reader: str, missing: Sequence[str]) -> str:

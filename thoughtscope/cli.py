@@ -1,7 +1,8 @@
 """The `thoughtscope` command: the entry point above every package.
 
 It discovers what the packages offer, the way `app/registry.py` discovers pages:
-- sub-commands: `probes.cli` (models, sites, generate), `probes.server_cli` (serve), `app.cli`
+- sub-commands: `probes.cli` (models, sites, generate), `probes.validate_cli` (validate),
+  `probes.server_cli` (serve), `app.cli`
   (app, export), and every method package `analyses/<method>/cli.py` that defines `register(cli)`;
 - benchmarks: `BENCHMARKS = {group: run(model) -> [rows]}` in `probes.bench`, `app.bench` and in every
   `analyses/<method>/bench.py`, run as `thoughtscope bench GROUP` (one JSON object per line);
@@ -27,7 +28,7 @@ from rich.console import Console
 
 from thoughtscope.errors import BadInputError, ThoughtscopeError
 
-CORE_COMMANDS = ("probes.cli", "probes.server_cli", "app.cli")
+CORE_COMMANDS = ("probes.cli", "probes.validate_cli", "probes.server_cli", "app.cli")
 CORE_BENCHMARKS = ("probes.bench", "app.bench")
 
 console = Console(stderr=True)

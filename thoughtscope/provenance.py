@@ -42,6 +42,8 @@ def provenance(model_info: Mapping[str, Any] | None = None, *, prompt: Any = Non
         "interventions": [_describe(iv) for iv in interventions],
         "command": command,
         "version": __version__,
+        # the correctness badge of the model as loaded (probes.validate), as the backend's info() reports it
+        "validation": _plain(info.get("validation")),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **{k: _plain(v) for k, v in extra.items()},
     }

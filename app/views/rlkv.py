@@ -7,7 +7,9 @@ cache, the others sink + recent entries) and shows the KV memory; a generation u
 cache is tagged with its error mode; an evaluation (a JSON file from `thoughtscope eval rlkv`, or a
 small one run here) gives accuracy against sparsity for RLKV and its baselines; the gates' training
 log gives the training curves. The computations live in `analyses.rlkv`; this page reads widgets,
-calls them and draws.
+calls them and draws. Training the gates (GRPO, checkpointed in the user cache and resumed), the
+attention statistics, the compressed generation and the evaluation run as jobs (`app.jobs`: progress,
+time left, Stop at the next step or batch, reattach from the URL).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from analyses.rlkv.probe import read_gates
 from analyses.tasks import load_task
 from app.context import FinishedGenerations, shows_errors
 from app.export import show_figure
+from app.jobs import run_job
 from app.figures.rlkv import accuracy_figure, generation_figure, head_map_figure, memory_figure, training_figure
 from app.registry import PageSpec
 
@@ -32,6 +35,11 @@ PAGE = PageSpec("RLKV head maps", ":material/memory:", 60, requires=("generate",
 
 LEARNED = "learned gates (a gates file)"
 ATTENTION = "attention statistics (no training)"
+TRAINED = "gates trained on this page"
+PAGE_NAME = "rlkv"
+# `thoughtscope rlkv train` as docs/rlkv.md ran it for the shipped SmolLM2 gates: the training section's defaults
+TRAIN_DEFAULTS = {"task": "arith", "ops": "+", "n_train": 96, "seed": 0, "steps": 24, "prompts_per_step": 8,
+                  "group_size": 4, "max_new_tokens": 40, "temperature": 0.4}
 # The project's own measured run (docs/rlkv.md), offered as the default for the model it was trained on,
 # so the page opens on a real head map and evaluation instead of empty inputs.
 _DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -52,12 +60,14 @@ def results() -> FinishedGenerations:
 
 def head_map_section(ctx, store) -> dict[str, Any] | None:
     st.subheader("1. Head map")
-    source = st.radio("Map from", [LEARNED, ATTENTION], horizontal=True, key="rlkv_source")
+    trained = st.session_state.get("rlkv_trained")
+    source = st.radio("Map from", [LEARNED, ATTENTION, *([TRAINED] if trained else [])], horizontal=True,
+                      key="rlkv_source", help="gates trained on this page appear once a training job has finished")
     c1, c2 = st.columns(2)
     sink = c1.number_input("Sink tokens (local heads)", 0, 512, 4, key="rlkv_sink")
     recent = c2.number_input("Recent tokens (local heads)", 1, 4096, 32, key="rlkv_recent")
-    if source == LEARNED:
-        path = st.text_input("Gates file or folder (`thoughtscope rlkv train --out DIR`; for SmolLM2 the run measured "
+    if source in (LEARNED, TRAINED):
+        path = trained if source == TRAINED else st.text_input("Gates file or folder (`thoughtscope rlkv train --out DIR`; for SmolLM2 the run measured "
                              "in docs/rlkv.md is filled in)", value=shipped(ctx.model_id, 0),
                              key="rlkv_gates_path").strip()
         if not path:
@@ -79,18 +89,18 @@ def head_map_section(ctx, store) -> dict[str, Any] | None:
     run = right.button("Compute", key="rlkv_attn_run", icon=":material/play_arrow:")
     key = ctx.result_key("rlkv-attention", n=n, sink=int(sink), recent=int(recent), seed=ctx.seed,
                          tokens=ctx.settings.max_new_tokens)
-    found = store.get(key)
-    if run:
-        with shows_errors() as spot, st.spinner(f"Reading attention on {n} traces\u2026"):
-            texts = problem_texts(ctx.backend, load_task("arith", n, seed=ctx.seed),
-                                  max_new_tokens=ctx.settings.max_new_tokens)
-            bar = st.progress(0.0)
-            scores = attention_head_scores(ctx.backend, texts, int(sink), int(recent),
-                                           progress=lambda stage, done, total: bar.progress(done / total))
-            found = {"kind": "attention", "scores": scores.tolist(), "sink": int(sink), "recent": int(recent), "n": n}
-            store.put(key, found)
-        if spot.failed:
-            return None
+    backend, seed, max_new = ctx.backend, ctx.seed, ctx.settings.max_new_tokens
+
+    def work(job):
+        job.progress("greedy traces", 0, n)
+        texts = problem_texts(backend, load_task("arith", n, seed=seed), max_new_tokens=max_new)
+        scores = attention_head_scores(backend, texts, int(sink), int(recent), progress=job.progress)
+        return {"kind": "attention", "scores": scores.tolist(), "sink": int(sink), "recent": int(recent), "n": n}
+
+    found = store.get(key) or run_job(key, work, label=f"Reading attention on {n} traces", kind="rlkv-attention",
+                                      page=PAGE_NAME, start=run)
+    if found is not None:
+        store.put(key, found)
     if found is None:
         st.info("Press **Compute** for each KV head's attention mass outside its sink + recent window.")
     return found
@@ -125,17 +135,20 @@ def generation_section(ctx, store, head_map: dict[str, Any], full: np.ndarray) -
     policy = HeadBudget(full_heads=full.tolist(), sink=head_map["sink"], recent=head_map["recent"])
     key = ctx.cache_key(kind="rlkv-generation", full=full.tolist(), sink=head_map["sink"], recent=head_map["recent"],
                         answer=answer)
-    found = store.get(key)
-    if run:
-        with shows_errors() as spot, st.spinner("Generating with the full cache and the compressed one\u2026"):
-            found = compressed_generation(ctx.backend, ctx.model_input(), policy, chat=ctx.chat, answer=answer,
-                                          max_new_tokens=ctx.settings.max_new_tokens,
-                                          sampling=ctx.settings.sampling(), seed=ctx.seed)
-            store.put(key, found)
-        if spot.failed:
-            return
+    backend, model_input, chat, s, seed = ctx.backend, ctx.model_input(), ctx.chat, ctx.settings, ctx.seed
+
+    def work(job):
+        job.progress("full cache, then the compressed one", 0, 1)
+        out = compressed_generation(backend, model_input, policy, chat=chat, answer=answer,
+                                    max_new_tokens=s.max_new_tokens, sampling=s.sampling(), seed=seed)
+        job.progress("full cache, then the compressed one", 1, 1)
+        return out
+
+    found = store.get(key) or run_job(key, work, label="Generating with the full cache and the compressed one",
+                                      kind="rlkv-generation", page=PAGE_NAME, start=run)
     if found is None:
         return
+    store.put(key, found)
     left, right = st.columns(2)
     left.caption(f"full cache: **{found['full_mode']}**")
     left.text(found["full_text"])
@@ -143,6 +156,64 @@ def generation_section(ctx, store, head_map: dict[str, Any], full: np.ndarray) -
     right.text(found["text"])
     show_figure(generation_figure(found), found, "rlkv_generation",
                 provenance=ctx.provenance(interventions=[policy], settings={"sparsity": st.session_state["rlkv_sparsity"]}))
+
+
+def training_section(ctx, head_map: dict[str, Any] | None) -> None:
+    """Learn the gates here with GRPO (`HeadGateProbe.fit`, what `thoughtscope rlkv train` runs) as a job,
+    checkpointed in the user cache so a stopped run resumes where it stopped."""
+    st.subheader("Train the gates (GRPO)")
+    d = TRAIN_DEFAULTS
+    c1, c2, c3, c4 = st.columns(4)
+    steps = int(c1.number_input("Steps", 1, 500, d["steps"], key="rlkv_train_steps"))
+    prompts = int(c2.number_input("Prompts per step", 1, 64, d["prompts_per_step"], key="rlkv_train_prompts"))
+    group = int(c3.number_input("Samples per prompt (G)", 2, 16, d["group_size"], key="rlkv_train_group"))
+    n_train = int(c4.number_input("Training problems", 1, 1000, d["n_train"], key="rlkv_train_n"))
+    c1, c2, c3, c4 = st.columns(4)
+    max_new = int(c1.number_input("Max new tokens", 4, 256, d["max_new_tokens"], key="rlkv_train_tokens"))
+    temperature = float(c2.number_input("Temperature", 0.05, 2.0, d["temperature"], 0.05, key="rlkv_train_t"))
+    ops = c3.selectbox("Operators", ["+", "+-", "+-*"], key="rlkv_train_ops", help="one-step arithmetic problems")
+    sink, recent = (int(head_map["sink"]), int(head_map["recent"])) if head_map else (4, 32)
+    settings = {"task": d["task"], "ops": ops, "n_train": n_train, "seed": ctx.seed, "steps": steps,
+                "prompts_per_step": prompts, "group_size": group, "max_new_tokens": max_new,
+                "temperature": temperature, "sink": sink, "recent": recent}
+    shipped_dir = shipped(ctx.model_id, 0)
+    if shipped_dir and settings == {**d, "sink": 4, "recent": 32}:
+        st.caption(f"These are the settings of the shipped run ({shipped_dir}, docs/rlkv.md): its head map and "
+                   "training curves are shown above. Training again takes about 80 s a step on two CPU cores.")
+    start = c4.button("Train", key="rlkv_train_run", icon=":material/play_arrow:")
+    backend, info = ctx.backend, ctx.backend.info()
+    folder = _training_folder(info["fingerprint"], settings)
+
+    def work(job):
+        from analyses.rlkv.data import task_problems
+        from analyses.rlkv.probe import HeadGateProbe
+
+        probe = HeadGateProbe(sink=sink, recent=recent, group_size=group, steps=steps, prompts_per_step=prompts,
+                              max_new_tokens=max_new, temperature=temperature, seed=settings["seed"])
+        problems = task_problems(settings["task"], n_train, seed=settings["seed"], ops=ops)
+        job.progress("GRPO steps", 0, steps)
+        probe.fit(backend, problems, on_step=lambda done, total, row: job.progress("GRPO steps", done, total),
+                  checkpoint_dir=folder)
+        return str(folder)
+
+    with shows_errors():
+        done = run_job(ctx.result_key("rlkv-train", **settings), work, label=f"Training RLKV gates ({steps} GRPO steps)",
+                       kind="rlkv-train", page=PAGE_NAME, start=start)
+        if done is not None and st.session_state.get("rlkv_trained") != done:
+            st.session_state["rlkv_trained"] = done  # the head map offers it as a source from now on
+            st.rerun()
+        if done is not None:
+            st.caption(f"Trained gates in `{done}`: pick \"{TRAINED}\" in the head map above.")
+
+
+def _training_folder(fingerprint: str, settings: dict[str, Any]) -> Path:
+    """Where a page training run checkpoints: one folder per model weights and settings, in the user cache."""
+    import hashlib
+
+    from probes.zoo import user_cache_dir
+
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return user_cache_dir() / "rlkv_runs" / f"{fingerprint}-{digest}"
 
 
 def evaluation_section(ctx, store, head_map: dict[str, Any] | None) -> None:
@@ -165,16 +236,21 @@ def evaluation_section(ctx, store, head_map: dict[str, Any] | None) -> None:
     run = c3.button("Run evaluation", key="rlkv_eval_run", icon=":material/play_arrow:")
     gates = head_map.get("source") if head_map and head_map["kind"] == "learned" else None
     key = ctx.result_key("rlkv-eval", n=n, levels=sorted(levels), gates=gates, tokens=ctx.settings.max_new_tokens)
-    if run and levels:
-        with shows_errors(), st.status(f"Evaluating on {n} problems\u2026", expanded=True) as status:
-            bar = st.progress(0.0)
-            found = evaluate_rlkv(ctx.backend, "arith", levels, gates=gates, n=n, n_dev=2, n_calibration=2,
-                                  random_seeds=1, snapkv_windows=[4], max_new_tokens=ctx.settings.max_new_tokens,
-                                  sink=head_map["sink"] if head_map else 4, recent=head_map["recent"] if head_map else 32,
-                                  progress=lambda stage, done, total: bar.progress(done / total, text=stage))
-            store.put(key, found.to_dict())
-            status.update(label="Evaluated", state="complete", expanded=False)
-    report = report or store.get(key)
+    backend, max_new = ctx.backend, ctx.settings.max_new_tokens
+    sink, recent = (head_map["sink"], head_map["recent"]) if head_map else (4, 32)
+
+    def work(job):
+        return evaluate_rlkv(backend, "arith", sorted(levels), gates=gates, n=n, n_dev=2, n_calibration=2,
+                             random_seeds=1, snapkv_windows=[4], max_new_tokens=max_new, sink=sink, recent=recent,
+                             progress=job.progress).to_dict()
+
+    found = store.get(key)
+    if found is None and (levels or not run):
+        found = run_job(key, work, label=f"RLKV evaluation on {n} problems", kind="rlkv-eval", page=PAGE_NAME,
+                        start=bool(run and levels))
+        if found is not None:
+            store.put(key, found)
+    report = report or found
     if report is None:
         return
     show_figure(accuracy_figure(report), report, "rlkv_accuracy", provenance=report.get("provenance"))
@@ -199,4 +275,5 @@ def render(ctx) -> None:
         if head_map.get("log"):
             st.subheader("Training curves")
             show_figure(training_figure(head_map), {"log": head_map["log"]}, "rlkv_training")
+    training_section(ctx, head_map)
     evaluation_section(ctx, store, head_map)

@@ -85,9 +85,17 @@ def entropy_figure(data: Any) -> go.Figure:
     fig.add_trace(go.Scatter(x=steps, y=[-_num(lp) for lp in d["logprobs"]], mode="lines",
                              name="surprisal -log p (nats)", line=dict(dash="dot"), customdata=labels,
                              hovertemplate="step %{x} %{customdata}<br>-log p %{y:.3f}<extra></extra>"))
-    fig.update_layout(xaxis=dict(title="generated token"), yaxis=dict(title="nats", rangemode="tozero"),
-                      height=320, legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"))
+    fig.update_layout(xaxis=_token_axis(d["tokens"], "generated token"), yaxis=dict(title="nats", rangemode="tozero"),
+                      height=360, legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"))
     return styled(fig, "Entropy per generated token")
+
+
+def _token_axis(tokens: Sequence[str], title: str) -> dict[str, Any]:
+    """Steps labelled by their tokens; past MAX_TICK_LABELS every k-th token, so labels never overlap."""
+    every = max(1, -(-len(tokens) // MAX_TICK_LABELS))
+    steps = list(range(0, len(tokens), every))
+    return dict(title=title, tickmode="array", tickvals=steps, ticktext=[_show(tokens[i]) for i in steps],
+                tickangle=-60, tickfont=dict(size=11))
 
 
 def entropy_table(data: Any) -> list[dict[str, Any]]:

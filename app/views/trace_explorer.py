@@ -11,6 +11,7 @@ import streamlit as st
 
 from analyses.logit_lens import (ATTENTION_BUDGET_BYTES, CompletionTrace, attention_pattern, logit_lens, residual_norms,
                                  trace_completion)
+from app.badge import show_badge
 from app.context import shows_errors
 from app.export import plain, show_figure
 from app.figures.trace import records_data, tokens_html
@@ -96,7 +97,9 @@ def lens_section(ctx, key: str, ids: tuple[int, ...], done: CompletionTrace) -> 
                       help="the top token at each layer, or how likely (colour) and how highly ranked (text) the "
                            "token that actually comes next is")
     with right:
-        start, stop = _window_slider("Logit-lens positions", len(done.trace.tokens), LENS_WIDTH, "lens_window")
+        # by default the end of the prompt and the start of the generation: the boundary stays in view
+        start, stop = _window_slider("Logit-lens positions", len(done.trace.tokens), LENS_WIDTH, "lens_window",
+                                     first=done.prompt_len - PROMPT_SHOWN)
     with shows_errors():
         with st.spinner("Decoding the positions shown\u2026"):
             lens = lens_window(ctx, key, ids, start, stop)
@@ -122,7 +125,11 @@ def attention_section(ctx, key: str, ids: tuple[int, ...], done: CompletionTrace
                                      first=done.prompt_len - PROMPT_SHOWN)
     with shows_errors():
         pattern = attention_window(ctx, key, ids, int(layer), None if head == ALL_HEADS else int(head), start, stop)
-        show_figure(None, {**pattern, "scale": SCALES[scale]}, "attention_heads" if head == ALL_HEADS else "attention")
+        # the export says which pattern it holds: layer, head (or every head) and the positions shown
+        shown = {"attention": {"layer": int(layer), "head": "all" if head == ALL_HEADS else int(head),
+                               "positions": [int(start), int(stop)], "scale": SCALES[scale]}}
+        show_figure(None, {**pattern, "scale": SCALES[scale]}, "attention_heads" if head == ALL_HEADS else "attention",
+                    provenance=ctx.provenance(page="trace_explorer", settings=shown))
     held = len(done.attention_layers)
     st.caption(f"Rows: query tokens; columns: the tokens they attend to (\u00abearlier\u00bb: the weight on tokens "
                f"before the window). Patterns of {held} of {done.n_layers} layers were kept from the one pass "
@@ -155,6 +162,7 @@ def render(ctx) -> None:
     special = special_ids(ctx, f"{ctx.server_url}|{ctx.model_id}", ids)
     box.html(tokens_html(records, colour_by, special))
     show_figure(None, records_data(records, special), "entropy")
+    show_badge(ctx)  # after the first figure: a validation it starts runs in the background
 
     with shows_errors() as spot:
         with st.spinner("Reading every layer of the generation (one pass)\u2026"):

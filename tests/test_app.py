@@ -158,17 +158,19 @@ def test_an_unknown_model_is_reported_in_the_sidebar(monkeypatch):
 
 
 def test_steering_scale_slider_changes_the_steered_text():
+    from app.views.steering import GRID
+
     at = open_page("steering", max_new_tokens=12)
     assert_clean(at)
-    slider = at.slider(key="steer_scale")
+    slider = at.select_slider(key="steer_scale")  # snaps to the measured stops (app.views.steering.GRID)
     assert "\u00d7 mean \u2016resid_post.1\u2016" in slider.label  # the unit is stated on the slider
     unsteered, steered = (t.value for t in at.text[:2])
-    slider.set_value(-2.0).run()
+    slider.set_value(GRID[0]).run()
     assert_clean(at)
     unsteered_after, steered_after = (t.value for t in at.text[:2])
     assert unsteered_after == unsteered, "the baseline does not depend on the slider"
     assert steered_after != steered and steered_after.strip()
-    at.slider(key="steer_scale").set_value(0.0).run()
+    at.select_slider(key="steer_scale").set_value(0.0).run()
     assert at.text[1].value == unsteered, "scale 0 is no steering"
 
 
@@ -192,7 +194,7 @@ def test_steering_direction_at_another_layer_and_reduction():
     assert at.caption[0].value != caption  # another direction, another norm
     at.selectbox(key="steer_layer").set_value(0).run()
     assert_clean(at)
-    assert "resid_post.0" in at.slider(key="steer_scale").label
+    assert "resid_post.0" in at.select_slider(key="steer_scale").label
 
 
 # ----------------------------------------------------------------- read-outs by hand

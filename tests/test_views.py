@@ -86,7 +86,9 @@ def test_every_exported_json_carries_the_provenance_record(exported):
         assert prov["prompt"][-1]["role"] == "user"  # the chat messages the model got
     steering = next(e for e in exported if e[2] == "steering")
     prov = steering[3]
-    assert prov["interventions"][0].startswith("add 0.5 * v") and prov["settings"]["unit"] == "norm"
+    from app.views.steering import DEFAULT_SCALE
+
+    assert prov["interventions"][0].startswith(f"add {DEFAULT_SCALE:g} * v") and prov["settings"]["unit"] == "norm"
     assert prov["settings"]["direction"]["source"] == "difference of means"
 
 
@@ -199,26 +201,27 @@ def model_calls(monkeypatch):
 
 
 def test_a_slider_move_reads_the_grid_and_shows_the_single_row_generation(engine, exported, model_calls):
-    from analyses.tasks import one_shot_messages
-    from app.sidebar import EXAMPLE_QUESTION
-    from app.views.steering import GRID, SET_A, SET_B
+    from analyses.steering_defaults import chat_input
+    from app.views.steering import DEFAULT_SCALE, GRID, PROMPT, SET_A, SET_B
 
     at = helpers.open_page("steering", max_new_tokens=7)  # a length no other test uses: nothing cached yet
     helpers.assert_clean(at)
-    slider = at.slider(key="steer_scale")
-    assert "snaps to the 17 stops -2, -1.75" in slider.label and slider.step == 0.25 and len(GRID) == 17
+    slider = at.select_slider(key="steer_scale")
+    assert f"snaps to the {len(GRID)} stops {GRID[0]:g}, {GRID[1]:g}" in slider.label and slider.options == [
+        f"{s:g}" for s in GRID]
     assert model_calls.count("generate") == 1  # one batched generation made every stop (and the unsteered text)
     model_calls.clear()
-    for scale in (-1.0, 1.75, 0.0):
-        at.slider(key="steer_scale").set_value(scale).run()
+    moves = (GRID[0], GRID[-1], 0.0)
+    for scale in moves:
+        at.select_slider(key="steer_scale").set_value(scale).run()
         helpers.assert_clean(at)
     assert model_calls == []  # a move runs no model at all
-    site, prompt = "resid_post.1", one_shot_messages(EXAMPLE_QUESTION)
+    site, prompt = "resid_post.1", chat_input(PROMPT)  # the page's own prompt: one user turn
     v = diff_of_means_direction(engine, SET_A.splitlines(), SET_B.splitlines(), site)
     norm = site_norm(engine, prompt, site, chat=True)
     shown = {data["scale"]: data for _, data, name, *_ in exported if name == "steering"}
-    assert set(shown) == {0.5, -1.0, 1.75, 0.0}
-    for scale in (-1.0, 1.75, 0.5):
+    assert set(shown) == {DEFAULT_SCALE, *moves}
+    for scale in (GRID[0], GRID[-1], DEFAULT_SCALE):
         direct = generate_text(engine, prompt, chat=True, max_new_tokens=7,
                                interventions=[AddVector(site, steering_vector(v, "norm", norm), scale)])
         assert shown[scale]["steered"]["token_ids"] == direct.token_ids, scale
@@ -240,22 +243,21 @@ def test_the_greedy_sweep_adds_only_perplexity_passes(model_calls):
 
 
 def test_sampled_steering_generates_the_scale_alone_from_the_seed(engine, exported):
-    from analyses.tasks import one_shot_messages
-    from app.sidebar import EXAMPLE_QUESTION
-    from app.views.steering import SET_A, SET_B
+    from analyses.steering_defaults import chat_input
+    from app.views.steering import PROMPT, SET_A, SET_B
     from probes.engine import Sampling
 
     at = helpers.open_page("steering", max_new_tokens=5)
     at.session_state["temperature"] = 1.0
     at.run()
-    at.slider(key="steer_scale").set_value(-1.0).run()
+    at.select_slider(key="steer_scale").set_value(-1.0).run()
     helpers.assert_clean(at)
     shown = [data for _, data, name, *_ in exported if name == "steering" and data["scale"] == -1.0][-1]
     assert shown["draft"] == "none"
     assert any("sampled: generated alone from the seed" in c.value for c in at.caption)
     site = "resid_post.1"
     v = diff_of_means_direction(engine, SET_A.splitlines(), SET_B.splitlines(), site)
-    alone = steered_comparison(engine, one_shot_messages(EXAMPLE_QUESTION), site, v, -1.0, max_new_tokens=5,
+    alone = steered_comparison(engine, chat_input(PROMPT), site, v, -1.0, max_new_tokens=5,
                                sampling=Sampling(temperature=1.0), chat=True, unit="norm",
                                reference_norm=shown["reference_norm"])
     assert shown["steered"]["token_ids"] == alone.steered.token_ids

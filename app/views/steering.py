@@ -1,7 +1,11 @@
 """Steering: add a direction at one layer, its scale in units of the site's mean activation norm; the steered
 text beside the unsteered one, and a sweep of several scales side by side with how far each moves the text.
 
-The slider snaps to a grid of scales (-2 to 2 in steps of 0.25). With greedy decoding the first draw
+The page opens on defaults chosen by a measurement (`analyses.steering_defaults`, shipped in
+docs/steering_default.json): the prompt-set pair, layer, scale and prompt where the steered text moves
+towards the pair's concept words most while it stays fluent, on development prompts; the page has its
+own prompt (the sidebar's is a word problem for other pages; a toggle uses it instead). The slider snaps
+to the measured stops: fine where the text changes, coarse where it breaks. With greedy decoding the first draw
 of a direction generates every grid scale in ONE batched generation (`analyses.steering.steering_grid`:
 the prompt repeated, one row per scale), so a moved slider is a lookup; the sweep reads the same grid
 and adds each text's perplexity under the unsteered model. Sampled decoding generates each scale
@@ -10,6 +14,7 @@ alone from the seed (a batch would give each row other random numbers than the u
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -19,6 +24,7 @@ import numpy as np
 import streamlit as st
 
 from analyses.rise import saved_saes
+from analyses.steering_defaults import SteeringDefaults, load_defaults
 from analyses.steering import (GeneratedText, SteeringComparison, SteeringGrid, SteeringSweep, add_perplexities,
                                continuation_perplexity, diff_of_means_direction, generate_text, sae_feature_direction,
                                scale_grid, site_norm, steered_comparison, steering_grid, steering_vector)
@@ -27,20 +33,33 @@ from app.export import show_figure
 from app.figures.trace import display_text
 from app.registry import PageSpec
 from probes.interventions import RESIDUAL_KINDS, AddVector, load_vector_bytes
+from thoughtscope.errors import BadInputError
 
 PAGE = PageSpec("Steering", ":material/tune:", 20)
 
 FROM_PROMPTS = "two prompt sets (difference of means)"
 FROM_FILE = "a .safetensors vector"
 FROM_SAE = "a saved SAE feature"
-SET_A = "I love this, it is wonderful.\nWhat a happy, joyful day!\nThis is great news, I am so glad."
-SET_B = "I hate this, it is terrible.\nWhat a sad, miserable day.\nThis is awful news, I am so upset."
-SCALE_RANGE = (-2.0, 2.0)  # x mean activation norm: beyond 2 every model we tried writes noise
-SCALE_STEP = 0.25  # the slider's stops: 16 steered rows in one batch (SmolLM2, 48 tokens: ~4x one row's time)
-GRID = scale_grid(*SCALE_RANGE, SCALE_STEP)
-DEFAULT_SCALE = 0.5
+# used only when docs/steering_default.json is missing or damaged (the page says so): the former defaults
+FALLBACK = SteeringDefaults(
+    "smollm2-135m", "sentiment",
+    ("I love this, it is wonderful.", "What a happy, joyful day!", "This is great news, I am so glad."),
+    ("I hate this, it is terrible.", "What a sad, miserable day.", "This is awful news, I am so upset."),
+    15, 0.5, tuple(scale_grid(-2.0, 2.0, 0.25)), "Write one sentence about your morning.", ())
+try:
+    DEFAULTS, DEFAULTS_PROBLEM = load_defaults(), None
+except BadInputError as exc:
+    DEFAULTS, DEFAULTS_PROBLEM = FALLBACK, str(exc)
+SET_A = "\n".join(DEFAULTS.set_a)
+SET_B = "\n".join(DEFAULTS.set_b)
+PROMPT = DEFAULTS.prompt  # the page's own prompt (chat: one user turn, no worked example)
+GRID = list(DEFAULTS.stops)  # the slider's stops: every one is a row of one batched generation
+SCALE_RANGE = (GRID[0], GRID[-1])
+DEFAULT_SCALE = DEFAULTS.scale
 SWEEP_GRID = [s for s in GRID if s != 0.0]  # the sweep offers the slider's scales: it reads the same grid
-SWEEP_DEFAULT = [-1.0, -0.5, -0.25, 0.25, 0.5, 1.0]
+# the sweep opens on one scale towards B, every other stop up to the default, and two stops beyond it
+SWEEP_DEFAULT = sorted({-0.5, *[s for s in SWEEP_GRID if 0 < s < DEFAULT_SCALE][1::2], DEFAULT_SCALE,
+                        *[s for s in SWEEP_GRID if s > DEFAULT_SCALE][:2]} & set(SWEEP_GRID))
 MAX_SCALES_KEPT = 64  # sampled steered generations kept per (prompt, site, direction)
 
 
@@ -272,12 +291,45 @@ def _how_recorded(grid: SteeringGrid | None) -> str:
             "scale (each row equals the single-row steered generation)")
 
 
+def page_context(ctx):
+    """The context this page generates with: its own prompt (chat: one user turn, no worked example), or
+    the sidebar's when the toggle asks for it."""
+    left, right = st.columns([4, 1], vertical_alignment="center")
+    use_sidebar = right.toggle("Use the sidebar's prompt", False, key="steer_use_sidebar",
+                               help="the sidebar's prompt (with its worked example in chat mode) instead of this one")
+    prompt = left.text_area("Prompt (this page's own, chosen with the defaults)", PROMPT, key="steer_prompt",
+                            height=68, disabled=use_sidebar,
+                            help="the development prompt on which the default direction's steered text showed "
+                                 "the most concept words while staying fluent (docs/steering_default.json)")
+    return ctx if use_sidebar else dataclasses.replace(ctx, prompt=prompt, one_shot=False)
+
+
+def default_layer(ctx, n_layers: int) -> int:
+    """The measured layer on the model it was measured on; the middle layer elsewhere."""
+    measured = DEFAULTS.model in (ctx.model_id, ctx.backend.info().get("model_id"))
+    return DEFAULTS.layer if measured and DEFAULTS.layer < n_layers else n_layers // 2
+
+
+def _stops_text() -> str:
+    fine = min(b - a for a, b in zip(GRID, GRID[1:]))
+    upto = max(s for s, t in zip(GRID, GRID[1:]) if s >= 0 and round(t - s, 6) == round(fine, 6)) + fine
+    return (f"snaps to the {len(GRID)} stops {GRID[0]:g}, {GRID[1]:g}, \u2026, {GRID[-1]:g} "
+            f"(every {fine:g} from 0 to {upto:g})")
+
+
 def render(ctx) -> None:
     st.title("Steering")
+    if DEFAULTS_PROBLEM:
+        st.warning(f"{DEFAULTS_PROBLEM}. The page opens on its former defaults instead.")
+    else:
+        st.markdown(f":gray[Opens on the \u00ab{DEFAULTS.pair}\u00bb pair at layer {DEFAULTS.layer}, scale "
+                    f"{DEFAULTS.scale:g}: chosen on {DEFAULTS.model} by a measurement (target-word log-probability "
+                    "shift under a fluency bound; `docs/steering_default.json`, docs/app.md).]")
+    ctx = page_context(ctx)
     n_layers = ctx.backend.info()["arch"]["n_layers"]
     left, right = st.columns(2)
     kind = left.selectbox("Site", RESIDUAL_KINDS, index=RESIDUAL_KINDS.index("resid_post"), key="steer_kind")
-    layer = right.selectbox("Layer", range(n_layers), index=n_layers // 2, key="steer_layer")
+    layer = right.selectbox("Layer", range(n_layers), index=default_layer(ctx, n_layers), key="steer_layer")
     site = f"{kind}.{layer}"
     picked = pick_direction(ctx, site)
     if picked is None:
@@ -290,12 +342,13 @@ def render(ctx) -> None:
         return
     st.caption(f"direction at `{site}`: |v| = {float(np.linalg.norm(direction)):.3g}; mean activation norm at "
                f"`{site}` over this prompt (first token excluded) = {norm:.3g}")
-    scale = st.slider(f"Scale (\u00d7 mean \u2016{site}\u2016 = {norm:.3g}); snaps to the {len(GRID)} stops "
-                      f"{GRID[0]:g}, {GRID[1]:g}, \u2026, {GRID[-1]:g}", *SCALE_RANGE, DEFAULT_SCALE, SCALE_STEP,
-                      key="steer_scale",
-                      help=f"adds scale \u00d7 {norm:.3g} \u00d7 v/|v| at every position: 0.5 adds half a typical "
-                           "activation, whatever the length of v. With greedy decoding every stop is generated "
-                           "once, in one batch, when the direction is first drawn; moving the slider then reads it.")
+    scale = st.select_slider(f"Scale (\u00d7 mean \u2016{site}\u2016 = {norm:.3g}); {_stops_text()}", GRID,
+                             DEFAULT_SCALE, format_func=lambda v: f"{v:g}", key="steer_scale",
+                             help=f"adds scale \u00d7 {norm:.3g} \u00d7 v/|v| at every position: 0.5 adds half a "
+                                  "typical activation, whatever the length of v. The stops are fine where the "
+                                  "measured text changes, coarse where it breaks. With greedy decoding every stop is "
+                                  "generated once, in one batch, when the direction is first drawn; moving the "
+                                  "slider then reads it.")
     direction_key = hashlib.sha256(direction.tobytes()).hexdigest()[:16]
     greedy = ctx.settings.sampling().greedy
     grid = None

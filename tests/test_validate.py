@@ -1,0 +1,180 @@
+"""The validator (probes.validate): the engine's site captures against a plain HF forward, nnsight and the
+TransformerLens bridge, and the correctness badge it leaves in the cache, in `info()` and in provenance."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from probes import Engine
+from probes import validate as V
+from probes.sites import SITE_KINDS, Site
+from probes.zoo import TINY_ARCHS
+from thoughtscope.errors import BadInputError, UnknownSiteError
+
+TINY_VLMS = ("llava", "smolvlm", "qwen2_vl")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Validations go to a private folder (the embedded tokenizer stays in the real cache)."""
+    monkeypatch.setattr(V, "validation_dir", lambda: tmp_path / "validation")
+    V._SUMMARIES.clear()
+    return tmp_path / "validation"
+
+
+@pytest.mark.parametrize("arch", [*TINY_ARCHS, *TINY_VLMS])
+def test_every_tiny_random_family_passes_against_hf_and_nnsight(arch):
+    engine = Engine.from_id(f"tiny-random:{arch}", device="cpu")
+    report = V.validate(engine)
+    assert report.verdict == "pass", V.format_table(report)
+    every = {row["site"] for row in engine.sites()}
+    assert set(report.site_verdicts()) == every and not report.unchecked
+    readers = {c.reader for c in report.checks}
+    assert {"hf", "nnsight"} <= readers
+    # the same forward in the same dtype: the HF hidden states and the engine's residuals are bit-equal
+    hf_resid = [c for c in report.checks if c.reader == "hf" and c.site.startswith(("resid_pre", "resid_post"))]
+    assert len(hf_resid) == 2 * engine.handle.arch.n_layers and all(c.max_abs == 0.0 for c in hf_resid)
+    # nnsight reads every site
+    assert {c.site for c in report.checks if c.reader == "nnsight"} == every
+    # a reader that did not read a site says so
+    if "bridge" not in readers:
+        assert any(s["reader"] == "bridge" for s in report.skipped)
+    assert report.generation["verdict"] == "pass" and report.logits["top1_agreement"] == 1.0
+
+
+def test_swapped_layers_fail_on_exactly_those_sites(llama, monkeypatch):
+    """A wrong site table (resid_post of layers 0 and 1 swapped) must fail there, and nowhere else."""
+    original = Site.module_path
+
+    def swapped(self, family="decoder"):
+        if self.kind == "resid_post":
+            return original(Site("resid_post", 1 - self.layer), family)
+        return original(self, family)
+
+    monkeypatch.setattr(Site, "module_path", swapped)
+    report = V.validate(llama, generation=False, save=False)
+    assert report.failing_sites() == ["resid_post.0", "resid_post.1"]
+    assert report.verdict == "fail"
+    by = {(c.site, c.reader): c for c in report.checks}
+    # HF's own indexing and the bridge's own hook names catch it; nnsight shares the table, so it agrees
+    assert by[("resid_post.0", "hf")].verdict == "fail" and by[("resid_post.0", "bridge")].verdict == "fail"
+    assert by[("resid_post.0", "nnsight")].verdict == "pass"
+
+
+def test_reading_the_layer_input_instead_of_its_output_fails_resid_post_only(llama, monkeypatch):
+    wrong = dataclasses.replace(SITE_KINDS["resid_post"], read="input", index=None)
+    monkeypatch.setitem(SITE_KINDS, "resid_post", wrong)
+    report = V.validate(llama, generation=False, save=False)
+    assert report.failing_sites() == ["resid_post.0", "resid_post.1"]
+
+
+def test_bf16_drift_is_measured_against_a_float32_copy_and_classified_by_bf16_tolerance():
+    engine = Engine.from_id("tiny-random:llama", device="cpu", dtype="bfloat16")
+    report = V.validate(engine, sites=["resid_post", "logits"], readers=("hf",), save=False)
+    logits = report.logits
+    assert report.key["dtype"] == "bfloat16" and logits["reference"] == "a float32 copy of the bfloat16 weights"
+    # the same numbers by hand: the engine's bf16 logits against the upcast weights' forward
+    ids = engine.encode(V.VALIDATION_TEXT)
+    ours = engine.capture(ids, ["logits"])["logits"].float()
+    with torch.no_grad():
+        ref = copy.deepcopy(engine.model).float()(input_ids=torch.tensor([ids])).logits[0]
+    tv = 0.5 * (ours.softmax(-1) - ref.softmax(-1)).abs().sum(-1)
+    assert logits["max_tv"] == pytest.approx(tv.max().item(), rel=1e-6) and logits["max_tv"] > 0
+    assert logits["top1_agreement"] == (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert logits["verdict"] == V.classify_logits(logits["max_tv"], logits["top1_agreement"], V.TOLERANCES["bfloat16"])
+    # the drift a bf16 model is allowed would not pass as float32
+    assert V.classify_logits(logits["max_tv"], logits["top1_agreement"], V.TOLERANCES["float32"]) != "pass"
+    assert report.tolerance == dataclasses.asdict(V.TOLERANCES["bfloat16"])
+    # engine and HF run the same bf16 forward: the sites still agree exactly
+    assert all(c.max_abs == 0.0 for c in report.checks if c.site != "resid_post.1")
+
+
+def test_the_float32_reference_that_does_not_fit_says_how_much_it_needs(monkeypatch):
+    engine = Engine.from_id("tiny-random:llama", device="cpu", dtype="bfloat16")
+    monkeypatch.setattr(V, "free_memory_bytes", lambda device: 1000)
+    out = V.check_logits(engine, V.TOLERANCES["bfloat16"])
+    n = sum(p.numel() for p in engine.model.parameters())
+    assert out["verdict"] == "warn" and out["reference"] == "not loaded"
+    assert f"needs about {n * 4 / 2**30:.2f} GiB" in out["note"] and "0.00 GiB is free" in out["note"]
+
+
+def test_sites_a_model_lacks_are_refused(llama):
+    with pytest.raises(UnknownSiteError, match="has no router sites: it has no MoE router"):
+        V.validate(llama, sites=["router"])
+    with pytest.raises(UnknownSiteError, match="layer 7 is out of range"):
+        V.validate(llama, sites=["resid_post.7"])
+
+
+def test_ndif_models_are_refused_before_loading_with_what_can_be_checked():
+    with pytest.raises(BadInputError, match="load the same weights locally with hf:"):
+        V.validate_model_id("ndif:meta-llama/Llama-3.1-8B")
+
+
+def test_readers_that_cannot_read_a_family_are_named_with_the_reason():
+    report = V.validate(Engine.from_id("tiny-random:qwen2_vl", device="cpu"), sites=["resid_post"], save=False)
+    bridge = [s for s in report.skipped if s["reader"] == "bridge"]
+    assert bridge and "TransformerLens does not bridge qwen2_vl" in bridge[0]["reason"]
+    # DeepSeek: the bridge boots, but its logits are not the model's, so its hooks are set aside
+    report = V.validate(Engine.from_id("tiny-random:deepseek_v2", device="cpu"), sites=["resid_post"], save=False)
+    reason = next(s["reason"] for s in report.skipped if s["reader"] == "bridge")
+    assert reason.startswith("its logits differ from the plain HF forward's") and report.verdict == "pass"
+    assert "bridge" not in {c.reader for c in report.checks}
+
+
+def test_a_full_validation_is_the_cached_badge_in_info_and_provenance(private_cache):
+    from thoughtscope.provenance import provenance
+
+    engine = Engine.from_id("tiny-random:qwen3", device="cpu")
+    assert engine.info()["validation"] is None and provenance(engine.info())["validation"] is None
+    report = V.validate(engine)
+    path = V.cache_path(engine.handle)
+    assert path.parent == private_cache and path.name == (f"{engine.handle.fingerprint}-float32-cpu-sdpa.json")
+    assert json.loads(path.read_text())["summary"] == report.summary()
+    assert engine.info()["validation"] == report.summary()
+    record = provenance(engine.info(), seed=0)
+    assert record["validation"]["verdict"] == "pass" and record["validation"]["fingerprint"] == engine.handle.fingerprint
+    # a figure's exported JSON carries it
+    from app.export import data_json
+
+    exported = json.loads(data_json({"x": [1]}, provenance=record))
+    assert exported["provenance"]["validation"]["sites"] == len(engine.sites())
+    # another attention implementation is another key: no badge until it is validated too
+    engine.model.set_attn_implementation("eager")
+    try:
+        assert engine.info()["validation"] is None
+    finally:
+        engine.model.set_attn_implementation("sdpa")
+    # a --sites subset is not the badge
+    V.validate(Engine.from_id("tiny-random:qwen2", device="cpu"), sites=["resid_pre"])
+    assert [p.name.split("-")[0] for p in private_cache.iterdir()] == [engine.handle.fingerprint]
+
+
+def test_badge_text_carries_the_numbers():
+    from app.badge import badge_markdown, badge_tooltip
+
+    report = V.validate(Engine.from_id("tiny-random:llama", device="cpu"), generation=False, save=False)
+    summary = report.summary()
+    assert badge_markdown(summary) == ":green-badge[:material/verified: numbers checked]"
+    tip = badge_tooltip(summary)
+    n = len(report.site_verdicts())
+    # a plain HF forward reads no attn_out, mlp_out, q, k, v, z: the tooltip says a reader was skipped for some
+    assert tip.startswith(f"{n} of {n} sites pass, 0 warn, 0 fail, against bridge, hf, nnsight "
+                          "(hf skipped for some sites).")
+    assert "Logits vs a float32 copy: top-1 agreement 1.0000, max total variation 0." in tip
+
+
+def test_cli_prints_the_table_and_exits_1_on_a_failure(monkeypatch, capsys):
+    from typer.testing import CliRunner
+
+    from thoughtscope.cli import build
+
+    result = CliRunner().invoke(build(), ["validate", "--model", "tiny-random:llama", "--device", "cpu",
+                                          "--sites", "resid_pre,logits", "--no-generation", "--json"])
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.output.strip().splitlines()[-1])
+    assert body["verdict"] == "pass" and {c["site"] for c in body["checks"]} == {"resid_pre.0", "resid_pre.1", "logits"}

@@ -12,7 +12,6 @@ import streamlit as st
 from analyses.logit_lens import (ATTENTION_BUDGET_BYTES, CompletionTrace, attention_pattern, logit_lens, residual_norms,
                                  trace_completion)
 from app.badge import show_badge
-from app.badge import show_badge
 from app.context import shows_errors
 from app.export import plain, show_figure
 from app.figures.trace import records_data, tokens_html
@@ -163,7 +162,6 @@ def render(ctx) -> None:
     special = special_ids(ctx, f"{ctx.server_url}|{ctx.model_id}", ids)
     box.html(tokens_html(records, colour_by, special))
     show_figure(None, records_data(records, special), "entropy")
-    show_badge(ctx)  # after the first figure: a validation it starts runs in the background
     show_badge(ctx)  # after the first figure: a validation it starts runs in the background
 
     with shows_errors() as spot:

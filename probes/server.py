@@ -163,8 +163,9 @@ class ModelQueue:
             raise BadInputError(f"max_queue must be >= 0, got {max_queue}")
         self.max_queue, self.max_backlog = max_queue, max_backlog
         self.waiting = 0
-        self.mean_service_s = float(RETRY_AFTER_S)  # seconds a request holds the model (this until measured)
+        self.mean_service_s = float(RETRY_AFTER_S)  # seconds between requests leaving (this until measured)
         self._measured = False
+        self._last_release: float | None = None  # when the model was last let go, if others were waiting then
         self._lock = asyncio.Lock()
         self._backlog: dict[str, float] = {}  # ticket -> expiry (monotonic s), oldest refusal first
 
@@ -205,11 +206,18 @@ class ModelQueue:
         err.queue_ticket = ticket
         raise err
 
-    def served(self, seconds: float) -> None:
-        """A request held the model this long: the estimate behind Retry-After (a moving average)."""
+    def served(self, held_s: float) -> None:
+        """A request let go of the model after holding it `held_s`: the estimate behind Retry-After.
+
+        Under contention the time between two requests leaving is what one place in line costs (it
+        includes the work around the model call: parsing, checks, the answer), so that is measured
+        then; otherwise the hold time. A moving average of either."""
+        now = time.monotonic()
+        sample = held_s if self._last_release is None else max(held_s, now - self._last_release)
         weight = SERVICE_EWMA if self._measured else 1.0
-        self.mean_service_s += weight * (seconds - self.mean_service_s)
+        self.mean_service_s += weight * (sample - self.mean_service_s)
         self._measured = True
+        self._last_release = now if (self.waiting or self._backlog) else None
 
     def _expire(self, now: float) -> None:
         for ticket in [t for t, expiry in self._backlog.items() if expiry < now]:

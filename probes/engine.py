@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from probes.hooks import HookRunner
-from probes.attention_masks import RowMask, check_generation_masks, rows_needed  # importing registers RowMask's wire kind
+from probes.attention_masks import (  # importing registers RowMask's wire kind
+    RowMask, check_generation_masks, rows_needed)
 from probes.interventions import Intervention, MaskAttention
 from probes.records import Readout, TokenRecord, Trace
 from probes.sites import FAMILIES, Site, get_module, list_sites, validate_site

@@ -605,7 +605,8 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     async def ready() -> JSONResponse:
         body = {"ready": state.engine is not None, "busy": state.queue.busy, "waiting": state.queue.waiting,
                 "max_queue": state.queue.max_queue,
-                "backlog": state.queue.backlog, "mean_service_s": round(state.queue.mean_service_s, 4), "max_new_tokens_cap": state.max_new_tokens_cap,
+                "backlog": state.queue.backlog, "mean_service_s": round(state.queue.mean_service_s, 4),
+                "max_new_tokens_cap": state.max_new_tokens_cap,
                 "max_body_bytes": state.max_body_bytes, "prefix_states": state.states.stats(),
                 "limits": dataclasses.asdict(state.limits)}
         if state.load_error is not None:

@@ -28,3 +28,16 @@ def chart_titles(at: AppTest) -> list[str]:
 
 def metric(at: AppTest, label: str) -> str:
     return next(m.value for m in at.metric if m.label == label)
+
+
+def finish_jobs(at: AppTest, timeout_s: float = 600) -> AppTest:
+    """Wait until no job of this process runs (`app.jobs`: a page's long work in a thread), then draw again."""
+    import time
+
+    from app import jobs
+
+    deadline = time.monotonic() + timeout_s
+    while jobs.registry().running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not jobs.registry().running(), "a job did not finish in time"
+    return at.run()

@@ -389,7 +389,18 @@ def _run_page(at, source: str, k: int, n: int, seeds: int = 2, steps: int = 20, 
     if layer is not None:
         at.selectbox(key="fz_layer").set_value(layer)
     at.run()
-    return at.button(key="fz_run").click().run()
+    from tests.apptest_helpers import finish_jobs
+
+    return finish_jobs(at.button(key="fz_run").click().run())  # the harvest + fit runs as a job
+
+
+def _steer(at, scale: float | None = None):
+    """Move the steering scale (if given) and press the steering button; wait for its job."""
+    from tests.apptest_helpers import finish_jobs
+
+    if scale is not None:
+        at.slider(key="fz_steer_scale").set_value(scale).run()
+    return finish_jobs(at.button(key="fz_steer_run").click().run())
 
 
 def _open_page(monkeypatch, tmp_path, **env: str):
@@ -403,6 +414,9 @@ def _open_page(monkeypatch, tmp_path, **env: str):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
     page.results.clear()
+    from app import jobs
+
+    jobs.registry.clear()  # no finished job of an earlier test
     at = helpers.open_page("fuzzy_concepts", 6)
     helpers.assert_clean(at)
     return at
@@ -427,16 +441,17 @@ def test_the_page_runs_a_study_and_draws_cards_firing_overlap_and_steering(monke
     # the overlap heat map follows the method
     at.radio(key="fz_overlap_method").set_value("k-means").run()
     assert any(t.startswith("Grounded-word overlap between concepts (k-means") for t in helpers.chart_titles(at))
-    # steering: scale 0 leaves the text as it is, a large scale changes it
+    # steering (a job): scale 0 leaves the text as it is, a large scale changes it
+    _steer(at)
     texts = [t.value for t in at.text][-2:]
     assert texts[0] == texts[1]
-    at.slider(key="fz_steer_scale").set_value(8.0).run()
+    _steer(at, 8.0)
     helpers.assert_clean(at)
     unsteered, steered = [t.value for t in at.text][-2:]
     assert unsteered == texts[0] and steered != unsteered
     # the layer selector: another layer is another study
     at.selectbox(key="fz_layer").set_value(1).run()
-    at.button(key="fz_run").click().run()
+    helpers.finish_jobs(at.button(key="fz_run").click().run())
     helpers.assert_clean(at)
     assert helpers.metric(at, "Site") == "resid_post.1"
     page.results.clear()
@@ -452,7 +467,7 @@ def test_the_page_runs_through_the_model_server(served_url, monkeypatch, tmp_pat
     helpers.assert_clean(at)
     assert helpers.metric(at, "Samples") == "20"
     assert sum("IF f" in c.value for c in at.code) == 2
-    at.slider(key="fz_steer_scale").set_value(8.0).run()
+    _steer(at, 8.0)
     helpers.assert_clean(at)
     unsteered, steered = [t.value for t in at.text][-2:]
     assert steered != unsteered
@@ -537,7 +552,7 @@ def test_the_page_offers_scenes_on_a_vision_model_and_scores_them(monkeypatch, t
     assert "toy-vlm-scenes" in at.selectbox(key="fz_source").options
     _run_page(at, "toy-vlm-scenes", k=3, n=30)
     helpers.assert_clean(at, no_errors=False)
-    # the only error: steering with a concept continues the sidebar's prompt, longer than this toy's context
+    # steering continues the sidebar's prompt (longer than this toy's context) only when its button is pressed
     assert all("this model's context is 64" in e.value for e in at.error)
     table = at.dataframe[0].value
     assert list(table["method"]) == ["fuzzy", "semi-NMF", "k-means", "PCA"]

@@ -332,10 +332,14 @@ def test_expert_sample_overhead_bench_row(moe):
 def page_on_tiny_moe(monkeypatch):
     import app.views.moe_router as page
 
+    from app import jobs
+
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:qwen3_moe")
     page.results.clear()
+    jobs.registry.clear()
     yield page
     page.results.clear()
+    jobs.registry.clear()
 
 
 def test_the_page_routes_a_generation_and_draws_every_figure(page_on_tiny_moe, moe, tmp_path):
@@ -349,7 +353,7 @@ def test_the_page_routes_a_generation_and_draws_every_figure(page_on_tiny_moe, m
     assert helpers.chart_titles(at) == []
     at.radio(key="moe_routing").set_value("Expert-Sample").run()
     at.slider(key="moe_samples").set_value(3).run()
-    at.button(key="moe_generate").click().run()
+    helpers.finish_jobs(at.button(key="moe_generate").click().run())  # the generation runs as a job
     helpers.assert_clean(at)
     titles = helpers.chart_titles(at)
     assert len(titles) == 3 and titles[0].startswith("Router scores at layer 0 for token 0")
@@ -391,11 +395,22 @@ def test_on_toy_moe_fewer_experts_cost_accuracy_and_expert_sample_diversifies():
     assert samples.pass_at(4).estimate >= samples.pass_at(1).estimate > 0.2
 
 
-def test_the_page_on_a_dense_model_says_why_it_is_empty(monkeypatch):
+def test_the_page_on_a_dense_model_says_why_and_shows_the_toys_stored_result(monkeypatch, tmp_path):
+    """On a dense model: why the page cannot run here, then the toy MoE's shipped result labelled as the toy's
+    (never this model's), with one button, the switch to the toy; without a shipped result, only the why."""
     from tests import apptest_helpers as helpers
 
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
     at = helpers.open_page("moe_router")
     helpers.assert_clean(at)
     assert at.title[0].value == "MoE router & Expert-Sample"
-    assert "has no MoE router" in at.info[0].value and not at.button
+    assert "has no MoE router" in at.info[0].value
+    assert [b.label for b in at.button] == ["Switch to toy-moe:small"]
+    assert any("stored result of `toy-moe:small`, not of `tiny-random:llama`" in m.value for m in at.markdown)
+    titles = helpers.chart_titles(at)
+    assert titles[0].startswith("Router profile on toy-moe:small") and any(t.startswith("Where 4 samples part")
+                                                                             for t in titles)
+    monkeypatch.setenv("THOUGHTSCOPE_SHIPPED_DIR", str(tmp_path))  # nothing ships there
+    at = helpers.open_page("moe_router")
+    helpers.assert_clean(at)
+    assert "has no MoE router" in at.info[0].value and not at.button and not at.get("plotly_chart")

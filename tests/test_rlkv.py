@@ -480,12 +480,12 @@ def test_the_page_maps_binarises_generates_and_loads_gates(tmp_path, monkeypatch
     at.number_input(key="rlkv_sink").set_value(1)
     at.number_input(key="rlkv_recent").set_value(4)
     at.slider(key="rlkv_attn_n").set_value(1)
-    at.button(key="rlkv_attn_run").click().run()
+    helpers.finish_jobs(at.button(key="rlkv_attn_run").click().run())  # attention statistics: a job
     helpers.assert_clean(at)
     assert helpers.metric(at, "Heads with the full cache") == "2 of 4"
     at.slider(key="rlkv_sparsity").set_value(0.75).run()
     assert helpers.metric(at, "Heads with the full cache") == "1 of 4"
-    at.button(key="rlkv_generate").click().run()
+    helpers.finish_jobs(at.button(key="rlkv_generate").click().run())  # the compressed generation: a job
     helpers.assert_clean(at)
     titles = helpers.chart_titles(at)
     assert titles[0].startswith("Head score from attention statistics (sparsity 0.75")
@@ -510,6 +510,46 @@ def test_the_page_maps_binarises_generates_and_loads_gates(tmp_path, monkeypatch
     assert list(table["method"]) == ["full cache", "random", "streaming"]
     assert list(table["correct"]) == [row["error_modes"]["correct"] for row in report.rows()]
     page.results.clear()
+
+
+def test_the_page_trains_gates_as_a_job_and_offers_them_to_the_head_map(tmp_path, monkeypatch):
+    """One GRPO step on tiny-random:llama from the page: a job whose checkpoint lands in the user cache, then
+    the head map offers "gates trained on this page", drawing exactly the gates and log that checkpoint holds;
+    the evaluation runs as a job too."""
+    from tests import apptest_helpers as helpers
+
+    import app.views.rlkv as page
+    from app import jobs
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
+    monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path))
+    page.results.clear()
+    jobs.registry.clear()
+    at = helpers.open_page("rlkv", 6)
+    assert page.TRAINED not in at.radio(key="rlkv_source").options
+    for key, value in (("rlkv_train_steps", 1), ("rlkv_train_prompts", 1), ("rlkv_train_group", 2),
+                       ("rlkv_train_n", 2), ("rlkv_train_tokens", 4)):
+        at.number_input(key=key).set_value(value)
+    helpers.finish_jobs(at.button(key="rlkv_train_run").click().run())
+    helpers.assert_clean(at)
+    folder = at.session_state["rlkv_trained"]
+    assert Path(folder).parent == tmp_path / "rlkv_runs"
+    saved = read_gates(folder)
+    assert [row["step"] for row in saved["log"]] == [1] and saved["meta"]["settings"]["group_size"] == 2
+    at.radio(key="rlkv_source").set_value(page.TRAINED).run()
+    helpers.assert_clean(at)
+    titles = helpers.chart_titles(at)
+    assert titles[0].startswith("Learned head gates") and "Gate training" in titles
+    from analyses.rlkv.heads import full_heads_from_scores
+
+    full = full_heads_from_scores(saved["gates"].tolist(), 0.5, saved["pressure"].tolist())  # the default sparsity
+    assert helpers.metric(at, "Heads with the full cache") == f"{int(full.sum())} of 4"
+    at.slider(key="rlkv_eval_n").set_value(2)
+    helpers.finish_jobs(at.button(key="rlkv_eval_run").click().run())
+    helpers.assert_clean(at)
+    assert "Accuracy vs sparsity, 95% intervals (evaluation split, n = 2)" in helpers.chart_titles(at)
+    page.results.clear()
+    jobs.registry.clear()
 
 
 def test_the_shipped_run_is_offered_only_for_its_own_model():

@@ -1,10 +1,11 @@
-"""The RISE page under AppTest on tiny-random:llama: it draws, Harvest + train with a tiny n shows the SAE
-stats, the layer selector changes the decoder map, and the alpha slider changes the steered output."""
+"""The RISE page under AppTest on tiny-random:llama: it draws, Harvest + train (a job) with a tiny n shows the
+SAE stats, the layer selector changes the decoder map, and the alpha slider changes the steered output."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 from tests import apptest_helpers as helpers  # noqa: E402
 
 import app.views.rise as page  # noqa: E402
+from app import jobs  # noqa: E402
 
 MODEL = "tiny-random:llama"
 
@@ -24,8 +26,10 @@ def _tiny_model(monkeypatch, tmp_path):
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", MODEL)
     monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))  # the harvest's ActivationStore
     page.results.clear()
+    jobs.registry.clear()
     yield
     page.results.clear()
+    jobs.registry.clear()
 
 
 def open_page(max_new_tokens: int = 12) -> AppTest:
@@ -33,6 +37,19 @@ def open_page(max_new_tokens: int = 12) -> AppTest:
 
 
 assert_clean, chart_titles, metric = helpers.assert_clean, helpers.chart_titles, helpers.metric
+
+
+def finish_jobs(at: AppTest, timeout_s: float = 300) -> AppTest:
+    """Wait for the page's jobs (threads of this process) to end, then draw the page again (until none starts)."""
+    for _ in range(5):
+        deadline = time.monotonic() + timeout_s
+        while jobs.registry().running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not jobs.registry().running(), "a job did not finish in time"
+        at.run()
+        if not jobs.registry().running():
+            return at
+    return at
 
 
 def harvested() -> AppTest:
@@ -44,6 +61,8 @@ def harvested() -> AppTest:
     at.radio(key="rise_projection").set_value("pca")
     at.run()
     at.button(key="rise_run").click().run()
+    assert_clean(at)
+    finish_jobs(at)  # the harvest, then the steering section's first draw (a job too)
     assert_clean(at)
     return at
 
@@ -112,6 +131,7 @@ def test_harvest_train_shows_stats_geometry_follows_the_layer_and_alpha_steers(m
     monkeypatch.setattr(steer_module, "_alpha_grid", lambda *a, **k: grids.append(a[4]) or real_grid(*a, **k))
     at.radio(key="rise_steer_source").set_value(page.FROM_LATENT).run()
     at.radio(key="rise_steer_mode").set_value("add").run()
+    finish_jobs(at)
     assert_clean(at)
     at.slider(key="rise_alpha").set_value(0.0).run()
     vanilla = steered_text(at)
@@ -127,11 +147,13 @@ def test_harvest_train_shows_stats_geometry_follows_the_layer_and_alpha_steers(m
 
     # the behaviour vector (templated steps give the labeller reflection/backtracking to find) and confidence
     at.radio(key="rise_steer_source").set_value(page.FROM_BEHAVIOUR).run()
+    finish_jobs(at)
     assert not at.exception, [e.value for e in at.exception]
     # with 4 traces the behaviour often has no column of its own: the page says so instead of steering
     assert len(at.text) == 2 or any("vector at" in w.value for w in at.warning)
     at.number_input(key="rise_conf_iters").set_value(2)
     at.number_input(key="rise_conf_batch").set_value(2)
     at.button(key="rise_conf_run").click().run()
+    finish_jobs(at)
     assert_clean(at)
     assert any(t.startswith("Confidence coefficients at") for t in chart_titles(at))

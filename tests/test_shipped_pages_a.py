@@ -115,3 +115,70 @@ def test_cot_page_on_smollm2_opens_on_the_shipped_calibration_with_the_known_ans
     assert at.slider(key="cot_h").value == data["h_choice"]["chosen"]
     # the sidebar's example question is an arith problem: its generator's answer is the known answer
     assert any("Known answer **20**" in c.value for c in at.caption)
+
+
+# ----------------------------------------------------------------------------- RISE
+
+
+def test_rise_page_opens_on_the_shipped_run_and_refuses_other_weights_or_damage(monkeypatch, tmp_path):
+    import app.views.rise as rise_page
+    from analyses.rise import ship as rise_ship
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", TINY)
+    monkeypatch.setenv(shipped.ENV, str(tmp_path / "shipped"))
+    rise_page.results.clear()
+    folder = rise_ship.build(TINY, "test", root=tmp_path / "shipped")  # the page's defaults, 48 tokens
+    stored = shipped.find(rise_ship.NAME, TINY, _engine(TINY).info()["fingerprint"])
+    assert stored, stored.reason
+    summary = stored.json("analysis.json")["summary"]
+
+    at = helpers.open_page("rise", 48)  # no click
+    helpers.assert_clean(at)
+    assert any(c.value.startswith("A stored result, made on") and "`test`" in c.value for c in at.caption)
+    assert int(helpers.metric(at, "Traces")) == len(stored.json("harvest.json")["traces"])
+    titles = helpers.chart_titles(at)
+    assert any(t.startswith("Steps of ") for t in titles) and any(t.startswith("Decoder columns at") for t in titles)
+    assert any(t.startswith("Latent ") for t in titles)  # the feature dashboard
+    # the analysis rebuilt from the stored files equals the stored summary (UMAP coordinates read, not refitted)
+    assert at.selectbox(key="rise_geometry_site").value == summary["best_site"]
+    stats = at.dataframe[0].value
+    assert list(stats["EV held-out"]) == [round(la["quality"]["heldout"]["explained_variance"], 4)
+                                          for la in summary["layers"]]
+
+    at.number_input(key="rise_sae_steps").set_value(20).run()  # other settings: not the stored run
+    assert not any(t.startswith("Decoder columns at") for t in helpers.chart_titles(at))
+    assert any("made with other settings (sae_steps 300)" in i.value for i in at.info)
+
+    manifest = json.loads((folder / shipped.MANIFEST).read_text())
+    (folder / shipped.MANIFEST).write_text(json.dumps({**manifest, "fingerprint": "0123456789abcdef"}))
+    rise_page.results.clear()
+    at = helpers.open_page("rise", 48)
+    helpers.assert_clean(at)
+    assert not any(t.startswith("Decoder columns at") for t in helpers.chart_titles(at))
+    assert any("Press **Harvest + train**" in i.value for i in at.info)
+
+    (folder / shipped.MANIFEST).write_text(json.dumps(manifest))
+    (folder / "acts.safetensors").write_bytes((folder / "acts.safetensors").read_bytes()[:-8] + b"\0" * 8)
+    at = helpers.open_page("rise", 48)
+    helpers.assert_clean(at)
+    assert any("damaged (acts.safetensors" in w.value for w in at.warning)
+    assert not any(t.startswith("Decoder columns at") for t in helpers.chart_titles(at))
+
+
+@pytest.mark.model
+def test_rise_page_on_smollm2_opens_on_the_shipped_saes(monkeypatch):
+    from analyses.rise import ship as rise_ship
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", SMOL)
+    monkeypatch.delenv(shipped.ENV, raising=False)
+    stored = shipped.find(rise_ship.NAME, SMOL, _engine(SMOL).info()["fingerprint"])
+    assert stored, stored.reason
+    at = helpers.open_page("rise", None)
+    helpers.assert_clean(at)
+    assert any(c.value == stored.label() for c in at.caption)
+    titles = helpers.chart_titles(at)
+    for prefix in ("Steps of ", "Decoder columns at", "Behaviour separation per layer", "Latent "):
+        assert any(t.startswith(prefix) for t in titles), (prefix, titles)
+    spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Decoder columns at" in c.proto.spec))
+    layout = spec["layout"]
+    assert (layout["xaxis"]["title"]["text"], layout["yaxis"]["title"]["text"]) == ("UMAP 1", "UMAP 2")

@@ -334,10 +334,14 @@ def probe_traces(backend: Any, problems: Sequence[Problem], family: ModelFamily,
                                   sampling=sampling, seed=seed + start, chat=chat, top_k=0)
         rows = len(chunk) * n_samples
         between = (lambda: on_progress(len(out), total)) if on_progress else None
-        for count, rec in enumerate(stream, 1):
-            by_index[rec.batch_index].append(rec)
-            if between and count % rows == 0:
-                between()
+        try:
+            for count, rec in enumerate(stream, 1):
+                by_index[rec.batch_index].append(rec)
+                if between and count % rows == 0:
+                    between()
+        finally:  # a Stop raised mid-stream ends the generation here, in this thread (it holds the engine's lock)
+            if hasattr(stream, "close"):
+                stream.close()
         for i, problem in enumerate(chunk):
             prompt_ids = backend.encode(prompts[i][0], chat=chat)
             for s in range(n_samples):

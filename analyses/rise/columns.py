@@ -166,8 +166,12 @@ class RiseAnalysis:
 
 
 def analyse(harvest: Harvest, saes: dict[str, Any], method: str = "umap", top_n: int = 8, min_votes: int = 1,
-            seed: int = 0, heldout_rows: Sequence[int] = (), classes: Sequence[str] = LABELS) -> RiseAnalysis:
+            seed: int = 0, heldout_rows: Sequence[int] = (), classes: Sequence[str] = LABELS,
+            geometry: dict[str, dict[str, Any]] | None = None) -> RiseAnalysis:
     """Column association, geometry and behaviour vectors for every layer that has an SAE.
+
+    `geometry[site]` (`coords`, `silhouette`, `silhouette_map`, as an earlier `decoder_geometry` of the
+    same SAE returned them) skips the projection: how a stored result redraws without refitting UMAP.
 
     Rows in `heldout_rows` (the steps of traces the SAEs were not trained on) take no part in the
     association; they measure the SAE (`quality["heldout"]`, `stats`), the best latent per label
@@ -187,7 +191,11 @@ def analyse(harvest: Harvest, saes: dict[str, Any], method: str = "umap", top_n:
         check_fits(sae, acts.shape[1], site)
         latents = encode_all(sae, acts)
         assoc = associate_columns(latents[train], train_labels, top_n=top_n, min_votes=min_votes)
-        coords, sil, sil_map = decoder_geometry(sae.W_dec, assoc.column_labels, method=method, seed=seed)
+        if geometry is not None and site in geometry:
+            g = geometry[site]
+            coords, sil, sil_map = np.asarray(g["coords"], dtype=float), g["silhouette"], g["silhouette_map"]
+        else:
+            coords, sil, sil_map = decoder_geometry(sae.W_dec, assoc.column_labels, method=method, seed=seed)
         top = latents.topk(min(3, latents.shape[1]), dim=1).indices.numpy()
         quality = {"train": sae_quality(sae, acts[train]), "heldout": sae_quality(sae, acts[held])}
         stats = sae_stats(sae, acts[held] if held else acts)

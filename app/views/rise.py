@@ -21,18 +21,20 @@ import streamlit as st
 from analyses.families import default_task
 from analyses.organism import is_organism
 from analyses.rise import (BEHAVIOURS, HarvestSettings, RiseOptions, RisePipeline, confidence_vectors,
-                           default_layers, feature_dashboard, quality_warning, saved_saes, steer)
+                           feature_dashboard, quality_warning, saved_saes, steer)
+from analyses.rise import ship as rise_ship
 from analyses.tasks import TASK_NAMES, Problem, load_task
+from app import jobs
 from app.context import FinishedGenerations
 from app.export import show_figure
 from app.figures.rise import (confidence_curve, feature_histogram, feature_labels, feature_tokens, silhouette_curve,
                               step_timeline)
 from app.registry import PageSpec
+from thoughtscope import shipped
 from thoughtscope.errors import ThoughtscopeError
 
 PAGE = PageSpec("RISE reasoning vectors", ":material/psychology_alt:", 40,
                 requires=("generate", "capture_batch", "readout", "grad"))
-SMALL_MODELS = ("smollm2-135m", "tiny-random:")  # never reflect on their own: splice templated steps by default
 
 FROM_SIDEBAR = "the sidebar prompt"
 FROM_TASK = "a held-out task problem"
@@ -50,14 +52,34 @@ def results() -> FinishedGenerations:
 # ----------------------------------------------------------------------------- 1. harvest + train
 
 
+def shipped_run(ctx, options: RiseOptions) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """(the stored run when it was made with `options`, a note for the page, damaged?)."""
+    found = shipped.find(rise_ship.NAME, ctx.model_id, ctx.backend.info().get("fingerprint"))
+    if not found:
+        return None, (found.reason if found.damaged else None), found.damaged
+    made_with = found.json("harvest.json")["options"]
+    wanted = rise_ship.comparable(options)
+    if made_with != wanted:
+        other = ", ".join(f"{k} {made_with.get(k)!r}" for k in wanted if made_with.get(k) != wanted[k])
+        return None, (f"A stored RISE run ships for {ctx.model_id}, made with other settings ({other}); press "
+                      "**Harvest + train** to run one with yours."), False
+    digest = found.manifest["files"]["acts.safetensors"]
+    cached = results().get(f"shipped-rise-{digest}")
+    if cached is None:
+        cached = {**rise_ship.load(found), "source": found.label()}
+        results().put(f"shipped-rise-{digest}", cached)
+    return cached, None, False
+
+
+
 def harvest_section(ctx, store) -> tuple[dict[str, Any] | None, HarvestSettings | None, str, int]:
     st.subheader("1. Harvest step vectors and train the SAEs")
     n_layers = ctx.backend.info()["arch"]["n_layers"]
-    organism = is_organism(ctx.model_id)
     own = default_task(ctx.model_id)
+    defaults = rise_ship.page_options(ctx.model_id, n_layers, ctx.settings.max_new_tokens, ctx.seed)
     c1, c2, c3 = st.columns(3)
     task = c1.selectbox("Task", [own] + [t for t in TASK_NAMES if t != own], key="rise_task")
-    n = c2.number_input("Problems", 2, 2000, 40 if organism else 12, key="rise_n",
+    n = c2.number_input("Problems", 2, 2000, defaults.n, key="rise_n",
                         help="the paper uses hundreds; a dozen keeps a CPU quick")
     sae_steps = c3.number_input("SAE training steps", 10, 5000, 300, 10, key="rise_sae_steps")
     c1, c2, c3 = st.columns(3)
@@ -67,15 +89,15 @@ def harvest_section(ctx, store) -> tuple[dict[str, Any] | None, HarvestSettings 
                          help="larger: sparser latents (lower L0), worse reconstruction")
     heldout = c3.slider("Held-out traces (measure the SAE)", 0.0, 0.5, 0.25, 0.05, key="rise_heldout")
     c1, c2, c3, c4 = st.columns(4)
-    layers = c1.multiselect("Layers", list(range(n_layers)), default=list(default_layers(n_layers)), key="rise_layers")
+    layers = c1.multiselect("Layers", list(range(n_layers)), default=list(defaults.layers), key="rise_layers")
     projection = c2.radio("Decoder map", ["umap", "pca"], horizontal=True, key="rise_projection",
                           help="UMAP (cosine) as in the paper, or PCA (fast)")
-    temperature = c3.number_input("Trace temperature (0: greedy)", 0.0, 2.0, 1.0 if organism else 0.0, 0.1,
+    temperature = c3.number_input("Trace temperature (0: greedy)", 0.0, 2.0, defaults.temperature, 0.1,
                                   key="rise_temperature",
                                   help="greedy traces never show a behaviour the model does less than half the time; "
                                        "the organism backtracks only when it samples a wrong step")
     augment = c4.checkbox("Splice templated reflection/backtracking steps",
-                          value=any(ctx.model_id.startswith(m) for m in SMALL_MODELS), key="rise_augment",
+                          value=defaults.augment == "templated", key="rise_augment",
                           help="small models rarely reflect; this gives the labeller something to find [recon]")
     options = RiseOptions(task=task, n=int(n), seed=ctx.seed, layers=tuple(sorted(layers)),
                           max_new_tokens=ctx.settings.max_new_tokens, batch_size=max(1, min(16, int(n))),
@@ -83,32 +105,41 @@ def harvest_section(ctx, store) -> tuple[dict[str, Any] | None, HarvestSettings 
                           d_sae=int(d_sae) or None, l1=float(l1) or None, heldout=float(heldout),
                           temperature=float(temperature))
     key = ctx.result_key("rise-pipeline", options=options.to_dict())
-    run_now = st.button("Harvest + train", type="primary", key="rise_run", icon=":material/play_arrow:")
-    found = store.get(key)
-    if run_now and found is None:
-        if not layers:
-            st.error("Choose at least one layer.")
-            return None, None, task, int(n)
-        with st.status(f"Harvesting {int(n)} {task} problems at layers {list(options.layers)}\u2026",
-                       expanded=True) as status:
-            bar = st.progress(0.0, text="generating traces\u2026")
+    left, right = st.columns([1, 3])
+    run_now = left.button("Harvest + train", type="primary", key="rise_run", icon=":material/play_arrow:",
+                          help="runs as a job: progress, time left, Stop")
+    run_now = run_now or bool(st.session_state.get("rise_run_again"))
+    if run_now and not layers:
+        st.error("Choose at least one layer.")
+        return None, None, task, int(n)
+    stored, note, damaged = shipped_run(ctx, options)
+    if damaged:
+        st.warning(f"{note} Press **Harvest + train** to rebuild it here.", icon=":material/broken_image:")
+    found = None
+    if stored is not None and not run_now and jobs.registry().for_key(key) is None:
+        found = {**stored, "key": key}
+        right.caption(found["source"])
+        right.button("Run again", key="rise_run_again", icon=":material/refresh:",
+                     help="harvest and train with these settings here, as a job (the stored result stays on disk)")
+    else:
+        if note and not damaged and jobs.registry().for_key(key) is None:
+            st.info(note, icon=":material/info:")
+        backend = ctx.backend
 
-            def on_progress(stage: str, done: int, total: int) -> None:
-                text = f"{done}/{total} traces harvested" if stage == "harvest" else f"{done}/{total} SAEs trained"
-                bar.progress(done / total, text=text)
+        def work(job: jobs.Job) -> dict[str, Any]:
+            pipeline = RisePipeline(backend, options, on_progress=job.progress)
+            result = pipeline.run()
+            result["heldout_traces"] = len({result["harvest"].step_rows[r][0]
+                                            for r in pipeline.heldout_rows(result["harvest"])})
+            return {**result, "key": key, "analysis_projection": projection, "source": ""}
 
-            pipeline = RisePipeline(ctx.backend, options, on_progress=on_progress)
-            found = pipeline.run()
-            found["heldout_traces"] = len({t for r in pipeline.heldout_rows(found["harvest"])
-                                           for t, _ in [found["harvest"].step_rows[r]]})
-            status.update(label=f"Harvested {len(found['harvest'].traces)} traces and trained "
-                                f"{len(found['saes'])} SAE(s)", state="complete", expanded=False)
-        found["key"] = key
-        found["analysis_projection"] = projection
-        store.put(key, found)
+        found = jobs.run_job(key, work, label=f"Harvesting {int(n)} {task} problems at layers "
+                                              f"{list(options.layers)} and training the SAEs",
+                             kind="rise-pipeline", page="rise", start=run_now)
     if found is None:
-        st.info("Press **Harvest + train** to generate traces, cut them into steps, read one residual vector per "
-                "step and train one SAE per layer.")
+        if jobs.registry().for_key(key) is None:
+            st.info("Press **Harvest + train** to generate traces, cut them into steps, read one residual vector "
+                    "per step and train one SAE per layer.")
         return None, None, task, int(n)
     h = found["harvest"]
     counts = h.label_counts()
@@ -270,17 +301,22 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
     alphas = ALPHA_STOPS if grid else ((0.0,) if alpha == 0 else (0.0, float(alpha)))
     key = ctx.result_key("rise-steer", pipeline=found["key"], site=site, direction=name, mode=mode,
                          alphas=list(alphas), problem=problem.to_dict(), seed=ctx.seed)
-    result = store.get(key)
+    what = f"all {len(alphas)} alpha stops in one batch" if grid else f"alpha 0 and {alpha:g}"
+    # add mode: alpha in units of the mean step-vector norm (a unit vector alone barely moves a residual
+    # stream whose norm is in the hundreds)
+    scale = float(found["harvest"].acts[site].norm(dim=1).mean()) if mode == "add" else 1.0
+    direction = vector / max(float(vector.norm()), 1e-8) * scale if mode == "add" else vector
+    backend = ctx.backend
+
+    def work(job: jobs.Job):
+        return steer(backend, [problem], direction, site, alphas=alphas, mode=mode, settings=settings,
+                     behaviour=name, batch_alphas=grid, on_progress=job.progress)
+
+    result = store.get(key) or jobs.run_job(key, work, label=f"Steering: generating {what}", kind="rise-steer",
+                                            page="rise", start=True, keep_running_option=False)
     if result is None:
-        what = f"all {len(alphas)} alpha stops in one batch" if grid else f"alpha 0 and {alpha:g}"
-        with st.spinner(f"Generating {what}\u2026"):
-            # add mode: alpha in units of the mean step-vector norm (a unit vector alone barely moves a residual
-            # stream whose norm is in the hundreds)
-            scale = float(found["harvest"].acts[site].norm(dim=1).mean()) if mode == "add" else 1.0
-            result = steer(ctx.backend, [problem], vector / max(float(vector.norm()), 1e-8) * scale
-                           if mode == "add" else vector, site, alphas=alphas, mode=mode, settings=settings,
-                           behaviour=name, batch_alphas=grid)
-        store.put(key, result)
+        return
+    store.put(key, result)
     vanilla, steered = result.traces[0.0][0], result.traces[float(alpha)][0]
     rows = {r.alpha: r for r in result.rows}
     left, right = st.columns(2)
@@ -309,12 +345,16 @@ def confidence_section(ctx, store, found: dict[str, Any], site: str, pipeline_ke
         run_now = right.button("Fit confidence vectors", key="rise_conf_run", icon=":material/bolt:")
         key = ctx.result_key("rise-confidence", pipeline=pipeline_key, site=site, iterations=int(iterations),
                              batch=int(batch), seed=ctx.seed)
-        result = store.get(key)
-        if run_now and result is None:
-            with st.spinner(f"Fitting {int(iterations)} iterations at {site}\u2026"):
-                result = confidence_vectors(ctx.backend, found["harvest"], found["saes"][site], site,
-                                            iterations=int(iterations), batch_size=int(batch), seed=ctx.seed)
-            store.put(key, result)
+        backend, harvest, sae = ctx.backend, found["harvest"], found["saes"][site]
+
+        def work(job: jobs.Job):
+            return confidence_vectors(backend, harvest, sae, site, iterations=int(iterations),
+                                      batch_size=int(batch), seed=ctx.seed, on_progress=job.progress)
+
+        result = jobs.run_job(key, work, label=f"Fitting {int(iterations)} iterations at {site}",
+                              kind="rise-confidence", page="rise", start=run_now)
+        if result is None and jobs.registry().for_key(key) is not None:
+            return
         if result is None:
             st.info(f"Press **Fit confidence vectors** to learn coefficients over the decoder columns at {site}.")
             return

@@ -51,7 +51,7 @@ from thoughtscope.errors import BadInputError, UnknownSiteError
 
 VALIDATION_TEXT = ("The quick brown fox jumps over the lazy dog. 17 + 25 = 42, and 6 times 7 is 42 too. "
                    "Is that a coincidence?")
-GENERATION_PROMPT = "Question: what is 12 + 30? Think step by step.\nAnswer:"
+GENERATION_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 VERDICTS = ("pass", "warn", "fail")
 READERS = ("hf", "nnsight", "bridge")
 
@@ -388,8 +388,23 @@ def _engine_reads(engine: Any, ids: list[int], names: Sequence[str]) -> dict[str
     plain, pattern = _split(names)
     out = engine.capture(ids, plain) if plain else {}
     if pattern:  # a user's trace of patterns runs eager; every other site runs the model's own attention
-        out.update(engine.capture(ids, pattern))
+        out.update(engine.capture(ids, [n for n in pattern if n not in out]))
     return out
+
+
+def _engine_reads_eager(engine: Any, ids: list[int], names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The engine's reads under eager attention: what to hold against a reader that computes attention
+    eagerly (the bridge), so that a kernel's rounding (large in bf16) is not taken for a wrong site."""
+    model = engine.handle.model
+    with engine.lock:
+        saved = model.config._attn_implementation
+        if saved == "eager":
+            return _engine_reads(engine, ids, names)
+        model.set_attn_implementation("eager")
+        try:
+            return _engine_reads(engine, ids, names)
+        finally:
+            model.set_attn_implementation(saved)
 
 
 @torch.no_grad()
@@ -458,7 +473,10 @@ def _nnsight_reads(handle: Any, ids: list[int], names: Sequence[str]) -> dict[st
         if not group:
             continue
         try:
-            out.update(nnsight_capture(handle, ids, [parse_site(n) for n in group], remote=False))
+            reads = nnsight_capture(handle, ids, [parse_site(n) for n in group], remote=False)
+            # the logits come from the pass under the model's own attention (the pattern pass runs eager)
+            out.update(reads if group is plain or "logits" not in out else {k: v for k, v in reads.items()
+                                                                            if k != "logits"})
         except Exception as err:
             # nnsight reads modules in execution order; a site table out of that order (a mistake the
             # validator exists to catch) gets one trace per site instead, so the other readers still compare
@@ -541,6 +559,9 @@ def check_sites(engine: Any, names: Sequence[str], tol: Tolerance, readers: Sequ
                         "reason": f"in {handle.arch.model_type} TransformerLens's hook_attn_out/hook_mlp_out are "
                                   "after the block's post-norm; the engine's attn_out/mlp_out are before it "
                                   "(probes.sites), so they are not the same quantity"})
+    eager_ours = None
+    if "bridge" in readings and handle.model.config._attn_implementation != "eager":
+        eager_ours = _engine_reads_eager(engine, ids, names)
     for reader, reads in readings.items():
         missing = [n for n in names if n not in reads and n not in explained]
         if missing and reader != "nnsight":
@@ -555,6 +576,9 @@ def check_sites(engine: Any, names: Sequence[str], tol: Tolerance, readers: Sequ
                 with torch.no_grad():
                     mine, ref = norm(mine.unsqueeze(0))[0], ref[1]
                 note = "through the final norm (HF's last hidden state is normed)"
+            if reader == "bridge" and eager_ours is not None:
+                mine = eager_ours[name]
+                note = note or "engine read under eager attention, as the bridge computes"
             stats = compare(mine, ref)
             note = stats.pop("note", note)
             checks.append(SiteCheck(name, reader, stats["max_abs"], stats["max_rel"], stats["cosine"],

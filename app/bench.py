@@ -18,6 +18,12 @@
   The corpus is indexed once into the cache first (with a progress bar; minutes on a laptop CPU,
   then seconds), at a quarter of the model's depth.
 
+- `job_stop_s` (group `jobs`): Stop pressed on a running job -> the job's last model call ended, on a
+  real job: the CoT entropy page's calibration (`analyses.cot_entropy.calibration.calibrate`, 12 + 12
+  problems, 48 tokens) on the embedded model, its backend wrapped so every model call (a decoding step
+  of a batched generation, a prefill, a probe's fork) stamps when it ended. Stop is pressed at a few
+  points of one job's life (a new job each), during generation and during probing. Goal <= 2 s.
+
 Absolute times on a shared machine are noisy: every row reports the machine's load with it.
 """
 
@@ -28,7 +34,8 @@ import statistics
 import time
 from typing import Any
 
-GOALS = {"page_first_figure_switch": 1.0, "page_first_figure_new_tab": 2.0, "steer_slider": 1.5, "feature_browse": 1.0}
+GOALS = {"page_first_figure_switch": 1.0, "page_first_figure_new_tab": 2.0, "steer_slider": 1.5, "feature_browse": 1.0,
+         "job_stop": 2.0}
 
 
 def _load() -> float:
@@ -365,4 +372,88 @@ def run_views(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
     return [*rows, *bench_page_first_figure(model_id)]
 
 
-BENCHMARKS = {"views": run_views}
+class _StampedBackend:
+    """A backend whose model calls stamp when they ended (`last_call_end`, perf_counter seconds)."""
+
+    def __init__(self, backend: Any):
+        self._backend, self.last_call_end, self.calls = backend, 0.0, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def _stamp(self) -> None:
+        self.last_call_end, self.calls = time.perf_counter(), self.calls + 1
+
+    def generate(self, *args: Any, **kwargs: Any):
+        stream = self._backend.generate(*args, **kwargs)
+        try:
+            for record in stream:
+                self._stamp()
+                yield record
+        finally:  # closed here, in the job's thread: an engine stream left to the garbage collector keeps its lock
+            stream.close()
+
+    def prefill(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._backend.prefill(*args, **kwargs)
+        self._stamp()
+        return out
+
+    def fork(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._backend.fork(*args, **kwargs)
+        self._stamp()
+        return out
+
+
+def bench_job_stop(backend: Any, stop_after_s: tuple[float, ...] = (3.0, 8.0, 15.0, 25.0)) -> dict[str, Any]:
+    """Start the CoT calibration as a job (`app.jobs.JobRegistry`), press Stop `stop_after_s` seconds in
+    (a fresh job each time), and time Stop -> the job's last model call ended, and -> its thread ended."""
+    import tempfile
+    from pathlib import Path
+
+    from analyses.cot_entropy import ship as cot_ship
+    from analyses.cot_entropy.calibration import calibrate
+    from analyses.families import default_task, family_for
+    from app.jobs import STOPPED, JobRegistry
+
+    model_id = backend.info()["model_id"]
+    registry = JobRegistry(costs_path=Path(tempfile.mkdtemp()) / "costs.json")
+    settings = {k: v for k, v in cot_ship.DEFAULTS.items()}
+    call_s, thread_s, stages = [], [], []
+    for i, after in enumerate(stop_after_s):
+        stamped = _StampedBackend(backend)
+
+        def work(job: Any) -> Any:
+            return calibrate(stamped, default_task(model_id), family_for(model_id), on_progress=job.progress,
+                             **settings)
+
+        job = registry.start(f"bench-stop-{i}", work, label="calibration", kind="bench-cot-calibration")
+        time.sleep(after)
+        if job.status != "running":
+            raise RuntimeError(f"the calibration ended before Stop at {after} s; stop earlier")
+        pressed = time.perf_counter()
+        job.stop()
+        job.thread.join(120)
+        ended = time.perf_counter()
+        if job.status != STOPPED:
+            raise RuntimeError(f"the job ended {job.status}, not stopped")
+        call_s.append(max(0.0, stamped.last_call_end - pressed))
+        thread_s.append(ended - pressed)
+        stages.append(f"{job.stage} {job.done}/{job.total}")
+    return {"bench": "job_stop_s", "job": "CoT entropy calibration (12 + 12 problems, 48 tokens)", "model": model_id,
+            "seconds": round(max(call_s), 3), "ratio": round(max(call_s) / GOALS["job_stop"], 3), "target": 1.0,
+            "clock": "Stop pressed -> the job's last model call ended (worst of the runs)",
+            "runs_s": [round(t, 3) for t in call_s], "thread_end_s": [round(t, 3) for t in thread_s],
+            "stop_after_s": list(stop_after_s), "stopped_at": stages, "load": _load()}
+
+
+def run_jobs(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
+    """The jobs benchmark on `model_id`: how soon Stop ends a real job's model work."""
+    import torch
+
+    from probes.engine import Engine
+
+    torch.set_num_threads(1)
+    return [bench_job_stop(Engine.from_id(model_id))]
+
+
+BENCHMARKS = {"views": run_views, "jobs": run_jobs}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -216,7 +217,14 @@ def test_the_page_indexes_then_browses_a_neuron_and_an_sae_latent(monkeypatch, t
     at = helpers.open_page("feature_browser")
     at.number_input(key="fb_n").set_value(12).run()
     assert "Index the corpus" in at.info[0].value
-    at.button(key="fb_index").click().run()
+    at.button(key="fb_index").click().run()  # a job: progress, time left, Stop
+    helpers.assert_clean(at)
+    from app import jobs
+
+    deadline = time.monotonic() + 300
+    while jobs.registry().running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    at.run()
     helpers.assert_clean(at)
     at.radio(key="fb_kind").set_value("neuron").run()
     at.number_input(key="fb_neuron").set_value(5).run()

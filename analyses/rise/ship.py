@@ -73,6 +73,27 @@ def files_of(found: dict[str, Any], options: Any, heldout_rows: list[int]) -> di
     return files
 
 
+def default_sae_root(stored: Any) -> Path:
+    from probes.zoo import user_cache_dir
+
+    return user_cache_dir() / "rise-shipped" / stored.manifest["files"]["acts.safetensors"][:16]
+
+
+def shipped_sites(stored: Any) -> list[str]:
+    return [f[len("sae."):-len(".safetensors")] for f in stored.manifest["files"]
+            if f.startswith("sae.") and f.endswith(".safetensors")]
+
+
+def sae_folder(stored: Any, site: str, sae_root: Path | None = None) -> Path:
+    """The shipped SAE at `site` as a SAELens folder (`cfg.json` + `sae_weights.safetensors`) under
+    `sae_root` (default: the user cache), copied from the verified shipped files."""
+    folder = Path(sae_root if sae_root is not None else default_sae_root(stored)) / site
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, source in (("sae_weights.safetensors", f"sae.{site}.safetensors"), ("cfg.json", f"sae.{site}.cfg.json")):
+        shutil.copyfile(stored.path(source), folder / name)  # the verified copy, every time
+    return folder
+
+
 def load(stored: Any, sae_root: Path | None = None) -> dict[str, Any]:
     """The page's result (`harvest`, `saes`, `stats`, `analysis`, `folder`, `heldout_traces`) from a
     verified `thoughtscope.shipped.Shipped` of this name. The SAEs are put back into SAELens folders
@@ -100,18 +121,8 @@ def load(stored: Any, sae_root: Path | None = None) -> dict[str, Any]:
     acts = {site: torch.as_tensor(a) for site, a in load_file(str(stored.path("acts.safetensors"))).items()}
     rows = [tuple(r) for r in meta["step_rows"]]
     h = Harvest(meta["model_id"], settings, meta["delimiter"], traces, acts, rows)
-    if sae_root is None:
-        from probes.zoo import user_cache_dir
-
-        digest = stored.manifest["files"]["acts.safetensors"][:16]
-        sae_root = user_cache_dir() / "rise-shipped" / digest
-    saes = {}
-    for site in settings.sites:
-        folder = Path(sae_root) / site
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, source in (("sae_weights.safetensors", f"sae.{site}.safetensors"), ("cfg.json", f"sae.{site}.cfg.json")):
-            shutil.copyfile(stored.path(source), folder / name)  # the verified copy, every time
-        saes[site] = load_sae(folder)
+    sae_root = Path(sae_root) if sae_root is not None else default_sae_root(stored)
+    saes = {site: load_sae(sae_folder(stored, site, sae_root)) for site in settings.sites}
     stored_analysis = stored.json("analysis.json")
     held = [int(r) for r in stored_analysis["heldout_rows"]]
     analysis = analyse(h, saes, method=stored_analysis["projection"], seed=settings.seed, heldout_rows=held,

@@ -2,8 +2,10 @@
 see its top-activating contexts with the active tokens highlighted, its activation histogram, and the logits
 it promotes and suppresses.
 
-The corpus is indexed once (its activations at the site go into the cache, with a progress bar);
-every browse after that reads the stored rows and answers in well under a second.
+The corpus is indexed once, as a job (its activations at the site go into the cache, with progress, time
+left and Stop); every browse after that reads the stored rows and answers in well under a second. On the
+embedded model the page opens on a shipped index of the default corpus' first questions
+(`thoughtscope ship feature-index`), and says so.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -18,13 +21,17 @@ import streamlit as st
 
 from analyses.feature_browser import (CORPORA, Corpus, CorpusIndex, IndexSettings, Neuron, VectorDirection, browse,
                                       build_index, load_corpus, sae_latent, text_corpus)
+from analyses.feature_browser import ship as fb_ship
 from analyses.rise import saved_saes
+from analyses.rise import ship as rise_ship
 from analyses.steering import diff_of_means_direction
+from app import jobs
 from app.context import FinishedGenerations, shows_errors
 from app.export import plain, show_figure
 from app.figures.feature_browser import contexts_html
 from app.registry import PageSpec
 from probes.interventions import RESIDUAL_KINDS, load_vector_bytes
+from thoughtscope import shipped
 
 PAGE = PageSpec("Feature browser", ":material/manage_search:", 30, requires=("capture_batch", "readout"))
 
@@ -81,38 +88,72 @@ def corpus_section() -> Corpus | None:
         with shows_errors() as spot:
             corpus = text_corpus(upload.getvalue().decode("utf-8", errors="replace"), upload.name, unit)
         return None if spot.failed else corpus
-    n = right.number_input("Texts (0 = all)", 0, 100_000, 0 if name != "arith-problems" else 2000, step=100,
-                           key="fb_n")
+    default_n = {"arith-problems": 2000, fb_ship.CORPUS: fb_ship.N_TEXTS}.get(name, 0)
+    n = right.number_input("Texts (0 = all)", 0, 100_000, default_n, step=10, key="fb_n",
+                           help=f"{fb_ship.CORPUS} opens on its first {fb_ship.N_TEXTS} questions (their index ships "
+                                "with the app for the embedded model); 0 indexes all 1,319 as a job")
     with shows_errors() as spot:
         corpus = shipped_corpus(name, int(n) or None)
     return None if spot.failed else corpus
 
 
+def shipped_index(ctx, corpus: Corpus, site: str, settings: IndexSettings) -> tuple[CorpusIndex | None, str | None]:
+    """(the stored index when it is of this corpus, site and settings, the stored result's label or a reason)."""
+    found = shipped.find(fb_ship.NAME, ctx.model_id, ctx.backend.info().get("fingerprint"))
+    if not found:
+        return None, found.reason if found.damaged else None
+    meta = found.json("index.json")
+    if (meta["corpus"].get("key"), meta["site"], meta["settings"]) != (corpus.key, site, asdict(settings)):
+        return None, (f"A stored index ships for {ctx.model_id}: the first {meta['corpus']['n_texts']} texts of "
+                      f"{meta['corpus']['name']} at {meta['site']} ({meta['settings']['max_tokens']} tokens per "
+                      "context); these settings need their own.")
+    key = f"shipped-index-{found.manifest['files']['index.safetensors']}"
+    index = indexes().get(key)
+    if index is None:
+        index = fb_ship.load(found)
+        indexes().put(key, index)
+    return index, found.label()
+
+
 def index_section(ctx, corpus: Corpus, site: str, settings: IndexSettings) -> CorpusIndex | None:
     key = index_key(ctx, corpus, site, settings)
-    held = indexes().get(key)
     left, right = st.columns([1, 3], vertical_alignment="center")
-    run = left.button("Index the corpus" if held is None else "Indexed", key="fb_index", icon=":material/database:",
-                      disabled=held is not None, type="primary" if held is None else "secondary")
     right.caption(f"{corpus.name}: {len(corpus.texts):,} texts ({corpus.source}). Indexing runs the model once over "
                   f"them (up to {site}) and stores the activations in the cache; a stored corpus loads in seconds.")
-    if run and held is None:
-        bar = st.progress(0.0, text="indexing\u2026")
-        started = time.perf_counter()
-
-        def progress(done: int, total: int) -> None:
-            bar.progress(done / max(1, total), text=f"{done:,} of {total:,} contexts")
-
-        with shows_errors() as spot:
-            held = build_index(ctx.backend, corpus, site, settings, on_progress=progress)
-            indexes().put(key, held)
-        bar.empty()
-        if spot.failed:
-            return None
-        st.caption(f"indexed {held.n_contexts:,} contexts, {held.n_rows:,} tokens in {time.perf_counter() - started:.1f} s")
+    stored, note = shipped_index(ctx, corpus, site, settings)
+    held = indexes().get(key) or jobs.registry().finished(key) or stored
+    run = left.button("Index the corpus" if held is None else "Indexed", key="fb_index", icon=":material/database:",
+                      disabled=held is not None, type="primary" if held is None else "secondary",
+                      help="runs as a job: progress, time left, Stop (an interrupted index resumes from the cache)")
+    if held is stored and stored is not None:
+        st.caption(f"{note} It covers this {len(corpus.texts)}-question subset of GSM8K only; set **Texts** to 0 to "
+                   "index the whole corpus (a job).")
+        return stored
+    if note and held is None:
+        (st.warning if "damaged" in note else st.info)(note)
     if held is None:
+        backend = ctx.backend
+
+        def work(job: jobs.Job) -> CorpusIndex:
+            return build_index(backend, corpus, site, settings, on_progress=job.progress)
+
+        held = jobs.run_job(key, work, label=f"Indexing {corpus.name} ({len(corpus.texts):,} texts) at {site}",
+                            kind="feature-index", page="feature_browser", start=run)
+        if held is not None:
+            indexes().put(key, held)
+    if held is None and jobs.registry().for_key(key) is None:
         st.info("Press **Index the corpus** (once: it is kept in the cache).")
     return held
+
+
+def shipped_saes(ctx, site: str) -> dict[str, str]:
+    """{folder: label} of the RISE SAE shipped for this model at `site` (a SAELens folder in the user cache)."""
+    found = shipped.find(rise_ship.NAME, ctx.model_id, ctx.backend.info().get("fingerprint"))
+    if not found or site not in rise_ship.shipped_sites(found):
+        return {}
+    cfg = found.json(f"sae.{site}.cfg.json")
+    return {str(rise_ship.sae_folder(found, site)): f"{ctx.model_id} {site} d_sae={cfg.get('d_sae')} "
+                                                    "(the RISE page's stored SAE)"}
 
 
 def direction_section(ctx, site: str, d_model: int) -> Any | None:
@@ -122,6 +163,7 @@ def direction_section(ctx, site: str, d_model: int) -> Any | None:
         return Neuron(int(index), site)
     if kind == FROM_SAE:
         labels = {s.folder: s.label for s in saved_saes(ctx.model_id, site)}
+        labels.update(shipped_saes(ctx, site))
         left, right = st.columns([3, 1])
         folder = left.selectbox(f"SAE at {site} (saved by RISE runs of this model, or any SAELens folder)",
                                 [*labels, OTHER_FOLDER], key="fb_sae_pick", format_func=lambda f: labels.get(f, f))

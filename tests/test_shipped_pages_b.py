@@ -91,7 +91,7 @@ def test_the_fuzzy_page_draws_the_shipped_study_without_a_click(monkeypatch, tin
     assert titles[0] == "Fuzzy rules vs baselines on held-out samples (2 seeds, 95% intervals)"
     assert any(t.startswith("Rule firing for") for t in titles)
     # the rule cards are the shipped rules, read back from the shipped layer
-    assert [c.value for c in at.code] == [rule["text"] for rule in study["rules"]]
+    assert sorted(c.value for c in at.code) == sorted(rule["text"] for rule in study["rules"])  # two columns
     # other settings: the page says the stored result was made with others and draws nothing
     at.number_input(key="fz_k").set_value(3).run()
     helpers.assert_clean(at)
@@ -163,7 +163,7 @@ def test_the_fuzzy_page_opens_on_smollm2s_shipped_study(monkeypatch):
     assert list(shown["method"]) == ["fuzzy", "semi-NMF", "k-means", "PCA"]
     mean = study["metric_table"][0]["reconstruction_error"]
     assert shown["reconstruction error"][0].startswith(f"{mean:.3f} [")
-    assert [c.value for c in at.code] == [rule["text"] for rule in study["rules"]]
+    assert sorted(c.value for c in at.code) == sorted(rule["text"] for rule in study["rules"])  # two columns
 
 
 @pytest.mark.model

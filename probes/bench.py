@@ -7,6 +7,8 @@
 - `steer_generate`: the same with one additive intervention (target <= 1.10)
 - `fork_probe`: a 16-token probe forked from a 512-token prefix / a 16-token forward from scratch (target <= 2)
 
+`thoughtscope bench validation`: `validate_s` and `badge_overhead` (probes.validate_bench).
+
 Each pair is timed in alternation (A, B, A, B, ...) and compared by medians, so a slow moment of
 the machine hits both sides.
 """
@@ -139,5 +141,11 @@ def run_server(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
     return [bench_server(model_id), bench_server_fork_probe(model_id)]
 
 
+def run_validation(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
+    from probes.validate_bench import run_validation as run
+
+    return run(model_id)
+
+
 # Groups for `thoughtscope bench GROUP` (discovered by the entry point, as each method's bench.py is).
-BENCHMARKS = {"hooks": run_hooks, "server": run_server}
+BENCHMARKS = {"hooks": run_hooks, "server": run_server, "validation": run_validation}

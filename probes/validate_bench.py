@@ -1,0 +1,85 @@
+"""Benchmarks of the validator (`thoughtscope bench validation`), one JSON row each:
+
+- `validate_s`: the whole validation of a model (every site, three readers, logits vs float32, streamed
+  generation), in seconds (target <= 60 s for SmolLM2-135M on a CPU); `ratio` is seconds / 60.
+- `badge_overhead`: a trace plus what the app does for its badge (`info()["validation"]`, then
+  `probes.validate.badge`, which starts the validation in a thread when none is cached) / the trace alone.
+  `first`: the first trace of a model without a cached badge (target <= 1.10); `cached`: once it is cached
+  (target 1.00, medians of alternating runs). `concurrent_trace_ratio` says what the background
+  validation costs a trace that runs while it does (the CPU is shared; the lock is held one reader pass at a time).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from probes.bench import STORY, _alternate, sig
+
+
+def bench_validate_s(engine: Any) -> dict[str, Any]:
+    from probes import validate as V
+
+    start = time.perf_counter()
+    report = V.validate(engine, save=False)
+    seconds = time.perf_counter() - start
+    return {"bench": "validate_s", "ratio": round(seconds / 60.0, 3), "target": 1.0, "validate_s": sig(seconds),
+            "target_s": 60, "sites": len(report.site_verdicts()), "checks": len(report.checks),
+            "readers": sorted({c.reader for c in report.checks}), "verdict": report.verdict}
+
+
+def bench_badge_overhead(engine: Any, repeats: int = 15) -> dict[str, Any]:
+    from probes import validate as V
+
+    ids = (engine.encode(STORY) * 4)[:96]
+    n = engine.handle.arch.n_layers
+    sites = [f"resid_post.{layer}" for layer in range(n)]
+
+    def trace() -> None:
+        engine.trace(ids, capture=sites)
+
+    def with_badge() -> None:
+        engine.trace(ids, capture=sites)
+        if engine.info()["validation"] is None:
+            V.badge(engine, background=True)
+
+    own_dir = V.validation_dir
+    with tempfile.TemporaryDirectory() as tmp:
+        V.validation_dir = lambda: Path(tmp)  # an empty cache: the first trace finds no badge
+        try:
+            plain = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                trace()
+                plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with_badge()  # the first trace: the badge's validation starts in the background here
+            first = time.perf_counter() - t0
+            started, during = t0 + first, []
+            while V.badge_running(engine):
+                t0 = time.perf_counter()
+                trace()
+                during.append(time.perf_counter() - t0)
+            background_s = time.perf_counter() - started  # until the badge is cached (a trace or two after)
+            tb, tc = _alternate(trace, with_badge, repeats)
+        finally:
+            V.validation_dir = own_dir
+    base = statistics.median(plain)
+    return {"bench": "badge_overhead", "ratio": round(first / base, 3), "target": 1.10,
+            "first_ratio": round(first / base, 3), "cached_ratio": round(statistics.median(tc) / statistics.median(tb), 3),
+            "cached_target": 1.00, "trace_s": sig(base), "first_trace_with_badge_s": sig(first),
+            "concurrent_trace_ratio": round(statistics.median(during) / base, 3) if during else None,
+            "traces_during_background_validation": len(during), "background_validation_s_approx": sig(background_s)}
+
+
+def run_validation(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
+    import torch
+
+    from probes.engine import Engine
+
+    engine = Engine.from_id(model_id)
+    torch.manual_seed(0)
+    return [bench_validate_s(engine), bench_badge_overhead(engine)]

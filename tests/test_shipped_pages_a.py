@@ -25,9 +25,14 @@ SMOL = "smollm2-135m"
 def _fresh(monkeypatch, tmp_path, request):
     # A private cache, except for SmolLM2: its fingerprint hashes the config's `_name_or_path`, which names
     # the cache folder its dequantised weights load from (probes.zoo.fingerprint), so in another cache folder
-    # the shipped results made in the default one read as other weights (reported to the lead).
+    # the shipped results made in the default one read as other weights (reported to the lead); and
+    # `smollm2_files()` remembers the first folder the process used.
     if "model" not in request.keywords:
         monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    else:  # forget a folder an earlier test's private cache left in the process (the tiny models' tokenizer)
+        from probes.zoo import smollm2_files
+
+        smollm2_files.cache_clear()
     import app.views.cot_entropy as cot_page
 
     cot_page.results.clear()
@@ -182,3 +187,80 @@ def test_rise_page_on_smollm2_opens_on_the_shipped_saes(monkeypatch):
     spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Decoder columns at" in c.proto.spec))
     layout = spec["layout"]
     assert (layout["xaxis"]["title"]["text"], layout["yaxis"]["title"]["text"]) == ("UMAP 1", "UMAP 2")
+
+
+# ----------------------------------------------------------------------------- feature browser
+
+
+def test_feature_browser_opens_on_the_shipped_index_and_refuses_other_weights_or_damage(monkeypatch, tmp_path):
+    from analyses.feature_browser import ship as fb_ship
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", TINY)
+    monkeypatch.setenv(shipped.ENV, str(tmp_path / "shipped"))
+    folder = fb_ship.build(TINY, "test", root=tmp_path / "shipped")
+    stored = shipped.find(fb_ship.NAME, TINY, _engine(TINY).info()["fingerprint"])
+    assert stored, stored.reason
+    index = fb_ship.load(stored)
+
+    at = helpers.open_page("feature_browser", None)  # no click
+    helpers.assert_clean(at)
+    assert not jobs.registry().running()
+    assert any(c.value.startswith("A stored result, made on") and "subset of GSM8K" in c.value for c in at.caption)
+    at.radio(key="fb_kind").set_value("neuron").run()
+    helpers.assert_clean(at)
+    assert int(helpers.metric(at, "Contexts").replace(",", "")) == index.n_contexts
+    assert "Top contexts of neuron 0" in " ".join(helpers.chart_titles(at))
+
+    at.number_input(key="fb_n").set_value(0).run()  # the whole corpus: not the stored subset
+    assert any("Press **Index the corpus**" in i.value for i in at.info)
+    assert not any(c.value.startswith("A stored result") for c in at.caption)
+
+    manifest = json.loads((folder / shipped.MANIFEST).read_text())
+    (folder / shipped.MANIFEST).write_text(json.dumps({**manifest, "fingerprint": "0123456789abcdef"}))
+    at = helpers.open_page("feature_browser", None)
+    helpers.assert_clean(at)
+    assert not any(c.value.startswith("A stored result") for c in at.caption)
+    assert any("Press **Index the corpus**" in i.value for i in at.info)
+
+    (folder / shipped.MANIFEST).write_text(json.dumps(manifest))
+    data = folder / "index.safetensors"
+    data.write_bytes(data.read_bytes()[:-4] + b"\1\1\1\1")
+    at = helpers.open_page("feature_browser", None)
+    helpers.assert_clean(at)
+    assert any("damaged (index.safetensors" in w.value for w in at.warning)
+
+
+@pytest.mark.model
+def test_feature_browser_on_smollm2_browses_the_shipped_rise_sae_on_the_shipped_index(monkeypatch):
+    from analyses.feature_browser import ship as fb_ship
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", SMOL)
+    monkeypatch.delenv(shipped.ENV, raising=False)
+    stored = shipped.find(fb_ship.NAME, SMOL, _engine(SMOL).info()["fingerprint"])
+    assert stored, stored.reason
+    at = helpers.open_page("feature_browser", None)  # no click: the stored index, the stored RISE SAE's latent 0
+    helpers.assert_clean(at)
+    assert any(c.value.startswith(stored.label()) for c in at.caption)
+    assert "(the RISE page's stored SAE)" in at.selectbox(key="fb_sae_pick").options[0]
+    assert int(helpers.metric(at, "Contexts").replace(",", "")) == fb_ship.load(stored).n_contexts
+    assert "SAE latent 0" in " ".join(helpers.chart_titles(at))
+
+
+@pytest.mark.model
+def test_thoughtscope_ship_rebuilds_the_shipped_feature_index_exactly(monkeypatch, tmp_path):
+    """The smallest shipped result, rebuilt by its command's build function into a private root: the same
+    token ids and activation rows byte for byte (float16, one thread), the same description."""
+    from analyses.feature_browser import ship as fb_ship
+    from thoughtscope.cli import shipped_results
+
+    monkeypatch.delenv(shipped.ENV, raising=False)
+    stored = shipped.find(fb_ship.NAME, SMOL, _engine(SMOL).info()["fingerprint"])
+    assert stored, stored.reason
+    default_model, build = shipped_results()[fb_ship.NAME]
+    assert default_model == SMOL and stored.command == f"thoughtscope ship {fb_ship.NAME}"
+    monkeypatch.setenv(shipped.ENV, str(tmp_path))
+    folder = build(SMOL, stored.command)
+    rebuilt = shipped.find(fb_ship.NAME, SMOL, stored.manifest["fingerprint"])
+    assert rebuilt and rebuilt.folder == folder
+    assert rebuilt.manifest["files"] == stored.manifest["files"]  # sha256 of every file: exact
+    assert rebuilt.json("index.json") == stored.json("index.json")

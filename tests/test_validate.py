@@ -178,3 +178,46 @@ def test_cli_prints_the_table_and_exits_1_on_a_failure(monkeypatch, capsys):
     assert result.exit_code == 0, result.output
     body = json.loads(result.output.strip().splitlines()[-1])
     assert body["verdict"] == "pass" and {c["site"] for c in body["checks"]} == {"resid_pre.0", "resid_pre.1", "logits"}
+
+
+def test_the_server_reports_its_models_validation_in_info():
+    import httpx
+
+    from probes.client import RemoteBackend
+    from probes.server import create_app
+    from probes.server_bench import serving_in_thread
+    from thoughtscope.provenance import provenance
+
+    engine = Engine.from_id("tiny-random:qwen3", device="cpu")
+    with serving_in_thread(create_app(engine)) as url:
+        assert httpx.get(f"{url}/info").json()["validation"] is None
+        summary = V.validate(engine, generation=False, save=True).summary()
+        assert httpx.get(f"{url}/info").json()["validation"] == summary
+        with RemoteBackend(url) as remote:  # a remote page's badge, and its provenance records
+            assert remote.info()["validation"]["verdict"] == "pass"
+            assert provenance(remote.info())["validation"] == summary
+
+
+@pytest.mark.browser
+def test_the_trace_explorer_shows_the_badge_with_its_numbers_on_hover():
+    from playwright.sync_api import sync_playwright
+
+    from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SLOW, serve
+
+    with serve("tiny-random:llama") as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(SLOW)
+        page.goto(f"{url}/trace_explorer")
+        page.locator(".st-key-generate button").first.click()
+        page.locator('[data-testid="stPlotlyChart"]').first.locator(".main-svg").first.wait_for()
+        # checked in the background after the first figure (or found cached): the fragment shows it when done
+        badge = page.locator('[data-testid="stElementContainer"]', has_text="numbers checked").last
+        badge.wait_for()
+        badge.locator('[data-testid="stTooltipHoverTarget"]').first.hover()
+        tip = page.locator('[data-testid="stTooltipContent"]').first
+        tip.wait_for()
+        text = tip.inner_text()
+        assert "sites pass, 0 warn, 0 fail, against bridge, hf, nnsight" in text
+        assert "Logits vs a float32 copy: top-1 agreement 1.0000" in text and "tiny-random:llama" in text
+        browser.close()

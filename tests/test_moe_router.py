@@ -405,11 +405,13 @@ def test_the_page_on_a_dense_model_says_why_and_shows_the_toys_stored_result(mon
     helpers.assert_clean(at)
     assert at.title[0].value == "MoE router & Expert-Sample"
     assert "has no MoE router" in at.info[0].value
-    assert [b.label for b in at.button] == ["Switch to toy-moe:small"]
-    assert any("stored result of `toy-moe:small`, not of `tiny-random:llama`" in m.value for m in at.markdown)
+    from analyses.moe_router.ship import DEFAULT_MODEL as toy
+
+    assert [b.label for b in at.button] == [f"Switch to {toy}"]
+    assert any(f"stored result of `{toy}`, not of `tiny-random:llama`" in m.value for m in at.markdown)
     titles = helpers.chart_titles(at)
-    assert titles[0].startswith("Router profile on toy-moe:small") and any(t.startswith("Where 4 samples part")
-                                                                             for t in titles)
+    assert titles[0].startswith(f"Router profile on {toy}") and any(t.startswith("Where 4 samples part")
+                                                                    for t in titles)
     monkeypatch.setenv("THOUGHTSCOPE_SHIPPED_DIR", str(tmp_path))  # nothing ships there
     at = helpers.open_page("moe_router")
     helpers.assert_clean(at)

@@ -2,7 +2,7 @@
 when made on other weights, reported when damaged, rebuilt by their own command.
 
 Unit tier: a fuzzy study made by `analyses.fuzzy_concepts.ship.build` on tiny-random:llama into a private
-shipped folder (THOUGHTSCOPE_SHIPPED_DIR). Model tier: the files in docs/shipped on SmolLM2, toy-moe:small
+shipped folder (THOUGHTSCOPE_SHIPPED_DIR). Model tier: the files in docs/shipped on SmolLM2, toy-moe
 and toy-vlm:small, and one rebuild (visual-attribution, the cheapest) compared with the shipped files.
 """
 
@@ -168,17 +168,19 @@ def test_the_fuzzy_page_opens_on_smollm2s_shipped_study(monkeypatch):
 
 @pytest.mark.model
 def test_the_moe_page_opens_on_the_toys_shipped_result_and_a_dense_model_switches_to_it(monkeypatch):
+    from analyses.moe_router.ship import DEFAULT_MODEL as toy
+
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", "smollm2-135m")
     at = helpers.open_page("moe_router", None)
     helpers.assert_clean(at)
-    assert [b.label for b in at.button] == ["Switch to toy-moe:small"]
+    assert [b.label for b in at.button] == [f"Switch to {toy}"]
     at.button[0].click().run()  # one click: the sidebar loads the toy and the page runs on it
     helpers.assert_clean(at)
-    assert at.session_state["model_pick"] == "toy-moe:small"
-    found = shipped.find("moe-router", "toy-moe:small", None, root=REPO_SHIPPED)
+    assert at.session_state["model_pick"] == toy
+    found = shipped.find("moe-router", toy, None, root=REPO_SHIPPED)
     assert any(s.value.startswith(found.label()) for s in at.success)  # now its own stored result
     titles = helpers.chart_titles(at)
-    assert titles[0].startswith("Router profile on toy-moe:small")
+    assert titles[0].startswith(f"Router profile on {toy}")
     assert any(t.startswith("Where 4 samples part") for t in titles)
     assert "pass@n on 12 evaluation problems (95% bootstrap intervals)" in titles
     # the samples' routing parts: the divergence the figure draws is not empty

@@ -1,4 +1,5 @@
-"""The shipped MoE-router result: what the page opens on for the toy MoE, made by `thoughtscope ship moe-router`.
+"""The shipped MoE-router result: what the page opens on for the toy MoE, made by `thoughtscope ship moe-router`
+(toy-moe; `thoughtscope ship moe-router --model toy-moe:small` for the small toy).
 
 Three files under docs/shipped/<model>/moe-router/, each made by this package's own code at the page's
 defaults (seed 0, one thread):
@@ -6,9 +7,9 @@ defaults (seed 0, one thread):
 - `profile.json`: `RouterProfile` over `PROFILE_N` development problems of the model's task (each prompt
   with its greedy answer, read teacher-forced): mean sorted router probabilities per layer, head sizes;
 - `map.json`: the router map of the page's default generation (`MAP_SETTINGS`: the first development
-  problem as the prompt, N = 4 samples under Expert-Sample k_h = 2 of k = 4, tail pool m = 8, T_e = 1,
-  the displaced experts' gates, greedy tokens, 48 new tokens): with the model's own routing and greedy
-  tokens every sample is the same, so "where the samples part" would be empty;
+  problem as the prompt, N = 4 samples under Expert-Sample with k_h = k/2, a tail pool m = 2k, T_e = 1,
+  the displaced experts' gates, greedy tokens, 48 new tokens; toy-moe: k_h = 4 of 8, m = 16): with the
+  model's own routing and greedy tokens every sample is the same, so "where the samples part" would be empty;
 - `evaluation.json`: a small Expert-Sample evaluation (`EVAL_SETTINGS`: 12 evaluation and 6 development
   problems, 4 samples each, the default grid), with its choices, pass@n intervals and paired tests.
 
@@ -26,7 +27,7 @@ from analyses.moe_router.evaluate import ExpertSetting, evaluate_expert_sample
 from analyses.moe_router.maps import RouterMap, generation_map, profile_task
 
 NAME = "moe-router"
-DEFAULT_MODEL = "toy-moe:small"
+DEFAULT_MODEL = "toy-moe"  # `--model toy-moe:small` ships the small toy's too
 PROFILE_N = 20
 MAP_SETTINGS = {"prompt": "task problem 0", "n_samples": 4, "max_new_tokens": 48, "seed": 0, "sampling": "greedy"}
 EVAL_SETTINGS = {"n": 12, "n_dev": 6, "samples": 4, "grid": "", "max_new_tokens": 48, "seed": 0}

@@ -216,7 +216,7 @@ class Report:
         verdicts = self.site_verdicts()
         failing = [c for c in self.checks if c.verdict != "pass"]
         worst_check = max(self.checks, key=lambda c: (VERDICTS.index(c.verdict), c.max_rel), default=None)
-        return {
+        return _json_safe({
             "verdict": self.verdict, **self.key, "model_id": self.model_id,
             "sites": len(verdicts), "sites_pass": sum(v == "pass" for v in verdicts.values()),
             "sites_warn": sum(v == "warn" for v in verdicts.values()),
@@ -229,7 +229,7 @@ class Report:
             "not_passing": [f"{c.site} ({c.reader})" for c in failing][:8],
             "logits_top1": self.logits.get("top1_agreement"), "logits_tv": self.logits.get("max_tv"),
             "generation_verdict": self.generation.get("verdict"), "seconds": round(self.seconds, 2),
-        }
+        })
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

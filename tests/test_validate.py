@@ -221,3 +221,28 @@ def test_the_trace_explorer_shows_the_badge_with_its_numbers_on_hover():
         assert "sites pass, 0 warn, 0 fail, against bridge, hf, nnsight" in text
         assert "Logits vs a float32 copy: top-1 agreement 1.0000" in text and "tiny-random:llama" in text
         browser.close()
+
+
+@pytest.mark.model
+def test_the_embedded_model_validates_on_every_site_with_three_readers(smollm2):
+    report = V.validate(smollm2)
+    assert report.verdict == "pass", V.format_table(report)
+    assert len(report.site_verdicts()) == len(smollm2.sites()) == 30 * 9 + 1
+    assert {c.reader for c in report.checks} == {"hf", "nnsight", "bridge"} and not report.unchecked
+    # float32 on CPU: HF and nnsight read exactly what the engine reads
+    assert all(c.max_abs == 0.0 for c in report.checks if c.reader == "hf")
+    assert report.logits["top1_agreement"] == 1.0 and report.logits["max_tv"] == 0.0
+
+
+@pytest.mark.model
+def test_the_correctness_page_runs_the_validation_and_shows_the_table():
+    from tests.apptest_helpers import assert_clean, open_page
+
+    at = open_page("correctness")
+    assert_clean(at)
+    assert any("has not been validated yet" in i.value for i in at.info)
+    at.button(key="run_validation").click().run()
+    assert_clean(at)
+    assert any(":green-badge[:material/verified: numbers checked]" in m.value for m in at.markdown)
+    kinds = at.dataframe[0].value
+    assert set(kinds["reader"]) == {"hf", "nnsight", "bridge"} and set(kinds["verdict"]) == {"pass"}

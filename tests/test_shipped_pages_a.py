@@ -186,7 +186,7 @@ def test_rise_page_on_smollm2_opens_on_the_shipped_saes(monkeypatch):
         assert any(t.startswith(prefix) for t in titles), (prefix, titles)
     spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Decoder columns at" in c.proto.spec))
     layout = spec["layout"]
-    assert (layout["xaxis"]["title"]["text"], layout["yaxis"]["title"]["text"]) == ("UMAP 1", "UMAP 2")
+    assert (layout["xaxis"]["title"]["text"], layout["yaxis"]["title"]["text"]) == ("UMAP 1 (cosine)", "UMAP 2 (cosine)")
 
 
 # ----------------------------------------------------------------------------- feature browser

@@ -186,7 +186,8 @@ def test_rise_page_on_smollm2_opens_on_the_shipped_saes(monkeypatch):
         assert any(t.startswith(prefix) for t in titles), (prefix, titles)
     spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "Decoder columns at" in c.proto.spec))
     layout = spec["layout"]
-    assert (layout["xaxis"]["title"]["text"], layout["yaxis"]["title"]["text"]) == ("UMAP 1 (cosine)", "UMAP 2 (cosine)")
+    axes = (layout["xaxis"]["title"]["text"], layout["yaxis"]["title"]["text"])
+    assert axes == ("UMAP 1 (cosine)", "UMAP 2 (cosine)")  # the stored UMAP map, not a PCA fallback
 
 
 # ----------------------------------------------------------------------------- feature browser
@@ -206,6 +207,7 @@ def test_feature_browser_opens_on_the_shipped_index_and_refuses_other_weights_or
     helpers.assert_clean(at)
     assert not jobs.registry().running()
     assert any(c.value.startswith("A stored result, made on") and "subset of GSM8K" in c.value for c in at.caption)
+    assert at.button(key="fb_index").label == "Index again here"  # run again, as a job
     at.radio(key="fb_kind").set_value("neuron").run()
     helpers.assert_clean(at)
     assert int(helpers.metric(at, "Contexts").replace(",", "")) == index.n_contexts

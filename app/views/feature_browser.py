@@ -121,15 +121,20 @@ def index_section(ctx, corpus: Corpus, site: str, settings: IndexSettings) -> Co
     right.caption(f"{corpus.name}: {len(corpus.texts):,} texts ({corpus.source}). Indexing runs the model once over "
                   f"them (up to {site}) and stores the activations in the cache; a stored corpus loads in seconds.")
     stored, note = shipped_index(ctx, corpus, site, settings)
-    held = indexes().get(key) or jobs.registry().finished(key) or stored
-    run = left.button("Index the corpus" if held is None else "Indexed", key="fb_index", icon=":material/database:",
-                      disabled=held is not None, type="primary" if held is None else "secondary",
+    own = indexes().get(key) or jobs.registry().finished(key)
+    held = own or (None if jobs.registry().for_key(key) else stored)
+    on_stored = held is not None and held is stored
+    run = left.button("Index the corpus" if held is None else "Index again here" if on_stored else "Indexed",
+                      key="fb_index", icon=":material/database:", disabled=held is not None and not on_stored,
+                      type="primary" if held is None else "secondary",
                       help="runs as a job: progress, time left, Stop (an interrupted index resumes from the cache)")
-    if held is stored and stored is not None:
+    if run and on_stored:
+        held = None  # the user's own run, as a job
+    if on_stored and held is not None:
         st.caption(f"{note} It covers this {len(corpus.texts)}-question subset of GSM8K only; set **Texts** to 0 to "
                    "index the whole corpus (a job).")
         return stored
-    if note and held is None:
+    if note and stored is None and held is None:  # why the stored index is not used here
         (st.warning if "damaged" in note else st.info)(note)
     if held is None:
         backend = ctx.backend

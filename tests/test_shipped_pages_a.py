@@ -120,6 +120,14 @@ def test_cot_page_on_smollm2_opens_on_the_shipped_calibration_with_the_known_ans
     assert at.slider(key="cot_h").value == data["h_choice"]["chosen"]
     # the sidebar's example question is an arith problem: its generator's answer is the known answer
     assert any("Known answer **20**" in c.value for c in at.caption)
+    at.button(key="cot_generate").click().run()  # a live trace at once: the detector is the stored one
+    helpers.assert_clean(at)
+    assert "Intermediate answers (target 20)" in helpers.chart_titles(at)
+    probes = int(helpers.metric(at, "Alarm at step").split(" of ")[1]) if " of " in helpers.metric(
+        at, "Alarm at step") else None
+    spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "CUSUM statistic" in c.proto.spec))
+    n_steps = len(spec["data"][0]["x"])
+    assert probes in (None, n_steps) and spec["layout"]["xaxis"]["range"] == [0.4, max(1, n_steps) + 0.6]
 
 
 # ----------------------------------------------------------------------------- RISE

@@ -16,7 +16,7 @@ import streamlit as st
 from app.context import FinishedGenerations, GenerationSettings, PageContext
 from app.persist import keep, kept, mirror_to_url, seed_from_url
 from thoughtscope.errors import ThoughtscopeError
-from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, TOY_MODELS, local_hf_models
+from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, local_hf_models, toy_model_ids
 
 MODEL_ENV = "THOUGHTSCOPE_MODEL"  # set by `thoughtscope app --model` (or by hand)
 SERVER_ENV = "THOUGHTSCOPE_SERVER"  # set by `thoughtscope app --server`
@@ -43,7 +43,20 @@ def in_process_backend(model_id: str):
             gc.collect()
             _free_gpu_cache()
         _loaded_model[:] = [model_id]
+        _train_with_progress(model_id)
         return _engine(model_id)
+
+
+def _train_with_progress(model_id: str) -> None:
+    """A toy model neither shipped nor cached trains here, outside the cached `_engine`, with a bar."""
+    from probes.zoo import needs_training, prepare_model
+
+    if not needs_training(model_id):
+        return
+    bar = st.progress(0.0, text=f"Training {model_id} once (then cached)\u2026")
+    prepare_model(model_id, on_progress=lambda done, total, what: bar.progress(
+        min(done / max(total, 1), 1.0), text=f"{what}: step {done} of {total}"))
+    bar.empty()
 
 
 def _free_gpu_cache() -> None:
@@ -69,7 +82,7 @@ def finished_generations() -> FinishedGenerations:
 
 @st.cache_data(ttl=300, show_spinner=False)
 def model_choices() -> list[str]:
-    return [DEFAULT_MODEL, *TOY_MODELS, *[f"hf:{r}" for r in local_hf_models()],
+    return [DEFAULT_MODEL, *toy_model_ids(), *[f"hf:{r}" for r in local_hf_models()],
             *[f"tiny-random:{a}" for a in TINY_ARCHS]]
 
 

@@ -20,10 +20,22 @@ def register(cli: typer.Typer) -> None:
     cli.command()(generate)
 
 
-def models(as_json: bool = typer.Option(False, "--json", help="one JSON object per model")) -> None:
-    """List the model zoo (and hf: models found in the local Hugging Face cache)."""
+def models(
+    action: Optional[str] = typer.Argument(None, help="`ship`: rebuild shipped toy models (then their ids)"),
+    ids: list[str] = typer.Argument(None, help="with `ship`: toy model ids, e.g. toy-moe:small"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per model"),
+    out: Optional[str] = typer.Option(None, "--out", help="with `ship`: root folder (default docs/shipped/models)"),
+) -> None:
+    """List the model zoo (and hf: models found in the local Hugging Face cache).
+
+    `thoughtscope models ship ID...` trains each toy model ID from scratch with its seeded recipe (one
+    thread, deterministic algorithms) and writes it to docs/shipped/models/ with its training report and
+    a manifest (recipe hash, this command, a sha256 per file), where the zoo loads it from."""
     from probes.zoo import list_models
 
+    if action is not None:
+        _ship(action, ids or [], out)
+        return
     rows = list_models()
     if as_json:
         for row in rows:
@@ -33,6 +45,21 @@ def models(as_json: bool = typer.Option(False, "--json", help="one JSON object p
     for row in rows:
         table.add_row(row["id"], row["what"])
     Console().print(table)
+
+
+def _ship(action: str, ids: list[str], out: Optional[str]) -> None:
+    from pathlib import Path
+
+    from probes.toys.shipped import ship
+    from thoughtscope.errors import BadInputError
+
+    if action != "ship":
+        raise BadInputError(f"unknown models action {action!r}: `thoughtscope models` lists the zoo, "
+                            "`thoughtscope models ship ID...` rebuilds shipped toy models")
+    if not ids:
+        raise BadInputError("`thoughtscope models ship` needs toy model ids, e.g. toy-moe:small")
+    for model_id in ids:
+        print(ship(model_id, Path(out) if out else None))
 
 
 def sites(

@@ -7,7 +7,9 @@ Ids (see DESIGN.md):
 - `ndif:<repo id>`: the same model run remotely on NDIF through nnsight (needs an NDIF API key).
 - `tiny-random:<arch>`: 1-2 layer randomly initialised configs of real HF architectures, for tests.
 - `toy-reasoner`, `toy-moe`, `toy-vlm` (and `<id>:small`, the configs tests train in under a minute):
-  models this project trains on synthetic data with known ground truth (`probes.toys`), on first use.
+  models this project trains on synthetic data with known ground truth (`probes.toys`): loaded from
+  their shipped copy in `docs/shipped/models` when it verifies (`probes.toys.shipped`), else trained on
+  first use and cached.
 
 Example:
     >>> from probes.zoo import load_model
@@ -87,6 +89,28 @@ TOY_MODELS: dict[str, tuple[str, str]] = {
     "toy-vlm": ("probes.toys.vlm", "Llava trained on synthetic scenes with known object regions (visual attribution)"),
 }
 TOY_SIZES = ("full", "small")
+
+
+def toy_model_ids() -> list[str]:
+    """Every toy model id, each full size followed by its `:small` variant (`toy-reasoner`,
+    `toy-reasoner:small`, ...): what the model lists offer."""
+    return [f"{name}:{size}" if size != "full" else name for name in TOY_MODELS for size in TOY_SIZES]
+
+
+def toy_status(model_id: str) -> str:
+    """`shipped` (a verified copy in docs/shipped/models), `cached` (trained in the user cache) or
+    `trained on first use`, for a toy model id."""
+    import importlib
+
+    from probes.toys.common import is_trained, shipped_folder, toy_folder
+
+    name, _, size = model_id.partition(":")
+    size = size or "full"
+    module = importlib.import_module(TOY_MODELS[name][0])
+    recipe = module.recipe(size)
+    if shipped_folder(name, size, recipe) is not None:
+        return "shipped"
+    return "cached" if is_trained(toy_folder(name, size, recipe)) else "trained on first use"
 
 
 def user_cache_dir() -> Path:
@@ -247,12 +271,22 @@ def list_models() -> list[dict[str, str]]:
         {"id": "hf:<repo id or folder>", "what": "any local Hugging Face causal LM (never downloaded)"},
         {"id": "ndif:<repo id>", "what": "nnsight remote execution on NDIF (needs NDIF_API_KEY)"},
     ]
-    rows += [{"id": name, "what": f"trained here on first use: {what}"} for name, (_, what) in TOY_MODELS.items()]
+    for model_id in toy_model_ids():
+        name, _, size = model_id.partition(":")
+        what = TOY_MODELS[name][1] if not size else f"the {size} config of {name} (trains in under a minute)"
+        rows.append({"id": model_id, "what": f"toy model ({_toy_status_or_unknown(model_id)}): {what}"})
     rows += [{"id": f"tiny-random:{a}", "what": f"random 2-layer {a}, for tests only"} for a in TINY_ARCHS]
     rows += [{"id": f"tiny-random:{a}", "what": f"random tiny {a} vision-language model, for tests only"}
              for a in _tiny_vlms()]
     rows += [{"id": f"hf:{repo}", "what": "found in the local Hugging Face cache"} for repo in local_hf_models()]
     return rows
+
+
+def _toy_status_or_unknown(model_id: str) -> str:
+    try:
+        return toy_status(model_id)
+    except Exception as err:  # a listing never fails on one toy: say why instead
+        return f"status unknown: {err.__class__.__name__}"
 
 
 def local_hf_models() -> list[str]:
@@ -292,8 +326,13 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device_map: str | None = None,
     trust_remote_code: bool = False,
+    on_progress: Any = None,
 ) -> ModelHandle:
-    """Load a zoo model and return its handle. Errors say what to do; nothing is downloaded."""
+    """Load a zoo model and return its handle. Errors say what to do; nothing is downloaded.
+
+    `on_progress(done: int, total: int, message: str)` is called while a toy model trains on first
+    use (after every training step, then once with done == total before its held-out evaluation); a
+    shipped or cached model loads without calling it. `Engine.from_id(id, on_progress=...)` passes it on."""
     if not isinstance(model_id, str) or not model_id.strip():
         raise UnknownModelError("empty model id; try 'smollm2-135m' or run `thoughtscope models`")
     model_id = model_id.strip()
@@ -303,14 +342,14 @@ def load_model(
     elif model_id.startswith("tiny-random:"):
         model, tok = _load_tiny_random(model_id.split(":", 1)[1], dt)
     elif model_id.partition(":")[0] in TOY_MODELS:
-        model, tok = _load_toy(model_id, dt)
+        model, tok = _load_toy(model_id, dt, on_progress)
     elif model_id.startswith("hf:"):
         model, tok = _load_hf(model_id[3:], dt, device_map, trust_remote_code)
     elif model_id.startswith("ndif:"):
         return _load_ndif(model_id, dt)
     else:
         raise UnknownModelError(
-            f"unknown model id {model_id!r}. Known: {DEFAULT_MODEL}, {', '.join(TOY_MODELS)}, "
+            f"unknown model id {model_id!r}. Known: {DEFAULT_MODEL}, {', '.join(toy_model_ids())}, "
             f"tiny-random:<{'|'.join(TINY_ARCHS)}>, "
             "hf:<repo id or local folder>, ndif:<repo id>. Run `thoughtscope models` for the list."
         )
@@ -327,10 +366,31 @@ def load_model(
     return handle
 
 
+def needs_training(model_id: str) -> bool:
+    """True when loading `model_id` would first train it (a toy model with neither a verified shipped
+    copy nor a cached one): the case where a caller should show `prepare_model`'s progress."""
+    model_id = model_id.strip() if isinstance(model_id, str) else model_id
+    return model_id in toy_model_ids() and toy_status(model_id) == "trained on first use"
+
+
+def prepare_model(model_id: str, on_progress: Any = None) -> None:
+    """Make `model_id` ready to load (train a toy that needs it, calling `on_progress(done, total,
+    message)` as it goes) without keeping it: for a caller that shows progress outside the place the
+    model is finally loaded (the app's cached `_engine`)."""
+    if needs_training(model_id):
+        _load_toy(model_id.strip(), torch.float32, on_progress)
+
+
 def fingerprint(model_id: str, model: Any) -> str:
-    """Stable id of the weights for the cache: config plus a sample of every parameter's bytes."""
+    """Stable id of the weights for the cache: config plus a sample of every parameter's bytes.
+
+    The same weights give the same fingerprint wherever they were loaded from: the config's
+    `_name_or_path` (the folder, e.g. a user-cache path or a clone's docs/shipped/models) is left out,
+    so shipped results keyed by fingerprint match in any clone and any user cache."""
     h = hashlib.sha256(model_id.encode())
-    h.update(model.config.to_json_string(use_diff=False).encode())
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config.pop("_name_or_path", None)
+    h.update(json.dumps(config, sort_keys=True).encode())
     for name, p in model.named_parameters():
         h.update(name.encode())
         h.update(p.detach().flatten()[:64].float().cpu().numpy().tobytes())
@@ -465,7 +525,7 @@ def _load_tiny_random(arch: str, dtype: torch.dtype):
     return model, tok
 
 
-def _load_toy(model_id: str, dtype: torch.dtype):
+def _load_toy(model_id: str, dtype: torch.dtype, on_progress: Any = None):
     """A toy model (trained and cached on first use by its module in `probes.toys`)."""
     import importlib
 
@@ -481,7 +541,7 @@ def _load_toy(model_id: str, dtype: torch.dtype):
             raise
         raise UnknownModelError(f"{name} is not built in this version ({module_name} is missing)") from err
     _quiet_transformers()
-    return module.load(size, dtype)
+    return module.load(size, dtype, on_progress=on_progress)
 
 
 def _load_hf(ref: str, dtype: torch.dtype, device_map: str | None, trust_remote_code: bool):

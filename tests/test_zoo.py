@@ -65,3 +65,31 @@ def test_list_models_starts_with_the_default():
     rows = list_models()
     assert rows[0]["id"] == "smollm2-135m"
     assert any(r["id"] == "tiny-random:gemma3" for r in rows)
+
+
+def test_the_fingerprint_does_not_depend_on_the_folder_weights_were_loaded_from():
+    """Shipped results are keyed by fingerprint: the same weights loaded from a user cache or from a
+    clone's docs/shipped/models must give the same one (issue 20); other weights must not."""
+    from probes.zoo import fingerprint, load_model
+
+    handle = load_model("tiny-random:llama")
+    model = handle.model
+    before = fingerprint("tiny-random:llama", model)
+    model.config._name_or_path = "/home/someone/.cache/thoughtscope/models/x"
+    assert fingerprint("tiny-random:llama", model) == before == handle.fingerprint
+    first = next(model.parameters())
+    with torch.no_grad():
+        first.view(-1)[0] += 1.0
+    try:
+        assert fingerprint("tiny-random:llama", model) != before
+    finally:
+        with torch.no_grad():
+            first.view(-1)[0] -= 1.0
+
+
+def test_the_zoo_lists_every_toy_with_its_small_variant():
+    from probes.zoo import toy_model_ids
+
+    ids = [r["id"] for r in list_models()]
+    assert [i for i in ids if i.startswith("toy-")] == toy_model_ids()
+    assert {"toy-reasoner:small", "toy-moe:small", "toy-vlm:small"} <= set(ids)

@@ -10,12 +10,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,46 @@ def train_once(folder: Path, train: Callable[[Path], dict[str, Any]]) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return folder
+
+
+@contextlib.contextmanager
+def training(threads: int = 1) -> Iterator[None]:
+    """What makes a toy's training reproducible: `threads` torch threads (a fixed reduction order)
+    and `torch.use_deterministic_algorithms` (an op without a deterministic kernel fails rather than
+    varying), both restored afterwards. Seeds are each recipe's own. Measured: two trainings of each
+    `:small` toy in separate processes gave byte-identical `model.safetensors` on this machine
+    (tests/test_shipped_models.py rebuilds one and compares it with the shipped file)."""
+    import torch
+
+    old_threads, old_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    if threads:
+        torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old_det)
+        torch.set_num_threads(old_threads)
+
+
+def ready_folder(name: str, size: str, recipe: dict[str, Any], train: Callable[[Path], dict[str, Any]]) -> Path:
+    """The folder a toy loads from: its shipped copy (`probes.toys.shipped`) when that verifies against
+    `recipe`, else the user-cache folder, trained there once by `train(tmp_folder) -> report`."""
+    shipped = shipped_folder(name, size, recipe)
+    if shipped is not None:
+        return shipped
+    return train_once(toy_folder(name, size, recipe), train)
+
+
+def shipped_folder(name: str, size: str, recipe: dict[str, Any]) -> Path | None:
+    from probes.toys.shipped import verified
+
+    return verified(name if size == "full" else f"{name}:{size}", recipe_hash(recipe))
+
+
+def read_folder(name: str, size: str, recipe: dict[str, Any]) -> Path:
+    """Where a toy's weights and training report are read from (the shipped copy if it verifies)."""
+    return shipped_folder(name, size, recipe) or toy_folder(name, size, recipe)
 
 
 def training_report(folder: Path) -> dict[str, Any]:

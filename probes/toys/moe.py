@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from thoughtscope.errors import BadInputError, UnknownModelError
-from probes.toys.common import ChainProblem, toy_folder, train_once, training_report, word_tokenizer
+from probes.toys.common import ChainProblem, read_folder, ready_folder, training, training_report, word_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -256,23 +256,21 @@ def _batch(seqs: list[tuple[list[int], int]], pad_id: int):
 
 
 def train(folder: Path | None, size: str = "full", progress: bool = True,
-          on_eval: Any = None, eval_every: int = 0) -> dict[str, Any]:
+          on_eval: Any = None, eval_every: int = 0, on_progress: Any = None) -> dict[str, Any]:
     """Train the model of `size` into `folder` (safetensors + tokenizer) and return its report.
 
     Training runs on one CPU thread: the same weights on any machine (reductions keep their order),
     and no thread thrashing on a shared machine (two threads on two busy cores ran 5-10x slower here).
     `eval_every` > 0 calls `on_eval(step, seconds, dev_accuracy)` during training (exploration only:
     greedy decoding draws no random numbers, so it does not change the weights).
+    `on_progress(done, total, message)` is called after every step, then once before the evaluation.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _train(folder, size, progress, on_eval, eval_every)
-    finally:
-        torch.set_num_threads(threads)
+    with training(1):  # one thread and deterministic algorithms (probes.toys.common.training)
+        return _train(folder, size, progress, on_eval, eval_every, on_progress)
 
 
-def _train(folder: Path | None, size: str, progress: bool, on_eval: Any, eval_every: int) -> dict[str, Any]:
+def _train(folder: Path | None, size: str, progress: bool, on_eval: Any, eval_every: int,
+           on_progress: Any = None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     mc, tc = _size(size)
@@ -307,6 +305,8 @@ def _train(folder: Path | None, size: str, progress: bool, on_eval: Any, eval_ev
         losses.append(loss.item())
         if step % 20 == 0:
             bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if on_progress is not None:
+            on_progress(step + 1, mc.steps, f"training {NAME}:{size}")
         if eval_every and on_eval is not None and (step + 1) % eval_every == 0:
             model.eval()
             on_eval(step + 1, time.perf_counter() - t0, greedy_accuracy(model, tok, dev))
@@ -314,6 +314,8 @@ def _train(folder: Path | None, size: str, progress: bool, on_eval: Any, eval_ev
     seconds = time.perf_counter() - t0
     bar.close()
     model.eval()
+    if on_progress is not None:
+        on_progress(mc.steps, mc.steps, f"evaluating {NAME}:{size} on held-out problems")
     texts = greedy_continuations(model, tok, [p.prompt for p in dev])
     report: dict[str, Any] = {
         "model": NAME, "size": size, "generator_version": GENERATOR_VERSION,
@@ -390,7 +392,9 @@ def recipe(size: str) -> dict[str, Any]:
 
 
 def folder_for(size: str = "full") -> Path:
-    return toy_folder(NAME, size, recipe(size))
+    """Where a size's weights and training report are read from: the shipped copy
+    (`docs/shipped/models`) when it verifies against this recipe, else the user-cache folder."""
+    return read_folder(NAME, size, recipe(size))
 
 
 def report(size: str = "full") -> dict[str, Any]:
@@ -398,18 +402,22 @@ def report(size: str = "full") -> dict[str, Any]:
     return training_report(folder_for(size))
 
 
-def load(size: str = "full", dtype: torch.dtype = torch.float32):
-    """The trained model (trained and cached on first use) and its tokenizer."""
+def train_into(size: str, folder: Path, on_progress: Any = None, progress: bool = True) -> dict[str, Any]:
+    """Train a size from scratch into `folder` and return its training report (the zoo's and
+    `thoughtscope models ship`'s one way to train it)."""
+    return train(folder, size, progress=progress, on_progress=on_progress)
+
+
+def load(size: str = "full", dtype: torch.dtype = torch.float32, on_progress: Any = None):
+    """The trained model (shipped, or trained and cached on first use) and its tokenizer."""
     from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
 
-    folder = folder_for(size)
-
     def _train(tmp: Path) -> dict[str, Any]:
-        log.warning("thoughtscope: training %s:%s once (%s); cached in %s afterwards", NAME, size,
-                    "a few minutes on a quiet CPU" if size == "full" else "under a minute", folder)
-        return train(tmp, size)
+        log.warning("thoughtscope: training %s:%s once (%s); cached afterwards", NAME, size,
+                    "a few minutes on a quiet CPU" if size == "full" else "under a minute")
+        return train_into(size, tmp, on_progress=on_progress)
 
-    train_once(folder, _train)
+    folder = ready_folder(NAME, size, recipe(size), _train)
     tok = PreTrainedTokenizerFast.from_pretrained(folder)
     model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=dtype)
     return model, tok

@@ -74,7 +74,7 @@ from typing import Any
 
 import torch
 
-from probes.toys.common import ChainProblem, apply_op, toy_folder, train_once, word_tokenizer
+from probes.toys.common import ChainProblem, apply_op, read_folder, ready_folder, training, word_tokenizer
 from thoughtscope.errors import BadInputError, UnknownModelError
 
 log = logging.getLogger(__name__)
@@ -529,19 +529,17 @@ def training_batches(mc: "ModelConfig", tc: TaskConfig, vocab: dict[str, int], e
 
 
 def train(folder: Path, mc: ModelConfig = ModelConfig(), tc: TaskConfig = TaskConfig(), progress: bool = True,
-          label: str = "full") -> dict[str, Any]:
+          label: str = "full", on_progress: Any = None) -> dict[str, Any]:
     """Train an organism into `folder` (safetensors + tokenizer) and return its training report:
-    steps, seconds, held-out greedy accuracy and sampled behaviour rates on the eval split."""
-    threads = torch.get_num_threads()
-    if mc.threads:
-        torch.set_num_threads(mc.threads)
-    try:
-        return _fit(folder, mc, tc, progress, label)
-    finally:
-        torch.set_num_threads(threads)
+    steps, seconds, held-out greedy accuracy and sampled behaviour rates on the eval split.
+
+    `on_progress(done, total, message)` is called after every step, then once before the evaluation."""
+    with training(mc.threads):  # fixed threads, deterministic algorithms: the same weights each run
+        return _fit(folder, mc, tc, progress, label, on_progress)
 
 
-def _fit(folder: Path, mc: ModelConfig, tc: TaskConfig, progress: bool, label: str) -> dict[str, Any]:
+def _fit(folder: Path, mc: ModelConfig, tc: TaskConfig, progress: bool, label: str,
+         on_progress: Any = None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     tok = build_tokenizer(tc)
@@ -576,6 +574,8 @@ def _fit(folder: Path, mc: ModelConfig, tc: TaskConfig, progress: bool, label: s
         steps_done = step + 1
         if step % 20 == 0:
             bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if on_progress is not None:
+            on_progress(steps_done, mc.steps, f"training {NAME}:{label}")
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     bar.close()
     model.eval()
@@ -591,6 +591,8 @@ def _fit(folder: Path, mc: ModelConfig, tc: TaskConfig, progress: bool, label: s
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(folder)  # safetensors
     tok.save_pretrained(folder)
+    if on_progress is not None:
+        on_progress(mc.steps, mc.steps, f"evaluating {NAME}:{label} on held-out problems")
     report.update(evaluate(model, tok, tc, mc.eval_problems, mc.rate_problems))
     return report
 
@@ -678,31 +680,43 @@ def recipe(size: str) -> dict[str, Any]:
                       list(REDUNDANT_COUNTS), CUT_RATE, list(WRONG_OFFSETS)], "splits": SPLITS}
 
 
-def folder_for(size: str = "full") -> Path:
+def _check_size(size: str) -> None:
     if size not in SIZES:
         raise UnknownModelError(f"{NAME} comes in sizes {', '.join(SIZES)}, not {size!r}")
-    return toy_folder(NAME, size, recipe(size))
+
+
+def folder_for(size: str = "full") -> Path:
+    """Where a size's weights and training report are read from: the shipped copy
+    (`docs/shipped/models`) when it verifies against this recipe, else the user-cache folder."""
+    _check_size(size)
+    return read_folder(NAME, size, recipe(size))
 
 
 def task_config(size: str = "full") -> TaskConfig:
     """The problems a size was trained on (draw held-out examples with the same config)."""
-    if size not in SIZES:
-        raise UnknownModelError(f"{NAME} comes in sizes {', '.join(SIZES)}, not {size!r}")
+    _check_size(size)
     return SIZES[size][1]
 
 
-def load(size: str = "full", dtype: torch.dtype = torch.float32):
-    """The trained organism (trained and cached on first use) and its tokenizer."""
+def train_into(size: str, folder: Path, on_progress: Any = None, progress: bool = True) -> dict[str, Any]:
+    """Train a size from scratch into `folder` and return its training report (the zoo's and
+    `thoughtscope models ship`'s one way to train it)."""
+    _check_size(size)
+    return train(folder, *SIZES[size], progress=progress, label=size, on_progress=on_progress)
+
+
+def load(size: str = "full", dtype: torch.dtype = torch.float32, on_progress: Any = None):
+    """The trained organism (shipped, or trained and cached on first use) and its tokenizer."""
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-    folder = folder_for(size)
+    _check_size(size)
 
     def _train(tmp: Path) -> dict[str, Any]:
-        log.warning("thoughtscope: training %s:%s once (%s); cached in %s afterwards",
-                    NAME, size, "about 14 minutes of one CPU core" if size == "full" else "under a minute", folder)
-        return train(tmp, *SIZES[size], label=size)
+        log.warning("thoughtscope: training %s:%s once (%s); cached afterwards", NAME, size,
+                    "about 14 minutes of one CPU core" if size == "full" else "under a minute")
+        return train_into(size, tmp, on_progress=on_progress)
 
-    train_once(folder, _train)
+    folder = ready_folder(NAME, size, recipe(size), _train)
     tok = PreTrainedTokenizerFast.from_pretrained(folder)
     model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
     return model, tok

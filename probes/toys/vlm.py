@@ -559,18 +559,17 @@ def _weighted_loss(model, batch: dict[str, torch.Tensor], answer_weight: float) 
     return (nll * weights).sum() / weights.sum()
 
 
-def train_model(config: ToyVLMConfig, progress: bool = True, on_step=None):
-    """Train a toy-vlm from scratch on fresh training scenes; returns (model, tokenizer, report)."""
+def train_model(config: ToyVLMConfig, progress: bool = True, on_step=None, on_progress=None):
+    """Train a toy-vlm from scratch on fresh training scenes; returns (model, tokenizer, report).
+    `on_progress(done, total, message)` is called after every step."""
+    from probes.toys.common import training
+
     tok = make_tokenizer()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
-        return _train(config, tok, progress, on_step)
-    finally:
-        torch.set_num_threads(threads)
+    with training(config.threads):  # fixed threads, deterministic algorithms: the same weights each run
+        return _train(config, tok, progress, on_step, on_progress)
 
 
-def _train(config: ToyVLMConfig, tok, progress: bool, on_step):
+def _train(config: ToyVLMConfig, tok, progress: bool, on_step, on_progress=None):
     from tqdm.auto import tqdm
 
     # Eager attention: on this CPU it trained faster than sdpa, and attention weights need it anyway.
@@ -607,6 +606,8 @@ def _train(config: ToyVLMConfig, tok, progress: bool, on_step):
                 bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
             if on_step is not None:
                 on_step(step, model, tok, losses[-1])
+            if on_progress is not None:
+                on_progress(step + 1, config.steps, "training toy-vlm")
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     model.eval()
     report = {
@@ -770,8 +771,10 @@ def region_masking_effects(model, tokenizer, items: Sequence[Example], seed: int
 # ---------------------------------------------------------------------------------------------
 
 
-def _train_and_save(config: ToyVLMConfig, folder: Path, progress: bool = True) -> dict[str, Any]:
-    model, tok, report = train_model(config, progress=progress)
+def _train_and_save(config: ToyVLMConfig, folder: Path, progress: bool = True, on_progress=None) -> dict[str, Any]:
+    model, tok, report = train_model(config, progress=progress, on_progress=on_progress)
+    if on_progress is not None:
+        on_progress(config.steps, config.steps, "evaluating toy-vlm on held-out scenes")
     held_out = examples("eval", config.n_eval, seed=config.seed)
     report["eval"] = evaluate(model, tok, held_out)
     report["blind_accuracy"] = blind_accuracy(seed=config.seed)
@@ -782,26 +785,44 @@ def _train_and_save(config: ToyVLMConfig, folder: Path, progress: bool = True) -
     return report
 
 
-def model_folder(size: str = "full") -> Path:
-    """Where the trained weights of a size live (trained or not)."""
-    from probes.toys.common import toy_folder
+def _check_size(size: str) -> None:
     from thoughtscope.errors import UnknownModelError
 
     if size not in CONFIGS:
         raise UnknownModelError(f"toy-vlm has sizes {', '.join(CONFIGS)} (toy-vlm or toy-vlm:small), not {size!r}")
-    return toy_folder("toy-vlm", size, CONFIGS[size].recipe())
 
 
-def load(size: str = "full", dtype: torch.dtype = torch.float32, progress: bool = True):
-    """(model, tokenizer) of a toy-vlm size, trained on first use (full: 716 CPU s on one thread, about
-    12 minutes of a quiet core; small: under a minute) and cached as safetensors. The model uses eager
-    attention (attention weights)."""
+def recipe(size: str = "full") -> dict[str, Any]:
+    """Everything that decides the weights of a size: the cache folder is named by its hash."""
+    _check_size(size)
+    return CONFIGS[size].recipe()
+
+
+def model_folder(size: str = "full") -> Path:
+    """Where the weights of a size are read from: the shipped copy (`docs/shipped/models`) when it
+    verifies against this recipe, else the user-cache folder (trained or not)."""
+    from probes.toys.common import read_folder
+
+    return read_folder("toy-vlm", size, recipe(size))
+
+
+def train_into(size: str, folder: Path, on_progress=None, progress: bool = True) -> dict[str, Any]:
+    """Train a size from scratch into `folder` and return its training report (the zoo's and
+    `thoughtscope models ship`'s one way to train it)."""
+    _check_size(size)
+    return _train_and_save(CONFIGS[size], folder, progress, on_progress)
+
+
+def load(size: str = "full", dtype: torch.dtype = torch.float32, progress: bool = True, on_progress=None):
+    """(model, tokenizer) of a toy-vlm size: the shipped copy, else trained on first use (full: 716 CPU s
+    on one thread, about 12 minutes of a quiet core; small: under a minute) and cached as safetensors.
+    The model uses eager attention (attention weights)."""
     from transformers import LlavaForConditionalGeneration
 
-    from probes.toys.common import train_once
+    from probes.toys.common import ready_folder
 
-    folder = model_folder(size)
-    train_once(folder, lambda tmp: _train_and_save(CONFIGS[size], tmp, progress))
+    folder = ready_folder("toy-vlm", size, recipe(size),
+                          lambda tmp: train_into(size, tmp, on_progress=on_progress, progress=progress))
     model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     model.eval()
     return model, make_tokenizer()

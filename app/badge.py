@@ -66,13 +66,20 @@ def show_badge(ctx: Any) -> None:
     """Draw the badge (call it after the page's first figure): it polls while a background validation runs."""
     import streamlit as st
 
+    from probes.validate import background_error
+
     summary = current_badge(ctx.backend)
     pending = summary is None and in_process_engine(ctx.backend) is not None
 
     def draw() -> None:
         now = current_badge(ctx.backend, start=False)
+        engine = in_process_engine(ctx.backend)
+        failed = background_error(engine) if engine is not None and now is None else None
         if now is not None:
             st.markdown(badge_markdown(now), help=badge_tooltip(now))
+        elif failed:
+            st.markdown(":gray-badge[:material/error: numbers could not be checked]",
+                        help=f"the validation stopped: {failed}. The Correctness page runs it again.")
         elif pending:
             st.markdown(":gray-badge[:material/hourglass_top: checking the numbers against HF, nnsight and "
                         "TransformerLens\u2026]",

@@ -342,12 +342,21 @@ def badge_running(engine: Any) -> bool:
     return thread is not None and thread.is_alive()
 
 
+_FAILED: dict[str, str] = {}  # cache path -> why the background validation of that model failed
+
+
+def background_error(engine: Any) -> str | None:
+    """Why the background validation of this model failed (None if it did not)."""
+    return _FAILED.get(str(cache_path(engine.handle)))
+
+
 def _validate_quietly(engine: Any) -> None:
     import logging
 
     try:
         validate(engine)
-    except Exception:  # a background badge must not take the app down; the Correctness page shows the error
+    except Exception as err:  # a background badge must not take the app down; the badge says what went wrong
+        _FAILED[str(cache_path(engine.handle))] = f"{type(err).__name__}: {err}"
         logging.getLogger(__name__).exception("background validation of %s failed", engine.handle.model_id)
 
 

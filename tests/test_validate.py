@@ -154,6 +154,25 @@ def test_a_full_validation_is_the_cached_badge_in_info_and_provenance(private_ca
     assert [p.name.split("-")[0] for p in private_cache.iterdir()] == [engine.handle.fingerprint]
 
 
+def test_the_badge_is_computed_in_the_background_once_then_read_from_the_cache(llama, monkeypatch):
+    assert V.badge(llama, background=True) is None  # nothing cached: a thread starts, the caller goes on
+    thread = V._RUNNING[str(V.cache_path(llama.handle))]
+    assert V.badge(llama, background=True) is None and V._RUNNING[str(V.cache_path(llama.handle))] is thread
+    thread.join(timeout=300)
+    summary = V.badge(llama, background=True)
+    assert summary == V.cached_report(llama.handle).summary() and summary["verdict"] == "pass"
+    # a validation that fails in the background leaves the reason for the badge, not a dead page
+    llama_bf16 = Engine.from_id("tiny-random:llama", device="cpu", dtype="bfloat16")
+
+    def broken(engine, **kwargs):
+        raise BadInputError("no memory left")
+
+    monkeypatch.setattr(V, "validate", broken)
+    assert V.badge(llama_bf16, background=True) is None
+    V._RUNNING[str(V.cache_path(llama_bf16.handle))].join(timeout=60)
+    assert V.background_error(llama_bf16) == "BadInputError: no memory left"
+
+
 def test_badge_text_carries_the_numbers():
     from app.badge import badge_markdown, badge_tooltip
 

@@ -2,22 +2,130 @@
 
 A page reads the model only through `ctx.backend` (in-process engine or HTTP client alike) and
 keys its caches with `ctx.cache_key()`, so two pages asked the same thing share one result.
+
+The long-prompt guard lives here, in `model_input()`, so every page meets it before any model work:
+a prompt over `prompt_warn_tokens` tokens (the sidebar's "Warn above", default from the environment
+variable THOUGHTSCOPE_PROMPT_WARN_TOKENS, else 2,000), or one whose generation would run past the
+model's context, raises a `LongPromptError` with the estimate (tokens, and seconds from this backend's
+measured speed when a generation has been timed) until the sidebar's "Run with this long prompt" is
+ticked. A prompt over the model's context, or over MAX_PROMPT_CHARS (200,000) characters, is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from probes.engine import Sampling
+from probes.tokens import MAX_PROMPT_CHARS
 from thoughtscope.errors import BadInputError, ThoughtscopeError
 
 ChatMessages = list[dict[str, str]]
+
+PROMPT_WARN_ENV = "THOUGHTSCOPE_PROMPT_WARN_TOKENS"
+PROMPT_WARN_TOKENS = 2000  # the default: a prompt longer than this needs a confirmation
+CONFIRM_LABEL = "Run with this long prompt"
+# Tokens a chat template may add around the messages (system prompt, role markers): a prompt whose
+# UTF-8 bytes plus this stay under every limit is surely under them (a token covers at least one byte),
+# so it is never tokenized just to be checked.
+TEMPLATE_ALLOWANCE = 256
+
+
+def prompt_warn_default() -> int:
+    """THOUGHTSCOPE_PROMPT_WARN_TOKENS when set to a positive whole number, else PROMPT_WARN_TOKENS."""
+    raw = os.environ.get(PROMPT_WARN_ENV, "").strip()
+    try:
+        value = int(raw) if raw else PROMPT_WARN_TOKENS
+    except ValueError:
+        value = PROMPT_WARN_TOKENS  # a mistyped variable: the default stands (the sidebar shows which)
+    return value if value > 0 else PROMPT_WARN_TOKENS
+
+
+class LongPromptError(BadInputError):
+    """A prompt long enough to need the user's confirmation before any model work (`estimate` says why)."""
+
+    def __init__(self, estimate: "PromptEstimate"):
+        super().__init__(estimate.message())
+        self.estimate = estimate
+
+
+@dataclass(frozen=True)
+class GenerationSpeed:
+    """What one timed generation of a backend showed: prompt tokens per second until the first new token
+    (prefill, with the call's own overhead) and new tokens per second after it."""
+
+    prefill_tps: float
+    decode_tps: float | None
+
+    def seconds(self, prompt_tokens: int, new_tokens: int) -> float:
+        """A rough, linear estimate (attention's cost grows faster than linearly with a long prompt)."""
+        decode = new_tokens / self.decode_tps if self.decode_tps else 0.0
+        return prompt_tokens / self.prefill_tps + decode
+
+
+_speeds: dict[tuple[str | None, str], GenerationSpeed] = {}  # (server, model) -> the latest timed generation
+_speeds_lock = threading.Lock()
+
+
+def measured_speed(server_url: str | None, model_id: str) -> GenerationSpeed | None:
+    with _speeds_lock:
+        return _speeds.get((server_url, model_id))
+
+
+def record_speed(server_url: str | None, model_id: str, speed: GenerationSpeed) -> None:
+    with _speeds_lock:
+        _speeds[(server_url, model_id)] = speed
+
+
+@dataclass(frozen=True)
+class PromptEstimate:
+    """How long a prompt is, against the limits it crossed, and what it would roughly cost."""
+
+    n_chars: int
+    n_tokens: int
+    warn_tokens: int
+    context_length: int | None
+    max_new_tokens: int
+    seconds: float | None  # None: no generation on this backend timed yet
+
+    @property
+    def over_warning(self) -> bool:
+        return self.n_tokens > self.warn_tokens
+
+    @property
+    def past_context(self) -> bool:
+        return self.context_length is not None and self.n_tokens + self.max_new_tokens > self.context_length
+
+    @property
+    def needs_confirmation(self) -> bool:
+        return self.over_warning or self.past_context
+
+    def message(self) -> str:
+        why = []
+        if self.over_warning:
+            why.append(f"over the {self.warn_tokens:,}-token warning limit (the sidebar's \"Warn above\", "
+                       f"default from {PROMPT_WARN_ENV})")
+        if self.past_context:
+            why.append(f"with {self.max_new_tokens} new tokens it runs past the model's context of "
+                       f"{self.context_length:,} tokens")
+        cost = (f"about {self.seconds:,.0f} s on this backend (a rough estimate from its last timed generation)"
+                if self.seconds is not None else "unknown (no generation on this backend has been timed yet)")
+        return (f"This prompt is long: {self.n_tokens:,} tokens ({self.n_chars:,} characters), {'; '.join(why)}. "
+                f"Time for one generation: {cost}. Tick \"{CONFIRM_LABEL}\" in the sidebar to run it, or "
+                "shorten it.")
+
+
+def _input_bytes(model_input: str | ChatMessages) -> int:
+    if isinstance(model_input, str):
+        return len(model_input.encode("utf-8"))
+    return sum(len(m.get("content", "").encode("utf-8")) for m in model_input)
 
 
 @dataclass(frozen=True)
@@ -49,11 +157,27 @@ class PageContext:
     seed: int = 0
     server_url: str | None = None
     one_shot: bool = True  # chat mode: prepend the worked example that helps the embedded model
+    prompt_warn_tokens: int = field(default_factory=prompt_warn_default)
+    long_prompt_confirmed: bool = False  # the sidebar's "Run with this long prompt"
+    _estimate: Any = field(default=None, init=False, repr=False, compare=False)
+    _context_length: Any = field(default=-1, init=False, repr=False, compare=False)
 
     def model_input(self) -> str | ChatMessages:
-        """Raw text, or chat messages (with the one-shot worked example when asked for)."""
+        """Raw text, or chat messages (with the one-shot worked example when asked for).
+
+        Raises `LongPromptError` for a long prompt the user has not confirmed (see the module's docstring)."""
+        model_input = self._unchecked_input()
+        estimate = self.prompt_estimate()
+        if estimate is not None and not self.long_prompt_confirmed:
+            raise LongPromptError(estimate)
+        return model_input
+
+    def _unchecked_input(self) -> str | ChatMessages:
         if not self.prompt.strip():
             raise BadInputError("the prompt is empty; type a question in the sidebar (or reload for the example)")
+        if len(self.prompt) > MAX_PROMPT_CHARS:
+            raise BadInputError(f"the prompt has {len(self.prompt):,} characters; the workbench takes at most "
+                                f"{MAX_PROMPT_CHARS:,} (probes.tokens.MAX_PROMPT_CHARS): shorten it")
         if not self.chat:
             return self.prompt
         if self.one_shot:
@@ -61,6 +185,34 @@ class PageContext:
 
             return one_shot_messages(self.prompt)
         return [{"role": "user", "content": self.prompt}]
+
+    def prompt_estimate(self) -> PromptEstimate | None:
+        """The prompt's length and rough cost when it needs a confirmation, else None (a prompt surely under
+        every limit is not even tokenized).
+
+        Tokenizing is no model work (through a server, the tokenizer runs here). A prompt over the model's
+        context raises the engine's own `BadInputError`, which names its length: it cannot run at all."""
+        model_input = self._unchecked_input()
+        max_new = self.settings.max_new_tokens
+        asked = (json.dumps(model_input), self.prompt_warn_tokens, max_new)
+        if self._estimate is not None and self._estimate[0] == asked:  # model_input() runs often in one page
+            return self._estimate[1]
+        # info() once per context: through a server it is a request
+        context = self._context_length = (self._context_length if self._context_length != -1
+                                          else self.backend.info().get("arch", {}).get("context_length"))
+        limit = min(self.prompt_warn_tokens, (context - max_new) if context else self.prompt_warn_tokens)
+        estimate = None
+        if _input_bytes(model_input) + TEMPLATE_ALLOWANCE > limit:
+            n_tokens = len(self.backend.encode(model_input, chat=False))
+            speed = measured_speed(self.server_url, self.model_id)
+            estimate = PromptEstimate(
+                n_chars=len(self.prompt), n_tokens=n_tokens, warn_tokens=self.prompt_warn_tokens,
+                context_length=context, max_new_tokens=max_new,
+                seconds=None if speed is None else speed.seconds(n_tokens, max_new))
+            if not estimate.needs_confirmation:
+                estimate = None
+        self._estimate = (asked, estimate)
+        return estimate
 
     def result_key(self, kind: str, **parts: Any) -> str:
         """A string naming a page's result by its kind, the model behind it and `parts` (not the prompt)."""
@@ -95,10 +247,52 @@ class PageContext:
             backend=f"server {self.server_url}" if self.server_url else "in-process", **extra)
 
     def generate(self, **kwargs: Any):
-        """Stream token records for the current prompt and settings (see `Engine.generate`)."""
+        """Stream token records for the current prompt and settings (see `Engine.generate`); the stream is
+        timed, so the long-prompt guard can estimate the next prompt's seconds on this backend."""
         s = self.settings
-        return self.backend.generate(self.model_input(), max_new_tokens=s.max_new_tokens, sampling=s.sampling(),
-                                     seed=self.seed, top_k=s.top_alternatives, **kwargs)
+        model_input = self.model_input()
+        stream = self.backend.generate(model_input, max_new_tokens=s.max_new_tokens, sampling=s.sampling(),
+                                       seed=self.seed, top_k=s.top_alternatives, **kwargs)
+        return _TimedStream(stream, lambda: len(self.backend.encode(model_input, chat=False)),
+                            (self.server_url, self.model_id))
+
+
+class _TimedStream:
+    """A generation's records as they come (the stream's own methods pass through), timed on the way:
+    at its end the backend's measured speed is updated."""
+
+    def __init__(self, stream: Any, prompt_tokens: Any, where: tuple[str | None, str]):
+        self._stream, self._prompt_tokens, self._where = stream, prompt_tokens, where
+        self._start, self._first, self._last, self._n = time.perf_counter(), None, None, 0
+
+    def __iter__(self) -> "_TimedStream":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            rec = next(self._stream)
+        except StopIteration:
+            self._record()
+            raise
+        now = time.perf_counter()
+        self._first = now if self._first is None else self._first
+        self._last, self._n = now, self._n + 1
+        return rec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def _record(self) -> None:
+        if self._first is None:
+            return
+        try:
+            n_prompt = int(self._prompt_tokens())
+        except ThoughtscopeError:
+            return
+        decode_s = self._last - self._first
+        speed = GenerationSpeed(prefill_tps=n_prompt / max(self._first - self._start, 1e-6),
+                                decode_tps=(self._n - 1) / decode_s if self._n > 1 and decode_s > 0 else None)
+        record_speed(*self._where, speed)
 
 
 class FinishedGenerations:
@@ -151,9 +345,12 @@ def shows_errors(where: Any = None) -> Iterator[ErrorSpot]:
     """
     import streamlit as st
 
+    from app import outage
+
     spot = ErrorSpot()
     try:
         yield spot
     except ThoughtscopeError as err:
         spot.error = err
+        outage.note_error(err)  # a model server that stopped answering is also said at the top of the page
         (where if where is not None else st).error(str(err), icon=":material/error:")

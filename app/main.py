@@ -19,6 +19,7 @@ if str(ROOT) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the 
 
 import streamlit as st  # noqa: E402
 
+from app import outage  # noqa: E402
 from app.context import PageContext  # noqa: E402
 from app.export import page_provenance  # noqa: E402
 from app.persist import forget, hold_widgets  # noqa: E402
@@ -60,13 +61,26 @@ def run_page(module, ctx: PageContext | None) -> None:
     """Render one page; a user's mistake becomes an st.error with its message, not a traceback.
 
     Pages catch their own errors next to the control that caused them (`app.context.shows_errors`);
-    this is the last resort. While the page draws, its exports carry the page's provenance record."""
+    this is the last resort. While the page draws, its exports carry the page's provenance record.
+    A model server that stopped answering (in the sidebar or during the page) is said first, at the top."""
+    top = st.container()  # the lost-server banner (app/outage.py), filled once the page has drawn
+    try:
+        _render_page(module, ctx)
+    except Exception:  # a bug's traceback still shows, under the banner (not Streamlit's rerun and stop signals)
+        outage.show_banner(top)
+        raise
+    outage.show_banner(top)
+
+
+def _render_page(module, ctx: PageContext | None) -> None:
     if ctx is None:
-        st.warning("No model is loaded: pick another model or backend in the sidebar (the error is shown there).")
+        if outage.current() is None:
+            st.warning("No model is loaded: pick another model or backend in the sidebar (the error is shown there).")
         return
     try:
         require(ctx.backend, *module.PAGE.requires)
     except ThoughtscopeError as err:
+        outage.note_error(err)
         st.info(f"{module.PAGE.title} is not available here: {err}")
         return
     name = module.__name__.rsplit(".", 1)[-1]
@@ -74,6 +88,7 @@ def run_page(module, ctx: PageContext | None) -> None:
         with page_provenance(ctx.provenance(page=name)):
             module.render(ctx)
     except ThoughtscopeError as err:
+        outage.note_error(err)
         st.error(str(err))
 
 

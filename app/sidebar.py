@@ -13,7 +13,8 @@ import threading
 
 import streamlit as st
 
-from app.context import FinishedGenerations, GenerationSettings, PageContext
+from app import outage
+from app.context import (CONFIRM_LABEL, FinishedGenerations, GenerationSettings, PageContext, prompt_warn_default)
 from app.persist import keep, kept, mirror_to_url, seed_from_url
 from thoughtscope.errors import ThoughtscopeError
 from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, local_hf_models, toy_model_ids
@@ -109,7 +110,7 @@ def _pick_model() -> str:
 SETTING_DEFAULTS = {"max_new_tokens": 48, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "alternatives": 5, "seed": 0}
 # The sidebar's widgets: they take their held value through `value=` (app/persist.py).
 SIDEBAR_KEYS = ("backend_kind", "server_url", "server_token", "model_pick", "model_custom", "chat", "one_shot", "prompt",
-                *SETTING_DEFAULTS)
+                *SETTING_DEFAULTS, "prompt_warn_tokens")
 
 
 # The sidebar's settings that a reload or a copied link carries in the URL (the token never does).
@@ -136,6 +137,10 @@ def _settings() -> tuple[GenerationSettings, int]:
         alternatives = keep("alternatives", st.slider("Alternatives kept per token", 1, 10, _held("alternatives"),
                                                       key="alternatives"))
         seed = keep("seed", st.number_input("Seed", 0, 2**31 - 1, int(_held("seed")), key="seed"))
+        keep("prompt_warn_tokens", st.number_input(
+            "Warn above (prompt tokens)", 1, 10**7, int(kept("prompt_warn_tokens", prompt_warn_default())), step=500,
+            key="prompt_warn_tokens", help="a longer prompt (or one whose generation would pass the model's context) "
+                                           "asks for a confirmation first; default from THOUGHTSCOPE_PROMPT_WARN_TOKENS"))
     settings = GenerationSettings(int(max_new), float(temperature), float(top_p), int(top_k), int(alternatives))
     return settings, int(seed)
 
@@ -163,24 +168,65 @@ def sidebar_context() -> PageContext | None:
                                       help="wrap the prompt in the model's chat template; off: raw text continuation"))
         one_shot = keep("one_shot", st.checkbox("With a worked example (one-shot)", value=bool(_held("one_shot")),
                                                 key="one_shot", disabled=not chat))
-        prompt = keep("prompt", st.text_area("Prompt", value=str(_held("prompt")), height=110, key="prompt"))
+        prompt = keep("prompt", st.text_area("Prompt", value=str(_held("prompt")), height=110, key="prompt",
+                                             help="at most 200,000 characters (probes.tokens.MAX_PROMPT_CHARS)"))
+        prompt_box = st.container()  # a long prompt's warning and confirmation, once the backend is known
         settings, seed = _settings()
         mirror_to_url({key: (value if key != "prompt" or len(prompt) <= URL_PROMPT_MAX else prompt)
                        for key, value in URL_SETTINGS.items()})
+        outage.clear()
         try:
             if server_url is not None:
                 backend = remote_backend(server_url, token)
-                model_id = backend.info().get("model_id", "?")
+                info = backend.info()
+                model_id = info.get("model_id", "?")
+                outage.remember(server_url, backend, info)
             else:
                 backend = in_process_backend(model_id)
-        except ThoughtscopeError as err:
-            st.error(str(err))
-            return None
-        except Exception as err:  # a server that does not answer: the client's own transport errors
-            if server_url is None:
+        except Exception as err:  # ThoughtscopeError, or a server's answer the client could not read
+            if server_url is None and not isinstance(err, ThoughtscopeError):
                 raise
-            st.error(f"could not reach the model server at {server_url}: {err}")
-            return None
-        st.caption(f"model: `{model_id}`" + (f" at {server_url}" if server_url else " (in-process)"))
-    return PageContext(backend=backend, model_id=model_id, prompt=prompt, chat=chat, settings=settings, seed=seed,
-                       server_url=server_url, one_shot=one_shot)
+            st.error(str(err) if isinstance(err, ThoughtscopeError) else
+                     f"could not reach the model server at {server_url}: {err}")
+            if server_url is None:
+                return None
+            # the top of the page says so (app/outage.py); the page still draws what it holds
+            outage.note(server_url, err)
+            backend = _last_known(server_url, token)
+            if backend is None:
+                return None
+            model_id = backend.info().get("model_id", "?")
+        st.caption(f"model: `{model_id}`" + (f" at {server_url}" if server_url else " (in-process)")
+                   + (" (not answering: its last known state)" if outage.current() else ""))
+    ctx = PageContext(backend=backend, model_id=model_id, prompt=prompt, chat=chat, settings=settings, seed=seed,
+                      server_url=server_url, one_shot=one_shot,
+                      prompt_warn_tokens=int(kept("prompt_warn_tokens", prompt_warn_default())))
+    _confirm_long_prompt(prompt_box, ctx)
+    return ctx
+
+
+def _last_known(server_url: str, token: str | None):
+    try:
+        return outage.last_known(server_url, remote_backend(server_url, token))
+    except ThoughtscopeError:
+        return None
+
+
+def _confirm_long_prompt(box, ctx: PageContext) -> None:
+    """A long prompt's estimate and the checkbox that lets every page run it (app/context.py's guard).
+
+    The tick holds for this prompt only: another prompt (or model) starts unconfirmed."""
+    try:
+        estimate = ctx.prompt_estimate()
+    except ThoughtscopeError as err:  # empty, over the character cap, over the context: the pages say it too
+        if ctx.prompt.strip():
+            box.error(str(err))
+        return
+    if estimate is None:
+        return
+    asked = f"{ctx.model_id}|{len(ctx.prompt)}|{hash(ctx.prompt)}|{estimate.n_tokens}"
+    if st.session_state.get("_ts_long_prompt_for") != asked:
+        st.session_state["_ts_long_prompt_for"] = asked
+        st.session_state["long_prompt_ok"] = False  # before the checkbox is drawn: a new prompt is unconfirmed
+    box.warning(estimate.message(), icon=":material/hourglass_top:")
+    ctx.long_prompt_confirmed = bool(box.checkbox(CONFIRM_LABEL, key="long_prompt_ok"))

@@ -337,8 +337,20 @@ class RemoteBackend:
         return err
 
     def _unreachable(self, err: Exception) -> ThoughtscopeError:
-        return ServerError(f"no answer from the model server at {self.url} ({type(err).__name__}: {err}); "
-                           "is `thoughtscope serve` running there, and is the URL right?")
+        return ServerUnreachableError(self.url, f"{type(err).__name__}: {err}")
+
+
+class ServerUnreachableError(ServerError):
+    """The model server at `server_url` did not answer (`cause`: the transport's error); the app says so
+    at the top of the page (app/outage.py)."""
+
+    def __init__(self, server_url: str, cause: str):
+        super().__init__(f"no answer from the model server at {server_url} ({cause}); "
+                         "is `thoughtscope serve` running there, and is the URL right?")
+        self.server_url, self.cause = server_url, cause
+
+    def __reduce__(self) -> Any:  # a copy (pickled, e.g. from a job's worker) keeps both fields
+        return type(self), (self.server_url, self.cause)
 
 
 def _error_of(response: httpx.Response) -> ThoughtscopeError:

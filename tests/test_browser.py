@@ -212,11 +212,13 @@ def test_moving_the_steering_slider_changes_the_steered_text(page, app_url):
     page.screenshot(path=str(ARTIFACTS / "steering_before.png"), full_page=True)
 
     page.locator(".st-key-steer_scale input[type='range']").focus()
-    page.keyboard.press("Home")  # the slider's minimum, -2 x the mean activation norm
+    from app.views.steering import GRID
+
+    page.keyboard.press("Home")  # the slider's first stop, GRID[0] x the mean activation norm
     page.wait_for_function(
         "([sel, old]) => { const e = document.querySelector(sel); return e && e.innerText !== old; }",
         arg=[".st-key-steered-text [data-testid='stText']", before], timeout=SLOW)
-    page.locator(".st-key-steered-text").filter(has_text="scale -2").wait_for()
+    page.locator(".st-key-steered-text").filter(has_text=f"scale {GRID[0]:g}").wait_for()
     assert steered.inner_text() != before and steered.inner_text().strip()  # never an empty box
     assert page.locator(".st-key-unsteered-text [data-testid='stText']").inner_text() == unsteered
     page.screenshot(path=str(ARTIFACTS / "steering_after.png"), full_page=True)
@@ -228,7 +230,9 @@ def test_a_steering_sweep_renders_side_by_side(page, app_url):
     page.locator(".st-key-steer_sweep_run button").click()
     page.locator('[data-testid="stPlotlyChart"]').filter(has_text="Steering sweep").locator(".main-svg").first.wait_for()
     boxes = page.locator("[class*='st-key-sweep-text'] [data-testid='stText']")
-    assert boxes.count() == 6 and all(t.strip() for t in boxes.all_inner_texts())
+    from app.views.steering import SWEEP_DEFAULT
+
+    assert boxes.count() == len(SWEEP_DEFAULT) and all(t.strip() for t in boxes.all_inner_texts())
     page.screenshot(path=str(ARTIFACTS / "steering_sweep.png"), full_page=True)
 
 

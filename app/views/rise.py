@@ -295,6 +295,7 @@ def steering_section(ctx, store, found: dict[str, Any], site: str, settings: Har
         if not ctx.prompt.strip():
             st.info("Type a question in the sidebar.")
             return
+        ctx.model_input()  # the long-prompt guard (app/context.py): a long prompt waits for its confirmation
     # greedy traces: all stops at once (one batched generation; rows equal one generation per alpha); sampled
     # traces depend on their batch row, so those generate alpha 0 and the chosen alpha only
     grid = settings.temperature == 0

@@ -24,7 +24,10 @@ def apply_request() -> str | None:
     """Called by the sidebar before its model box draws: the requested model becomes the box's value."""
     wanted = st.session_state.pop(_REQUEST, None)
     if wanted:
+        from app.persist import keep
+
         st.session_state[PICK_KEY] = wanted
+        keep(PICK_KEY, wanted)  # the value the sidebar holds for the box (app/persist.py) moves with it
     return wanted
 
 

@@ -153,9 +153,11 @@ def test_the_repository_ships_each_small_toy_verified_against_its_recipe(monkeyp
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The parameters of the Qwen3-MoE whose safetensors file is `path`, as transformers lays them out
+    in memory (the checkpoint stores each expert apart; the loaded model fuses them)."""
+    from transformers import Qwen3MoeForCausalLM
 
-    return load_file(str(path))
+    return dict(Qwen3MoeForCausalLM.from_pretrained(path.parent).named_parameters())
 
 
 @pytest.mark.model

@@ -30,6 +30,9 @@ def _tiny_model(monkeypatch):
     page.results.clear()  # fitted detectors and traces of earlier tests must not leak in
     jobs.registry.clear()  # nor their finished jobs
     yield
+    for job in jobs.registry().running():  # a job a page started on opening (RISE's steering): end it here
+        job.stop("the test ended")
+        job.thread.join(120)
     page.results.clear()
     jobs.registry.clear()
 

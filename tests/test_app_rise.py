@@ -28,6 +28,9 @@ def _tiny_model(monkeypatch, tmp_path):
     page.results.clear()
     jobs.registry.clear()
     yield
+    for job in jobs.registry().running():  # a job a page started on opening (RISE's steering): end it here
+        job.stop("the test ended")
+        job.thread.join(120)
     page.results.clear()
     jobs.registry.clear()
 

@@ -23,10 +23,9 @@ SMOL = "smollm2-135m"
 
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch, tmp_path, request):
-    # A private cache, except for SmolLM2: its fingerprint hashes the config's `_name_or_path`, which names
-    # the cache folder its dequantised weights load from (probes.zoo.fingerprint), so in another cache folder
-    # the shipped results made in the default one read as other weights (reported to the lead); and
-    # `smollm2_files()` remembers the first folder the process used.
+    # A private cache, except for SmolLM2's tests: they load its dequantised weights from the user cache (in a
+    # private one every test would dequantise the GGUF again, ~15 s); `smollm2_files()` remembers the first
+    # folder this process used, so an earlier test's private folder is forgotten first.
     if "model" not in request.keywords:
         monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
     else:  # forget a folder an earlier test's private cache left in the process (the tiny models' tokenizer)
@@ -38,6 +37,9 @@ def _fresh(monkeypatch, tmp_path, request):
     cot_page.results.clear()
     jobs.registry.clear()
     yield
+    for job in jobs.registry().running():  # a job a page started on opening (RISE's steering): end it here
+        job.stop("the test ended")
+        job.thread.join(120)
     cot_page.results.clear()
     jobs.registry.clear()
 

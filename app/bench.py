@@ -8,8 +8,8 @@
   switch.
 - `steer_slider_s`: from a slider move to the steered text on the Steering page (the page script
   rerun under `streamlit.testing`, no browser), on the embedded model with the one-shot prompt and
-  48 new tokens. With greedy decoding the page's first draw of a direction generates all 17 slider
-  stops in one batched generation (`steering_grid`), reported as `first_draw_s`, and a move reads it;
+  48 new tokens. With greedy decoding the page's first draw of a direction generates all the slider's
+  stops (20, measured: app.views.steering.GRID) in one batched generation (`steering_grid`), reported as `first_draw_s`, and a move reads it;
   beside them, one scale generated from scratch (`from_scratch_s`), and whether every grid row equals
   its single-row generation token for token. `bench_page_first_figure` adds the same move in Chromium:
   an arrow key on the slider -> the new steered text painted (`SLIDER_PROBE`). Goal <= 1.5 s.
@@ -62,7 +62,7 @@ def _page_slider_moves(model_id: str, moves: tuple[float, ...], max_new_tokens: 
         runs, shown = [], []
         for scale in moves:
             started = time.perf_counter()
-            at.slider(key="steer_scale").set_value(scale).run()
+            at.select_slider(key="steer_scale").set_value(scale).run()  # the page's measured stops
             runs.append(time.perf_counter() - started)
             if at.exception or at.error:
                 raise RuntimeError(f"the Steering page failed at scale {scale}: "

@@ -330,9 +330,10 @@ def test_exports_without_their_own_record_carry_the_page_record():
 
 def test_the_slider_benchmark_times_what_the_page_does(engine):
     from app.bench import GOALS, bench_steer_slider
+    from app.views.steering import GRID
 
     row = bench_steer_slider(engine, moves=(1.0, -0.5), max_new_tokens=5)
-    assert row["bench"] == "steer_slider_s" and row["first_draw_rows"] == 17 and row["first_draw_s"] > 0
+    assert row["bench"] == "steer_slider_s" and row["first_draw_rows"] == len(GRID) and row["first_draw_s"] > 0
     assert row["rows_equal_single"] == "3 of 3"  # two moved-to scales and the unsteered row
     assert len(row["runs_s"]) == 2 and row["seconds"] == pytest.approx(sorted(row["runs_s"])[0] / 2
                                                                         + sorted(row["runs_s"])[1] / 2, abs=1e-3)

@@ -53,7 +53,12 @@ def in_process_engine(backend: Any) -> Any | None:
 
 def current_badge(backend: Any, start: bool = True) -> dict[str, Any] | None:
     """The cached badge, or None; with `start`, an in-process model without one begins validating in the background."""
-    summary = backend.info().get("validation")
+    from thoughtscope.errors import ThoughtscopeError
+
+    try:
+        summary = backend.info().get("validation")
+    except ThoughtscopeError:  # a model server out of reach: the page says so elsewhere; no badge, no crash
+        return None
     engine = in_process_engine(backend)
     if summary is None and start and engine is not None:
         from probes.validate import badge

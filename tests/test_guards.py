@@ -265,3 +265,34 @@ def test_a_lost_server_keeps_the_trace_on_the_page_under_the_banner(monkeypatch,
     assert "--model tiny-random:llama" in first.value
     assert [h.proto.body for h in at.get("html")] == tokens_before
     assert json.loads(at.get("plotly_chart")[0].proto.spec)["data"] == entropy_before
+
+
+# ----- the RLKV page's end -----
+
+
+def test_the_rlkv_page_ends_on_tables_that_fit_not_on_empty_looking_cells(monkeypatch, tmp_path, llama):
+    """The evaluation's 13 columns in one table ran past the page's width: its last columns (the error modes)
+    showed as empty cells at the end of the page. Now two tables, each of at most 9 columns, hold every value,
+    and the page ends on the report's last note."""
+    from analyses.rlkv.evaluate import evaluate_rlkv
+    from tests import apptest_helpers as helpers
+
+    import app.views.rlkv as page
+
+    report = evaluate_rlkv(llama, "arith", [0.5], n=2, n_dev=1, n_calibration=1, sink=1, recent=4, random_seeds=1,
+                           snapkv_windows=[2], max_new_tokens=4, methods="random,streaming").to_dict()
+    (tmp_path / "eval.json").write_text(json.dumps(report))
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", MODEL)
+    page.results.clear()
+    at = helpers.open_page("rlkv", 6)
+    at.text_input(key="rlkv_eval_path").set_value(str(tmp_path / "eval.json")).run()
+    helpers.assert_clean(at)
+    runs, modes = at.dataframe[-2].value, at.dataframe[-1].value
+    assert all(len(table.value.columns) <= 9 for table in at.dataframe)
+    assert list(runs["accuracy"]) == [r["accuracy"]["estimate"] for r in report["rows"]]
+    assert list(modes.columns) == ["method", "sparsity", "seed", *report["rows"][0]["error_modes"]]
+    for name in report["rows"][0]["error_modes"]:
+        assert list(modes[name]) == [r["error_modes"][name] for r in report["rows"]]
+    last = list(at.main)[-1]
+    assert last.type == "caption" and last.value == report["notes"][-1]
+    page.results.clear()

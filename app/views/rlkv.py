@@ -254,11 +254,17 @@ def evaluation_section(ctx, store, head_map: dict[str, Any] | None) -> None:
     if report is None:
         return
     show_figure(accuracy_figure(report), report, "rlkv_accuracy", provenance=report.get("provenance"))
-    st.dataframe([{"method": r["method"], "sparsity": r["sparsity"], "seed": r["setting"].get("seed"),
-                   "accuracy": r["accuracy"]["estimate"], "95% low": r["accuracy"]["low"],
+    # Two tables, each narrower than the page: in one table of 13 columns the last ones (the error modes)
+    # lay past the box's right edge, so the page ended in a box of empty-looking cells (issue 20).
+    run_of = [{"method": r["method"], "sparsity": r["sparsity"], "seed": r["setting"].get("seed")} for r in report["rows"]]
+    st.dataframe([{**run, "accuracy": r["accuracy"]["estimate"], "95% low": r["accuracy"]["low"],
                    "95% high": r["accuracy"]["high"], "McNemar p": (r.get("vs_full") or {}).get("p_value"),
-                   "KV / full": r["kv_fraction"], "tokens/s / full": r["tps_ratio"], **r["error_modes"]}
-                  for r in report["rows"]], hide_index=True, key="rlkv_eval_table")
+                   "KV / full": r["kv_fraction"], "tokens/s / full": r["tps_ratio"]}
+                  for run, r in zip(run_of, report["rows"])], hide_index=True, key="rlkv_eval_table",
+                 column_config={"McNemar p": st.column_config.NumberColumn(format="%.2g")})
+    st.caption("How each run's answers went wrong (problems of the evaluation split):")
+    st.dataframe([{**run, **r["error_modes"]} for run, r in zip(run_of, report["rows"])], hide_index=True,
+                 key="rlkv_error_modes")
     for line in report.get("notes", []):
         st.caption(line)
 

@@ -124,11 +124,28 @@ def verified(model_id: str, recipe_hash: str, root: Path | None = None) -> Path 
     folder = shipped_path(model_id, root)
     if not folder.exists():
         return None
-    problem = problem_of(folder, model_id, recipe_hash)
+    # hashing ~10 MB on every app rerun would cost tens of ms: a verdict holds while no file changes
+    state = (str(folder), model_id, recipe_hash, _stat(folder))
+    if state not in _verdicts:
+        if len(_verdicts) > 64:
+            _verdicts.clear()
+        _verdicts[state] = problem_of(folder, model_id, recipe_hash)
+    problem = _verdicts[state]
     if problem is not None:
         _report(folder, problem)
         return None
     return folder
+
+
+_verdicts: dict[tuple, str | None] = {}
+
+
+def _stat(folder: Path) -> tuple:
+    """(name, size, mtime) of every file: any write or replacement changes it."""
+    try:
+        return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()))
+    except OSError:
+        return ()
 
 
 def manifest(model_id: str, root: Path | None = None) -> dict[str, Any] | None:

@@ -55,6 +55,9 @@ class LongPromptError(BadInputError):
         super().__init__(estimate.message())
         self.estimate = estimate
 
+    def __reduce__(self) -> Any:  # a copy (pickled, e.g. from a job's worker) keeps the estimate
+        return type(self), (self.estimate,)
+
 
 @dataclass(frozen=True)
 class GenerationSpeed:

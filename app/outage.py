@@ -69,8 +69,10 @@ def note(url: str, err: BaseException) -> None:
 
 def note_error(err: BaseException) -> None:
     """A page's error: when it is the client's "no answer from the model server", the banner says so."""
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
     url = getattr(err, "server_url", None)
-    if url is not None:
+    if url is not None and get_script_run_ctx(suppress_warning=True) is not None:  # not from a job's thread
         note(url, err)
 
 

@@ -139,8 +139,9 @@ def _settings() -> tuple[GenerationSettings, int]:
         seed = keep("seed", st.number_input("Seed", 0, 2**31 - 1, int(_held("seed")), key="seed"))
         keep("prompt_warn_tokens", st.number_input(
             "Warn above (prompt tokens)", 1, 10**7, int(kept("prompt_warn_tokens", prompt_warn_default())), step=500,
-            key="prompt_warn_tokens", help="a longer prompt (or one whose generation would pass the model's context) "
-                                           "asks for a confirmation first; default from THOUGHTSCOPE_PROMPT_WARN_TOKENS"))
+            key="prompt_warn_tokens",
+            help="a longer prompt (or one whose generation would pass the model's context) asks for a confirmation "
+                 "first; default from THOUGHTSCOPE_PROMPT_WARN_TOKENS"))
     settings = GenerationSettings(int(max_new), float(temperature), float(top_p), int(top_k), int(alternatives))
     return settings, int(seed)
 

@@ -256,7 +256,8 @@ def evaluation_section(ctx, store, head_map: dict[str, Any] | None) -> None:
     show_figure(accuracy_figure(report), report, "rlkv_accuracy", provenance=report.get("provenance"))
     # Two tables, each narrower than the page: in one table of 13 columns the last ones (the error modes)
     # lay past the box's right edge, so the page ended in a box of empty-looking cells (issue 20).
-    run_of = [{"method": r["method"], "sparsity": r["sparsity"], "seed": r["setting"].get("seed")} for r in report["rows"]]
+    run_of = [{"method": r["method"], "sparsity": r["sparsity"], "seed": r["setting"].get("seed")}
+              for r in report["rows"]]
     st.dataframe([{**run, "accuracy": r["accuracy"]["estimate"], "95% low": r["accuracy"]["low"],
                    "95% high": r["accuracy"]["high"], "McNemar p": (r.get("vs_full") or {}).get("p_value"),
                    "KV / full": r["kv_fraction"], "tokens/s / full": r["tps_ratio"]}

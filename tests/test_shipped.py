@@ -45,7 +45,9 @@ def test_only_safetensors_and_json_ship(tmp_path):
 def test_everything_shipped_stays_within_the_budget_and_verifies():
     root = shipped.shipped_root()
     assert shipped.total_bytes(root) <= shipped.BUDGET_BYTES
-    for manifest in root.rglob(shipped.MANIFEST):
+    results = [m for m in root.rglob(shipped.MANIFEST) if m.parent.parent.name != "models"]
+    assert results, "no shipped results: every method page should open on one"
+    for manifest in results:  # the toy models under models/ are verified by probes.toys.shipped's tests
         data = json.loads(manifest.read_text())
         assert all(name.endswith(shipped.ALLOWED_SUFFIXES) for name in data["files"]), manifest
         found = shipped.find(data["name"], data["model_id"], data["fingerprint"], root=root)

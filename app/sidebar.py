@@ -220,8 +220,8 @@ def _confirm_long_prompt(box, ctx: PageContext) -> None:
     try:
         estimate = ctx.prompt_estimate()
     except ThoughtscopeError as err:  # empty, over the character cap, over the context: the pages say it too
-        if ctx.prompt.strip():
-            box.error(str(err))
+        if ctx.prompt.strip():  # a warning: a page that does not use the sidebar's prompt still works
+            box.warning(f"{err} (pages that use this prompt will refuse it)", icon=":material/warning:")
         return
     if estimate is None:
         return

@@ -283,8 +283,27 @@ class JobRegistry:
 
 @st.cache_resource(show_spinner=False)
 def registry() -> JobRegistry:
-    """The process-wide registry (one per Streamlit server, shared by its sessions)."""
-    return JobRegistry(costs_path=user_cache_dir() / "job_costs.json")
+    """The process-wide registry (one per Streamlit server, shared by its sessions). The grace period of
+    an unwatched job is `$THOUGHTSCOPE_JOB_GRACE_S` seconds when set (a positive number), else 30 s."""
+    return JobRegistry(grace_s=grace_from_env(), costs_path=user_cache_dir() / "job_costs.json")
+
+
+GRACE_ENV = "THOUGHTSCOPE_JOB_GRACE_S"
+
+
+def grace_from_env(default: float = 30.0) -> float:
+    """`$THOUGHTSCOPE_JOB_GRACE_S` as seconds (> 0), or `default` when unset; a bad value is a clear error."""
+    raw = os.environ.get(GRACE_ENV, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise BadInputError(f"{GRACE_ENV}={raw!r}: give the grace period of an unwatched job as a positive "
+                            "number of seconds (e.g. 30)")
+    return value
 
 
 def url_job(page: str) -> Job | None:

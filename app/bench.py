@@ -24,18 +24,24 @@
   of a batched generation, a prefill, a probe's fork) stamps when it ended. Stop is pressed at a few
   points of one job's life (a new job each), during generation and during probing. Goal <= 2 s.
 
+- `page_first_result_s` (group `pages`): for every method page, a new tab on the embedded model to its
+  first figure, from the shipped results (docs/shipped/), by the page's own clock from navigation
+  start (`PAINT_PROBE`). The model is loaded before the first tab. Goal <= 2 s each.
+
 Absolute times on a shared machine are noisy: every row reports the machine's load with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 GOALS = {"page_first_figure_switch": 1.0, "page_first_figure_new_tab": 2.0, "steer_slider": 1.5, "feature_browse": 1.0,
-         "job_stop": 2.0}
+         "job_stop": 2.0, "page_first_result": 2.0}
 
 
 def _load() -> float:
@@ -456,4 +462,114 @@ def run_jobs(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
     return [bench_job_stop(Engine.from_id(model_id))]
 
 
-BENCHMARKS = {"views": run_views, "jobs": run_jobs}
+# ----------------------------------------------------------------------------- pages (issue 20)
+
+# The method pages, each opening on a shipped result (docs/shipped/; RLKV: docs/rlkv_run and its evaluation)
+FIRST_RESULT_PAGES = ("cot_entropy", "rise", "fuzzy_concepts", "moe_router", "visual_attribution", "rlkv",
+                      "feature_browser")
+
+
+@contextlib.contextmanager
+def _app(model_id: str, env: dict[str, str] | None = None, start_s: float = 120.0) -> Iterator[str]:
+    """`streamlit run` of the workbench on a free loopback port, on `model_id`; yields its URL."""
+    import socket
+    import subprocess
+    import urllib.request
+    from pathlib import Path
+
+    from app.cli import streamlit_command
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(streamlit_command(port, "127.0.0.1", model=model_id), cwd=root,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + start_s
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("streamlit did not start")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def page_first_result_times(context: Any, url: str, page_name: str, timeout_ms: int = 600_000) -> tuple[float, float]:
+    """A new tab of `context` opening `page_name` by its URL -> the page's first figure painted: seconds by
+    the page's own clock (`PAINT_PROBE`, from navigation start) and by the driver's (from `goto`)."""
+    page = context.new_page()
+    page.set_default_timeout(timeout_ms)
+    page.add_init_script(PAINT_PROBE)
+    started = time.perf_counter()
+    page.goto(f"{url}/{page_name}")
+    page.locator('[data-testid="stPlotlyChart"] .main-svg').first.wait_for(state="visible")
+    driver = time.perf_counter() - started
+    painted = _painted_s(page, False)
+    page.close()
+    return painted, driver
+
+
+def bench_page_first_result(model_id: str = "smollm2-135m", rounds: int = 3,
+                            pages: tuple[str, ...] = FIRST_RESULT_PAGES) -> list[dict[str, Any]]:
+    """`page_first_result_s` (issue 20): for every method page, a new tab on `model_id` to its first figure,
+    from shipped results, in the system Chromium. The model is loaded first (Home in a warm-up tab: its load
+    is not a page's); then each page is opened `rounds` times, each in a new tab of one browser profile (the
+    HTTP cache shared, as a user's tabs share it). The first opening of a page in the app process also reads
+    its stored files (`first_s`); the median of the later ones (`seconds`) is the figure the goal is for."""
+    from app.export import chromium_path
+
+    browser_path = chromium_path()
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        browser_path = None
+    if browser_path is None:
+        return [{"bench": "page_first_result_s", "ratio": float("nan"), "skipped": "needs Chromium and playwright"}]
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in pages}
+    load_before = _load()
+    with _app(model_id) as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=browser_path, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        warm = context.new_page()
+        warm.set_default_timeout(900_000)
+        warm.goto(url)  # Home: loads the model (SmolLM2's first load in an empty cache dequantizes, ~15 s)
+        warm.locator('[data-testid="stMetric"]').first.wait_for()
+        warm.close()
+        for _ in range(rounds):
+            for name in pages:
+                times[name].append(page_first_result_times(context, url, name))
+        browser.close()
+    common = {"model": model_id, "load_avg_1m_before": load_before, "load_avg_1m": _load(),
+              "clock": "the page's own: navigation start of a new tab -> the first figure painted"}
+    rows = []
+    for name, pairs in times.items():
+        page_s, driver_s = [t for t, _ in pairs], [d for _, d in pairs]
+        later = page_s[1:] or page_s
+        rows.append({"bench": "page_first_result_s", "page": name, "seconds": _median(later),
+                     "ratio": round(statistics.median(later) / GOALS["page_first_result"], 3), "target": 1.0,
+                     "goal_s": GOALS["page_first_result"], "first_s": round(page_s[0], 3),
+                     "runs_s": [round(t, 3) for t in page_s], "driver_runs_s": [round(t, 3) for t in driver_s],
+                     **common})
+    return rows
+
+
+def run_pages(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
+    """The pages benchmark: every method page's first stored result in a new tab."""
+    return bench_page_first_result(model_id)
+
+
+BENCHMARKS = {"views": run_views, "jobs": run_jobs, "pages": run_pages}

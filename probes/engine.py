@@ -130,14 +130,119 @@ class _Step:
     texts: list[str] = field(default_factory=list)
 
 
-class GenerationStream(Iterator[TokenRecord]):
-    """Iterator of `TokenRecord`s; between records, `state()` exposes the live KV state for `fork`."""
+class ModelLock:
+    """The engine's lock: re-entrant per thread, and a streamed generation's hold can be released by any thread.
 
-    def __init__(self, engine: "Engine", run: Iterator[TokenRecord]):
+    A generation holds the lock from its first record to its end. A consumer that stops early
+    without `close()` (an exception out of its loop: a stopped job) leaves the generator to be
+    finalised wherever it is freed: by reference counting in the consumer's thread, or by the
+    garbage collector in whichever thread runs it. `threading.RLock` refuses a release from
+    another thread (the lock would stay held and every later call wait forever); here the
+    generation releases the hold it took (`hold`/`release(owner)`), whatever thread runs its
+    `finally`. `with lock:` and `acquire()`/`release()` behave as `RLock`'s.
+
+    A caller kept waiting while a suspended generation holds the lock runs the garbage collector now
+    and then (a stream abandoned inside a reference cycle is freed then, which releases its hold).
+    """
+
+    COLLECT_EVERY_S = 5.0  # how often a waiter collects while a suspended generation holds the lock
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: threading.Thread | None = None
+        self._depth = 0
+        self._suspended = 0  # holds of generations between records (their consumer may have left them)
+
+    def _take(self, blocking: bool = True, timeout: float = -1) -> threading.Thread | None:
+        import gc
+        import time
+
+        me = threading.current_thread()
+        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                while self._owner not in (None, me):
+                    if not blocking:
+                        return None
+                    wait = self.COLLECT_EVERY_S
+                    if deadline is not None:
+                        wait = min(wait, deadline - time.monotonic())
+                        if wait <= 0:
+                            return None
+                    self._cond.wait(wait)
+                    if self._owner not in (None, me) and self._suspended:
+                        break  # collect outside the condition (a finaliser releases through it)
+                else:
+                    self._owner = me
+                    self._depth += 1
+                    return me
+            gc.collect()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._take(blocking, timeout) is not None
+
+    def release(self, owner: threading.Thread | None = None) -> None:
+        """Release one level; `owner` (from `hold`) lets another thread release a generation's hold."""
+        with self._cond:
+            who = threading.current_thread() if owner is None else owner
+            if self._owner is not who or self._depth == 0:
+                raise RuntimeError("cannot release un-acquired lock")
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+    def hold(self) -> threading.Thread:
+        """Acquire for a generation; returns the owner to pass to `release`."""
+        owner = self._take()
+        assert owner is not None
+        return owner
+
+    def suspended(self, delta: int) -> None:
+        with self._cond:
+            self._suspended += delta
+
+    def locked(self) -> bool:
+        with self._cond:
+            return self._owner is not None
+
+    def __enter__(self) -> "ModelLock":
+        self._take()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+@dataclass
+class _Live:
+    """What a running generation shares with its stream: the generator writes it, the stream reads it.
+
+    The generator holds this, not the stream, so stream and generator form no reference cycle: a
+    stream its consumer drops is freed at once (the generator closed, the model lock released),
+    not whenever the garbage collector next runs."""
+
+    step: _Step | None = None
+    cache: Any = None
+
+
+class GenerationStream(Iterator[TokenRecord]):
+    """Iterator of `TokenRecord`s; between records, `state()` exposes the live KV state for `fork`.
+
+    Dropping a stream before its end (without `close()`) ends the generation and frees the model."""
+
+    def __init__(self, engine: "Engine", run: Iterator[TokenRecord], live: _Live | None = None):
         self._engine, self._run = engine, run
-        self.step: _Step | None = None
-        self.cache: Any = None
+        self._live = live or _Live()
         self.records: list[TokenRecord] = []
+
+    @property
+    def step(self) -> _Step | None:
+        return self._live.step
+
+    @property
+    def cache(self) -> Any:
+        return self._live.cache
 
     def __next__(self) -> TokenRecord:
         rec = next(self._run)
@@ -146,6 +251,11 @@ class GenerationStream(Iterator[TokenRecord]):
 
     def close(self) -> None:
         self._run.close()
+
+    def __del__(self) -> None:
+        run = getattr(self, "_run", None)
+        if run is not None and hasattr(run, "close"):
+            run.close()
 
     def text(self, batch_index: int = 0) -> str:
         return self.step.texts[batch_index] if self.step else ""
@@ -172,7 +282,8 @@ class Engine:
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         # One model, many callers (browser tabs run in threads): hooks are registered on the shared
         # module, so calls must not interleave. Re-entrant, so a fork inside a live generation works.
-        self.lock = threading.RLock()
+        # A generation's hold is released by whichever thread finalises it (ModelLock).
+        self.lock = ModelLock()
 
     @classmethod
     def from_id(cls, model_id: str = "smollm2-135m", **kwargs: Any) -> "Engine":
@@ -296,18 +407,31 @@ class Engine:
             raise BadInputError("RowMask masks batch rows of a teacher-forced pass (trace, capture, capture_batch); "
                                 "in generate use MaskAttention")
         check_generation_masks(masks, [len(row) for row in ids])  # here, not at the first token: before any stream
-        stream = GenerationStream(self, iter(()))
-        run = self._generate(stream, ids, max_new_tokens, sampling or Sampling(), seed, sites, hooks, masks,
+        live = _Live()
+        run = self._generate(live, ids, max_new_tokens, sampling or Sampling(), seed, sites, hooks, masks,
                              top_k, tuple(stop), vision)
-        stream._run = run
-        return stream
+        return GenerationStream(self, run, live)
 
     def _generate(self, *args):
-        with self.lock:
-            yield from self._generate_unlocked(*args)
+        """The decoding loop under the model lock, taken at the first record and released at the end,
+        on `close()`, or when the stream is freed, in whatever thread that happens (ModelLock)."""
+        owner = self.lock.hold()
+        inner = self._generate_unlocked(*args)
+        try:
+            for rec in inner:
+                self.lock.suspended(1)
+                try:
+                    yield rec
+                finally:
+                    self.lock.suspended(-1)
+        finally:
+            try:
+                inner.close()  # hooks and masks off the model first (its ExitStack), then hand the model on
+            finally:
+                self.lock.release(owner)
 
     @torch.no_grad()
-    def _generate_unlocked(self, stream, ids, max_new, sampling, seed, sites, hooks, masks, top_k, stop, vision=None):
+    def _generate_unlocked(self, live, ids, max_new, sampling, seed, sites, hooks, masks, top_k, stop, vision=None):
         import contextlib
 
         from probes.attention_masks import AttentionMasker
@@ -335,7 +459,7 @@ class Engine:
             vision = {k: v for k, v in vision.items() if k != "mm_token_type_ids"}  # positions are given
         pads = [input_ids.shape[1] - len(row) for row in ids]
         step = _Step([list(x) for x in ids], mask, positions, [False] * len(ids), [""] * len(ids))
-        stream.step = step
+        live.step = step
         cache = self._new_cache(policy)
         with contextlib.ExitStack() as scope:
             runner = scope.enter_context(HookRunner(self.handle, sites, hooks))
@@ -360,7 +484,7 @@ class Engine:
                 feed_mask[:, masked_cols] = 0
                 runner.ctx.phase = "decode"
             logits = self._forward(feed, feed_mask, positions[..., -feed.shape[1]:], cache, pixels)
-            stream.cache = cache
+            live.cache = cache
             for t in range(max_new):
                 next_ids, recs = self._step_records(logits, sampling, gen, top_k, step, t, runner, described)
                 kv_bytes = kv_bytes_per_sequence(cache, pads)

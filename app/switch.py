@@ -33,6 +33,7 @@ def apply_request() -> str | None:
 
 def switch_button(model_id: str, key: str) -> None:
     """A button "Switch to <model_id>" that requests the model and reruns the app."""
-    if st.button(f"Switch to {model_id}", key=key, type="primary", icon=":material/swap_horiz:"):
+    # a colon escaped: the label is Markdown, where `toy-vlm:small` would draw as "toy-vlm" (`:small` a directive)
+    if st.button(f"Switch to {model_id}".replace(":", "\\:"), key=key, type="primary", icon=":material/swap_horiz:"):
         request_model(model_id)
         st.rerun()

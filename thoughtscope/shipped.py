@@ -86,9 +86,10 @@ class Shipped:
         return json.loads(self.path(name).read_text())
 
     def label(self) -> str:
-        """One line for the page: what this is and how to rebuild it."""
+        """One line for the page: what this is and how to rebuild it. The model id is code: in Streamlit's
+        Markdown a bare `toy-vlm:small` reads as a text directive (`:small`) and is drawn as "toy-vlm"."""
         return (f"A stored result, made on {self.manifest.get('created', '?')[:10]} by `{self.command}` "
-                f"on {self.manifest['model_id']} (fingerprint {self.manifest['fingerprint']}).")
+                f"on `{self.manifest['model_id']}` (fingerprint {self.manifest['fingerprint']}).")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -40,11 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from thoughtscope.errors import BadInputError, UnknownModelError
+from thoughtscope.shipped import ENV, model_folder_name, sha256_file, shipped_root  # noqa: F401 (ENV: tests set it)
 
 log = logging.getLogger(__name__)
 
-REPO_SHIPPED = Path(__file__).resolve().parents[2] / "docs" / "shipped"
-ENV = "THOUGHTSCOPE_SHIPPED_DIR"  # the same variable as thoughtscope.shipped: tests point it elsewhere
 MANIFEST = "manifest.json"
 REPORT = "trained.json"  # probes.toys.common.DONE_MARKER
 SHIPPED_SUFFIXES = (".json", ".safetensors")
@@ -62,24 +60,15 @@ class ShippedModelWarning(UserWarning):
 
 def models_root() -> Path:
     """Where shipped toy models live: `$THOUGHTSCOPE_SHIPPED_DIR/models`, else `docs/shipped/models`."""
-    env = os.environ.get(ENV)
-    return (Path(env) if env else REPO_SHIPPED) / "models"
+    return shipped_root() / "models"
 
 
 def shipped_name(model_id: str) -> str:
-    return "".join(c if c.isalnum() or c in "-._" else "_" for c in model_id)
+    return model_folder_name(model_id)
 
 
 def shipped_path(model_id: str, root: Path | None = None) -> Path:
     return (root or models_root()) / shipped_name(model_id)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 _reported: set[tuple[str, str]] = set()

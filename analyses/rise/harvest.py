@@ -194,7 +194,11 @@ def harvest(backend: Any, problems: Sequence[Problem], settings: HarvestSettings
 
     Each batch is stored as soon as it is done, so a rerun after an interruption only computes
     what is missing; changing the layers reuses the stored traces and reruns only the reading pass.
-    `on_progress(done, total)` is called after each batch.
+    `on_progress(done, total)` (problems done, of all) is called between any two model calls: after
+    each decoding step of a batch's generation, after each reading pass and after each batch. `done`
+    counts a batch's traces as they finish, short of the whole batch until its vectors are read. An
+    exception raised by `on_progress` (a stopped job) ends the harvest before the next model call;
+    what was stored before stays stored.
     """
     info = backend.info()
     settings = (settings or HarvestSettings()).resolved(info["model_id"])
@@ -216,10 +220,16 @@ def harvest(backend: Any, problems: Sequence[Problem], settings: HarvestSettings
             from_cache += vectors[i] is not None
             if traces[i] is None:
                 todo_gen.append(i)
+
+        def tick(n_traced: int, lo: int = lo, batch: list[int] = batch, n_gen: int = len(todo_gen)) -> None:
+            """Within a batch: its cached traces and `n_traced` of the new ones, short of the whole batch."""
+            if on_progress:
+                on_progress(lo + min(len(batch) - n_gen + n_traced, len(batch) - 1), len(problems))
+
         if todo_gen:
             started = time.perf_counter()
             made = generate_traces(backend, [problems[i] for i in todo_gen], settings, delimiter,
-                                   seed=settings.seed * 100_003 + lo)
+                                   seed=settings.seed * 100_003 + lo, on_step=tick)
             gen_s += time.perf_counter() - started
             for i, trace in zip(todo_gen, made):
                 traces[i] = trace
@@ -233,7 +243,8 @@ def harvest(backend: Any, problems: Sequence[Problem], settings: HarvestSettings
             started = time.perf_counter()
             read = step_residuals(backend, [traces[i].prompt_ids + traces[i].gen_ids for i in todo_read],
                                   [[len(traces[i].prompt_ids) + s.token for s in traces[i].steps] for i in todo_read],
-                                  settings.layers, batch_size=settings.batch_size)
+                                  settings.layers, batch_size=settings.batch_size,
+                                  on_pass=lambda: tick(len(todo_gen)))
             read_s += time.perf_counter() - started
             for i, acts in zip(todo_read, read):
                 vectors[i] = acts
@@ -249,9 +260,15 @@ def harvest(backend: Any, problems: Sequence[Problem], settings: HarvestSettings
 
 
 def generate_traces(backend: Any, problems: Sequence[Problem], settings: HarvestSettings, delimiter: str,
-                    interventions: Sequence[Any] = (), seed: int = 0) -> list[TraceRecord]:
+                    interventions: Sequence[Any] = (), seed: int = 0,
+                    on_step: Callable[[int], None] | None = None) -> list[TraceRecord]:
     """One batched generation (greedy, or sampled at `settings.temperature` with `seed`); each trace
-    cut into steps located on its tokens."""
+    cut into steps located on its tokens.
+
+    `on_step(n_finished)` runs once per decoding step, as its first record arrives (one model call
+    made it; the next has not run), and once at the end, with the number of traces finished so far;
+    an exception it raises ends the generation there (the stream is closed, the model freed) and
+    propagates."""
     model_id = backend.info()["model_id"]
     prompts, chats = zip(*(build_prompt(p, settings, model_id) for p in problems))
     chat = chats[0]
@@ -264,12 +281,25 @@ def generate_traces(backend: Any, problems: Sequence[Problem], settings: Harvest
         from probes.engine import Sampling  # a plain dataclass; the backend may live elsewhere
 
         sampling = Sampling(temperature=settings.temperature)
-    for rec in backend.generate(prompts=list(prompts), max_new_tokens=settings.max_new_tokens, chat=chat,
-                                interventions=interventions, sampling=sampling, seed=seed):
-        if rec.token_id in eos:
-            continue
-        ids[rec.batch_index].append(rec.token_id)
-        pieces[rec.batch_index].append(rec.text)
+    stream = backend.generate(prompts=list(prompts), max_new_tokens=settings.max_new_tokens, chat=chat,
+                              interventions=interventions, sampling=sampling, seed=seed)
+    n_finished, step = 0, None
+    try:
+        for rec in stream:
+            if on_step and rec.step != step:
+                on_step(n_finished)  # one model call made this step's records; the next has not run
+            step = rec.step
+            n_finished += bool(rec.finished)
+            if rec.token_id in eos:
+                continue
+            ids[rec.batch_index].append(rec.token_id)
+            pieces[rec.batch_index].append(rec.text)
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()  # early exit (an exception from on_step): hand the model on now
+    if on_step:
+        on_step(n_finished)
     return [_make_trace(p, pids, gids, pcs, delimiter) for p, pids, gids, pcs in zip(problems, prompt_ids, ids, pieces)]
 
 
@@ -314,19 +344,23 @@ def augment_trace(backend: Any, trace: TraceRecord, delimiter: str, seed: int = 
 
 
 def step_residuals(backend: Any, sequences: Sequence[list[int]], positions: Sequence[list[int]],
-                   layers: Sequence[int], batch_size: int = 16) -> list[dict[str, torch.Tensor]]:
+                   layers: Sequence[int], batch_size: int = 16,
+                   on_pass: Callable[[], None] | None = None) -> list[dict[str, torch.Tensor]]:
     """`resid_post.L` at `positions` of each token sequence: {site: [len(positions), d]} per sequence.
 
     One batched teacher-forced pass per `batch_size` sequences (`Backend.capture_batch`). The prefix
     all sequences share (the one-shot example, the system prompt) runs once and its state is reused;
     the pass stops after the deepest layer asked for, computes no logits, and only the rows at
     `positions` come back (a server ships a few kilobytes per trace, not every position).
+    `on_pass()` runs after each model call (the shared prefix, each batch); it may raise to stop.
     """
     sites = [f"resid_post.{layer}" for layer in layers]
     shared = _shared_prefix(sequences, positions)
     prefix = backend.prefill(list(sequences[0][:shared])) if shared >= 8 else None
     out: list[dict[str, torch.Tensor]] = []
     try:
+        if prefix is not None and on_pass:
+            on_pass()
         for lo in range(0, len(sequences), batch_size):
             chunk = list(range(lo, min(lo + batch_size, len(sequences))))
             captured = backend.capture_batch([sequences[i] for i in chunk], sites, prefix=prefix,
@@ -336,6 +370,8 @@ def step_residuals(backend: Any, sequences: Sequence[list[int]], positions: Sequ
                 k = len(positions[i])
                 out.append({s: captured[s][at:at + k].float().cpu() for s in sites})
                 at += k
+            if on_pass:
+                on_pass()
     finally:
         if prefix is not None:
             backend.free(prefix)

@@ -127,7 +127,7 @@ def test_a_long_job_reattaches_stops_and_stops_unwatched(browser, fresh_app):  #
     p.set_default_timeout(FIRST)
     p.goto(f"{url}/cot_entropy")
     first_figure(p).wait_for()
-    p.locator(".st-key-cot_calibrate_again button").click()  # "Run again" beside the stored result's label
+    p.locator(".st-key-cot_calibrate_again button").first.click()  # "Run again" beside the stored result's label
     p.wait_for_function("new URLSearchParams(location.search).get('job')")
     first = job_id(p)
     job_box(p, first).wait_for()
@@ -137,11 +137,11 @@ def test_a_long_job_reattaches_stops_and_stops_unwatched(browser, fresh_app):  #
     assert job_id(p) == first
     assert p.locator('[class*="st-key-job-"]').count() == 1
 
-    p.locator(f'[class*="st-key-stop-{first.partition(".")[0]}"] button').click()
+    p.locator(f'[class*="st-key-stop-{first.partition(".")[0]}"] button').first.click()
     p.get_by_text("stopped by the user").first.wait_for()  # drawn once the job's thread has ended
     assert job_box(p, first).count() == 0 and job_id(p) is None
 
-    p.locator(".st-key-cot_calibrate button").click()  # the same work again: a new job
+    p.locator(".st-key-cot_calibrate button").first.click()  # the same work again: a new job
     p.wait_for_function("new URLSearchParams(location.search).get('job')")
     second = job_id(p)
     job_box(p, second).wait_for()

@@ -43,6 +43,38 @@ def _run_in_thread(target) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
+class _Lingering:
+    """Runs `target` in a thread that stays alive afterwards (as a server's or the app's threads do).
+
+    A thread that ended may have its identifier reused by the next one, and `threading.RLock`
+    knows its owner by that identifier only: the next thread would then pass the lock of a dead
+    owner by chance. A live abandoning thread rules that out."""
+
+    def __init__(self, target):
+        self.out: dict = {}
+        self._returned, self._leave = threading.Event(), threading.Event()
+
+        def body():
+            try:
+                self.out["value"] = target()
+            except BaseException as err:
+                self.out["error"] = err
+            self._returned.set()
+            self._leave.wait(JOIN_S)
+
+        self.thread = threading.Thread(target=body, daemon=True)
+        self.thread.start()
+
+    def result(self):
+        assert self._returned.wait(JOIN_S), "the abandoning thread did not return"
+        assert "error" not in self.out, self.out.get("error")
+        return self.out["value"]
+
+    def leave(self):
+        self._leave.set()
+        self.thread.join(JOIN_S)
+
+
 def _abandon(engine: Engine, keep_alive: list | None = None) -> list[int]:
     """Consume 3 records, then leave the loop by an exception, as a stopped job does; no close()."""
     stream = engine.generate(PROMPT, max_new_tokens=N_NEW)
@@ -79,11 +111,12 @@ def test_abandoned_stream_releases_the_lock_in_its_own_thread(engine):
     gc_was = gc.isenabled()
     gc.disable()  # the stream must be freed by reference counting, not wait for a collection
     try:
-        thread, out = _run_in_thread(lambda: _abandon(engine))
-        thread.join(JOIN_S)
-        assert not thread.is_alive() and "error" not in out
-        assert out["value"] == expected[:3]
-        _check_next_generation(engine, expected)
+        worker = _Lingering(lambda: _abandon(engine))
+        try:
+            assert worker.result() == expected[:3]
+            _check_next_generation(engine, expected)
+        finally:
+            worker.leave()
     finally:
         if gc_was:
             gc.enable()
@@ -96,12 +129,13 @@ def test_stream_finalised_by_the_collector_in_another_thread_releases_the_lock(e
     gc.disable()
     try:
         cycles: list = []
-        thread, out = _run_in_thread(lambda: _abandon(engine, cycles))
-        thread.join(JOIN_S)
-        assert not thread.is_alive() and "error" not in out
-        assert out["value"] == expected[:3] and cycles == [None]
-        gc.collect()  # finalises the stream here, not in the thread that held the lock
-        _check_next_generation(engine, expected)
+        worker = _Lingering(lambda: _abandon(engine, cycles))
+        try:
+            assert worker.result() == expected[:3] and cycles == [None]
+            gc.collect()  # finalises the stream here, not in the thread that held the lock
+            _check_next_generation(engine, expected)
+        finally:
+            worker.leave()
     finally:
         if gc_was:
             gc.enable()
@@ -126,12 +160,14 @@ def test_a_waiting_caller_frees_a_stream_abandoned_in_a_cycle(engine, monkeypatc
     gc.disable()
     try:
         cycles: list = []
-        thread, out = _run_in_thread(lambda: _abandon(engine, cycles))
-        thread.join(JOIN_S)
-        assert not thread.is_alive() and "error" not in out and cycles == [None]
-        assert engine.lock.locked()  # the abandoned stream still holds the model
-        _check_next_generation(engine, expected)
-        assert not engine.lock.locked()
+        worker = _Lingering(lambda: _abandon(engine, cycles))
+        try:
+            assert worker.result() == expected[:3] and cycles == [None]
+            assert engine.lock.locked()  # the abandoned stream still holds the model
+            _check_next_generation(engine, expected)
+            assert not engine.lock.locked()
+        finally:
+            worker.leave()
     finally:
         if gc_was:
             gc.enable()

@@ -95,14 +95,20 @@ def test_a_callback_raising_at_its_kth_call_ends_the_harvest_within_one_model_ca
         if len(calls) == k:
             raise Stopped("stopped")
 
-    with pytest.raises(Stopped):
+    with pytest.raises(Stopped) as stopped:
         rise.harvest(backend, arithmetic_problems(N_PROBLEMS, seed=0), SETTINGS, on_progress=progress)
+    # while the exception (and its traceback, holding the harvest's frames) is alive, the model is free:
+    # the trace stream was closed on the way out, not left to be freed with the traceback
+    assert stopped.value.__traceback__ is not None and not backend.lock.locked()
     assert len(calls) == k and calls[-1] == at[k - 1]  # the same work as the uninterrupted run had done
     assert backend.forwards - start <= at[k - 1] + 1
-    # the generation's stream was closed at once: another thread gets the model
+    # another thread gets the model
     out = {}
-    thread = threading.Thread(target=lambda: out.setdefault("n", len(list(backend.generate("2 + 2 =", max_new_tokens=3)))),
-                              daemon=True)
+
+    def generate():
+        out["n"] = len(list(backend.generate("2 + 2 =", max_new_tokens=3)))
+
+    thread = threading.Thread(target=generate, daemon=True)
     thread.start()
     thread.join(120)
     assert not thread.is_alive() and out == {"n": 3}

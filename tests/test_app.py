@@ -63,7 +63,8 @@ def test_home_names_the_model_in_full_and_links_the_docs():
     assert f"`{MODEL}`" in model_line  # the whole id, never cut like a metric would
     assert "tiny-random:llama" in at.sidebar.caption[0].value
     models = at.sidebar.selectbox(key="model_pick").options
-    assert models[:4] == ["smollm2-135m", "toy-reasoner", "toy-moe", "toy-vlm"]  # the toys open from the sidebar
+    toys = ["toy-reasoner", "toy-reasoner:small", "toy-moe", "toy-moe:small", "toy-vlm", "toy-vlm:small"]
+    assert models[:7] == ["smollm2-135m", *toys]  # the toys and their small variants open from the sidebar
     pages = " ".join(m.value for m in at.markdown)
     assert "METHODS.md" not in pages  # a file outside the repository
     assert "docs/app.md" in [e.label for e in at.expander]
@@ -431,6 +432,7 @@ def test_pages_run_against_the_model_server(model_server, monkeypatch):
     browse = open_page("feature_browser")  # capture_batch with positions and readout, through the server
     browse.number_input(key="fb_n").set_value(6).run()
     browse.button(key="fb_index").click().run()
+    helpers.finish_jobs(browse)  # the index is a job
     browse.radio(key="fb_kind").set_value("neuron").run()
     assert_clean(browse)
     assert browse.html and "fb-row" in browse.html[0].proto.body
@@ -448,6 +450,7 @@ def test_the_method_pages_run_against_the_model_server(model_server, monkeypatch
     cot = open_page("cot_entropy", max_new_tokens=8)
     cot.slider(key="cot_n_cal").set_value(2).run()
     cot.button(key="cot_calibrate").click().run()
+    helpers.finish_jobs(cot)  # the calibration is a job
     assert_clean(cot)
     assert "Calibration densities" in helpers.chart_titles(cot)
     cot.button(key="cot_generate").click().run()
@@ -461,6 +464,7 @@ def test_the_method_pages_run_against_the_model_server(model_server, monkeypatch
     rise.radio(key="rise_projection").set_value("pca")
     rise.run()
     rise.button(key="rise_run").click().run()
+    helpers.finish_jobs(rise)  # harvest and training are a job
     assert_clean(rise)
     assert int(helpers.metric(rise, "Traces")) == 4 and "Decoder columns" in " ".join(helpers.chart_titles(rise))
 

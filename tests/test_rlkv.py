@@ -59,7 +59,8 @@ def test_gates_at_one_equal_the_models_own_attention(engines, arch):
     with engine.head_gates(sink=1, recent=3) as session:
         got = session.logprobs(seqs, [1, 1, 1])
     for seq, lp in zip(seqs, got):
-        torch.testing.assert_close(lp, stock_logprobs(engine, seq), atol=1e-5, rtol=0)
+        # float32 sums of up to ~40 nats: a few ulps of relative error (3.4e-7 seen on gemma3) is rounding
+        torch.testing.assert_close(lp, stock_logprobs(engine, seq), atol=1e-5, rtol=1e-6)
     assert engine.model.config._attn_implementation == "sdpa"  # switched back
 
 

@@ -520,6 +520,7 @@ def create_app(
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
     state_ttl_s: float = DEFAULT_STATE_TTL_S,
     limits: ServerLimits | None = None,
+    on_ready: Callable[[Engine], None] | None = None,
 ) -> FastAPI:
     """The ASGI app. Given a model id, the model loads in a thread at start-up (GET /ready says when);
     `load_kwargs` go to `Engine.from_id` (device, dtype, device_map). Prefix states: at most
@@ -538,6 +539,8 @@ def create_app(
             state.engine = await anyio.to_thread.run_sync(
                 lambda: Engine.from_id(engine_or_model_id, **(load_kwargs or {})))
             log.info("model %s ready", engine_or_model_id)
+            if on_ready is not None:
+                on_ready(state.engine)
         except Exception as err:
             state.load_error = err if isinstance(err, ThoughtscopeError) else ThoughtscopeError(
                 f"loading {engine_or_model_id} failed: {type(err).__name__}: {err}")
@@ -548,6 +551,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         task = None if preloaded else asyncio.create_task(load())
+        if preloaded is not None and on_ready is not None:
+            on_ready(preloaded)
         yield
         if task and not task.done():
             task.cancel()
@@ -928,6 +933,12 @@ def check_bind(host: str, token: str | None) -> None:
             "through an SSH tunnel (ssh -L 8765:127.0.0.1:8765 gpu-box)")
 
 
+def _start_validation(engine: Engine) -> None:
+    from probes.validate import badge
+
+    badge(engine, background=True)
+
+
 def serve(
     model_id: str = "smollm2-135m",
     host: str = DEFAULT_HOST,
@@ -945,9 +956,12 @@ def serve(
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
     state_ttl_s: float = DEFAULT_STATE_TTL_S,
     limits: ServerLimits | None = None,
+    validate: bool = False,
 ) -> None:
     """Load `model_id` and serve it until interrupted. A model that fails to load stops the server
-    and raises its error (the CLI prints the message)."""
+    and raises its error (the CLI prints the message). With `validate`, the model's validation
+    (probes.validate) starts in the background once it is loaded, unless one is cached, so `/info`
+    carries the correctness badge the pages show; each reader takes the engine's lock for one pass."""
     import uvicorn
 
     check_bind(host, token)
@@ -962,7 +976,7 @@ def serve(
     app = create_app(model_id, token=token, max_queue=max_queue, max_body_bytes=max_body_bytes,
                      max_new_tokens_cap=max_new_tokens_cap, load_kwargs=load_kwargs, on_load_error=stop,
                      max_states=max_states, max_state_bytes=max_state_bytes, state_ttl_s=state_ttl_s,
-                     limits=limits)
+                     limits=limits, on_ready=_start_validation if validate else None)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     server.run()

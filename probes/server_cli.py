@@ -53,6 +53,9 @@ def register(cli: typer.Typer) -> None:
         log_level: str = typer.Option("info", help="uvicorn log level"),
         trust_remote_code: bool = typer.Option(
             False, "--trust-remote-code", help="let an hf: model folder run its own modeling code (only if you trust it)"),
+        validate: bool = typer.Option(
+            False, "--validate", help="validate the model in the background once loaded (thoughtscope validate), so "
+                                      "/info and the pages carry its correctness badge"),
     ) -> None:
         """Serve a model over HTTP: streamed generation (SSE), traces, interventions; the app connects with
         `RemoteBackend(url, token)`.
@@ -63,7 +66,7 @@ def register(cli: typer.Typer) -> None:
         serve(model, host=host, port=port, token=token, max_queue=max_queue, max_body_bytes=max_body_bytes,
               max_new_tokens_cap=max_new_tokens_cap, device=device, dtype=dtype, device_map=device_map,
               log_level=log_level, trust_remote_code=trust_remote_code, max_states=max_states,
-              max_state_bytes=max_state_bytes, state_ttl_s=state_ttl_s,
+              max_state_bytes=max_state_bytes, state_ttl_s=state_ttl_s, validate=validate,
               limits=ServerLimits(send_timeout_s=send_timeout_s, max_stream_s=max_stream_s,
                                   queue_timeout_s=queue_timeout_s, max_sequences=max_sequences,
                                   max_batch_tokens=max_batch_tokens, max_capture_tokens=max_capture_tokens,

@@ -265,3 +265,23 @@ def test_the_correctness_page_runs_the_validation_and_shows_the_table():
     assert any(":green-badge[:material/verified: numbers checked]" in m.value for m in at.markdown)
     kinds = at.dataframe[0].value
     assert set(kinds["reader"]) == {"hf", "nnsight", "bridge"} and set(kinds["verdict"]) == {"pass"}
+
+
+def test_serve_validate_fills_info_with_the_badge_in_the_background():
+    """`thoughtscope serve --validate`: the server validates its model once loaded, so a remote page's badge
+    needs no validation run by hand on the server host."""
+    import time
+
+    import httpx
+
+    from probes.server import _start_validation, create_app
+    from probes.server_bench import serving_in_thread
+
+    engine = Engine.from_id("tiny-random:qwen2", device="cpu")
+    with serving_in_thread(create_app(engine, on_ready=_start_validation)) as url:
+        deadline = time.monotonic() + 300  # a generous wait for a state; nothing here is timed
+        while (found := httpx.get(f"{url}/info").json()["validation"]) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert found is not None and found["verdict"] == "pass"
+    assert found == V.cached_summary(engine.handle)
+    assert found["fingerprint"] == engine.info()["fingerprint"]

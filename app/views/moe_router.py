@@ -295,17 +295,17 @@ def elsewhere_section(ctx) -> None:
     from app.switch import switch_button
 
     switch_button(DEFAULT_MODEL, key="moe_switch")
-    st.subheader(f"Router profile of {DEFAULT_MODEL}")
+    st.subheader(f"Router profile of `{DEFAULT_MODEL}`")
     show_figure(None, stored.json("profile.json"), "moe_profile", provenance=stored.provenance)
     d = stored.json("map.json")
     rmap = map_from_dict(d)
-    st.subheader(f"A generation of {DEFAULT_MODEL}, routed under Expert-Sample")
+    st.subheader(f"A generation of `{DEFAULT_MODEL}`, routed under Expert-Sample")
     st.caption(f"prompt: {_prompt_text(d['prompt'])} \u00b7 {d.get('rule')}")
     view = score_view(rmap, 0, 0, 0, int(d["setting"]["k_h"]), int(d["setting"]["m"]), 0.5)
     show_figure(None, view, "moe_scores", provenance=stored.provenance)
     show_figure(None, heatmap_data(rmap, 0), "moe_heatmap", provenance=stored.provenance)
     show_figure(None, divergence_data(rmap), "moe_divergence", provenance=stored.provenance)
-    st.subheader(f"pass@n of {DEFAULT_MODEL}")
+    st.subheader(f"pass@n of `{DEFAULT_MODEL}`")
     _draw_evaluation(stored.json("evaluation.json"))
 
 

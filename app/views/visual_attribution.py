@@ -212,7 +212,7 @@ def elsewhere_section(ctx) -> None:
     st.markdown(f"**Below: the stored result of `{DEFAULT_MODEL}`, not of `{ctx.model_id}`.** {stored.label()}")
     switch_button(DEFAULT_MODEL, key="va_switch")
     _stored_scene(stored, vlm.GRID)
-    st.subheader(f"Faithfulness of {DEFAULT_MODEL} on held-out scenes")
+    st.subheader(f"Faithfulness of `{DEFAULT_MODEL}` on held-out scenes")  # code: ":small" is a directive in Markdown
     _draw_study(ctx, stored.json("study.json"), stored.provenance)
 
 

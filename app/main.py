@@ -57,12 +57,21 @@ def page_icon():
     return img
 
 
-def run_page(module, ctx: PageContext | None) -> None:
+class Frame:
+    """What the sidebar made this run, read by the page when it runs: the navigation is drawn before the
+    sidebar loads the model, so the page links stay usable while a model loads (or a toy trains)."""
+
+    ctx: PageContext | None = None
+
+
+def run_page(module, ctx: PageContext | Frame | None) -> None:
     """Render one page; a user's mistake becomes an st.error with its message, not a traceback.
 
     Pages catch their own errors next to the control that caused them (`app.context.shows_errors`);
     this is the last resort. While the page draws, its exports carry the page's provenance record.
     A model server that stopped answering (in the sidebar or during the page) is said first, at the top."""
+    if isinstance(ctx, Frame):
+        ctx = ctx.ctx
     top = st.container()  # the lost-server banner (app/outage.py), filled once the page has drawn
     try:
         _render_page(module, ctx)
@@ -99,19 +108,21 @@ def main(only: str | None = None) -> None:
         apply_launch_args(sys.argv[1:])
     # Every widget keeps the user's value on every navigation path (app/persist.py says why it would not).
     restored = hold_widgets(skip=SIDEBAR_KEYS)
-    ctx = sidebar_context()
+    frame = Frame()
     pages = []
     for spec, module in discover_pages():
         name = module.__name__.rsplit(".", 1)[-1]
         if only is not None and name != only:
             continue
-        pages.append(st.Page(partial(run_page, module, ctx), title=spec.title, icon=spec.icon, url_path=name,
+        pages.append(st.Page(partial(run_page, module, frame), title=spec.title, icon=spec.icon, url_path=name,
                              default=not pages))
     if not pages:
         st.error(f"no page named {only!r} in app/views/")
         return
+    page = st.navigation(pages)  # the links first: usable while the sidebar below loads a model
+    frame.ctx = sidebar_context()
     try:
-        st.navigation(pages).run()
+        page.run()
     except StreamlitAPIException:
         if not restored:
             raise

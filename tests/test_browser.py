@@ -276,7 +276,7 @@ def test_the_feature_browser_shows_top_contexts(page, app_url):
     page.goto(f"{app_url}/feature_browser")
     page.locator(".st-key-fb_n input").fill("40")
     page.locator(".st-key-fb_n input").press("Enter")
-    page.locator(".st-key-fb_index button").click()
+    page.locator(".st-key-fb_index button").first.click()  # the first: the help tooltip is a button too
     page.locator(".st-key-fb_kind").get_by_text("neuron", exact=True).click()
     rows = page.locator(".fb-row")
     rows.first.wait_for()

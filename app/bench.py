@@ -282,12 +282,6 @@ def steering_slider_times(page: Any, url: str, moves: int = 6) -> dict[str, Any]
 
 def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, Any]]:
     """New tab and page switch to the trace explorer's first figure, in the system Chromium."""
-    import socket
-    import subprocess
-    import urllib.request
-    from pathlib import Path
-
-    from app.cli import streamlit_command
     from app.export import chromium_path
 
     browser_path = chromium_path()
@@ -297,25 +291,8 @@ def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, An
         browser_path = None
     if browser_path is None:
         return [{"bench": "page_first_figure_s", "ratio": float("nan"), "skipped": "needs Chromium and playwright"}]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen(streamlit_command(port, "127.0.0.1", model=model_id), cwd=root,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url, slow = f"http://127.0.0.1:{port}", 600_000
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("streamlit did not start")
-            time.sleep(0.5)
+    slow = 600_000
+    with _app(model_id) as url:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=browser_path, headless=True,
                                          args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
@@ -343,9 +320,6 @@ def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, An
             page.set_default_timeout(slow)
             slider = steering_slider_times(page, url)
             browser.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     common = {"model": model_id, "page": "trace_explorer", "load_avg_1m": _load(),
               "clock": "the page's own: navigation start or click event -> the first figure painted"}
 

@@ -60,14 +60,18 @@ def command_modules() -> Iterator[Any]:
 
 def benchmark_groups() -> dict[str, Callable[[str], list[dict[str, Any]]]]:
     """{group: run(model_id) -> rows} from the probes and every method package."""
-    groups: dict[str, Callable[[str], list[dict[str, Any]]]] = {}
-    for name in [*CORE_BENCHMARKS, *(f"{pkg}.bench" for pkg in method_packages())]:
-        module = _optional(name)
-        for group, run in getattr(module, "BENCHMARKS", {}).items():
-            if group in groups:
-                raise RuntimeError(f"two packages define the benchmark group {group!r}")
-            groups[group] = run
-    return groups
+    return _merged([*CORE_BENCHMARKS, *(f"{pkg}.bench" for pkg in method_packages())], "BENCHMARKS")
+
+
+def _merged(module_names: list[str], attribute: str) -> dict[str, Any]:
+    """The union of the `attribute` dicts of those modules that exist; a name defined twice is an error."""
+    found: dict[str, Any] = {}
+    for module_name in module_names:
+        for key, value in getattr(_optional(module_name), attribute, {}).items():
+            if key in found:
+                raise RuntimeError(f"two packages define {attribute}[{key!r}]")
+            found[key] = value
+    return found
 
 
 def bench(
@@ -96,14 +100,7 @@ def bench(
 
 def shipped_results() -> dict[str, tuple[str, Callable[[str, str], Any]]]:
     """{name: (default model, build(model_id, command))} from every method package's `ship.py`."""
-    found: dict[str, tuple[str, Callable[[str, str], Any]]] = {}
-    for pkg in method_packages():
-        module = _optional(f"{pkg}.ship")
-        for name, entry in getattr(module, "SHIPPED", {}).items():
-            if name in found:
-                raise RuntimeError(f"two packages ship a result named {name!r}")
-            found[name] = entry
-    return found
+    return _merged([f"{pkg}.ship" for pkg in method_packages()], "SHIPPED")
 
 
 def ship(

@@ -7,6 +7,7 @@
 | saes | app |
 | analyses | app, streamlit |
 | thoughtscope.errors, thoughtscope.provenance | anything of the project (leaf modules) |
+| thoughtscope.checks | anything of the project but thoughtscope.errors (a leaf beside it) |
 | everything but tests | thoughtscope.cli (the entry point sits above every package) |
 """
 
@@ -27,6 +28,8 @@ RULES = {
     "analyses": ("app", "streamlit", "thoughtscope.cli"),
     "app": ("thoughtscope.cli",),
     "thoughtscope/errors.py": PROJECT,
+    "thoughtscope/checks.py": ("thoughtscope.cli", "thoughtscope.provenance", "thoughtscope.shipped", "probes",
+                               "analyses", "app", "saes", "cache", "benchmarks"),
     "thoughtscope/provenance.py": ("probes", "analyses", "app", "saes", "cache", "benchmarks", "thoughtscope.cli"),
 }
 _MODULE_STRING = re.compile(r"^[a-z_]+(\.[a-z_0-9]+)+$")

@@ -1,0 +1,134 @@
+"""The validation vocabulary: one spelling for "an integer in a range", "a finite number", "one of these".
+
+A leaf module beside `thoughtscope.errors`: it imports nothing of the project but that module, so
+`cache`, `saes`, `probes`, `analyses` and `app` all use it. Each check takes the parameter's name
+(as the user knows it) and its value, raises `BadInputError` with a message that names the
+parameter, the allowed range and the value given, and returns the checked value. Nothing is
+mutated: a check never writes back into the object it was asked about.
+
+    n = checks.integer("n", n, low=1)                    # "n must be an integer >= 1, got 0"
+    t = checks.number("temperature", t, low=0, low_open=True)
+    rule = checks.choice("rule", rule, ("fixed", "nucleus"))
+    layers = checks.int_list("layers", layers, low=0, high=n_layers - 1)
+    sink, recent = checks.window(sink, recent, context_length)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
+
+from thoughtscope.errors import BadInputError
+
+T = TypeVar("T")
+
+__all__ = ["integer", "number", "choice", "int_list", "window", "is_integer"]
+
+
+def is_integer(value: Any) -> bool:
+    """True for Python and numpy integers; False for bools (True is not the integer 1 to a user)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
+def _int_range(low: int | None, high: int | None) -> str:
+    if low is not None and high is not None:
+        return f" in {low}..{high}"
+    if low is not None:
+        return f" >= {low}"
+    if high is not None:
+        return f" <= {high}"
+    return ""
+
+
+def integer(name: str, value: Any, *, low: int | None = None, high: int | None = None,
+            none_ok: bool = False, why: str = "") -> Any:
+    """`value` as an `int` when it is an integer in [low, high] (bounds inclusive, None: unbounded).
+
+    With `none_ok`, None passes through unchanged. `why` is appended to the message in
+    parentheses ("a token must see itself")."""
+    if value is None and none_ok:
+        return None
+    if not is_integer(value) or (low is not None and value < low) or (high is not None and value > high):
+        note = f" ({why})" if why else ""
+        alt = " or None" if none_ok else ""
+        raise BadInputError(f"{name} must be an integer{_int_range(low, high)}{alt}{note}, got {value!r}")
+    return int(value)
+
+
+def _num_range(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f" in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f" {'>' if low_open else '>='} {low}"
+    if high is not None:
+        return f" {'<' if high_open else '<='} {high}"
+    return ""
+
+
+def number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+           low_open: bool = False, high_open: bool = False, none_ok: bool = False, why: str = "") -> Any:
+    """`value` when it is a finite real number within the bounds (closed unless `low_open`/`high_open`).
+
+    Python ints and floats come back as given (so provenance records keep `1` as `1`); numpy
+    scalars come back as Python floats. Bools, strings, NaN and infinities are refused."""
+    if value is None and none_ok:
+        return None
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+    if ok:
+        ok = math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        note = f" ({why})" if why else ""
+        alt = " or None" if none_ok else ""
+        raise BadInputError(f"{name} must be a finite number{_num_range(low, high, low_open, high_open)}{alt}{note}, "
+                            f"got {value!r}")
+    return value if type(value) in (int, float) else float(value)
+
+
+def choice(name: str, value: T, options: Iterable[T]) -> T:
+    """`value` when it is one of `options` (compared with ==), else a message listing them."""
+    options = tuple(options)
+    try:
+        ok = value in options
+    except TypeError:  # an unhashable value against a set-like options object
+        ok = False
+    if not ok:
+        raise BadInputError(f"{name} must be one of {', '.join(repr(o) for o in options)}; got {value!r}")
+    return value
+
+
+def int_list(name: str, values: Any, *, low: int | None = None, high: int | None = None,
+             empty_ok: bool = False) -> list[int]:
+    """A new list of ints when `values` is a list or tuple of integers in [low, high] (non-empty
+    unless `empty_ok`); the message names the first offending entry."""
+    what = f"a {'' if empty_ok else 'non-empty '}list of integers{_int_range(low, high)}"
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise BadInputError(f"{name} must be {what}, got {values!r}")
+    if not values and not empty_ok:
+        raise BadInputError(f"{name} must be {what}, got an empty list")
+    for v in values:
+        if not is_integer(v) or (low is not None and v < low) or (high is not None and v > high):
+            raise BadInputError(f"{name} must be {what}, got {v!r} among them")
+    return [int(v) for v in values]
+
+
+def window(sink: Any, recent: Any, context_length: int, *, owner: str = "",
+           hint: str = "choose a smaller window") -> tuple[int, int]:
+    """(sink, recent) of a sink-plus-recent attention/KV window, checked against the model's context.
+
+    sink: leading positions always kept (>= 0); recent: trailing positions kept (>= 1, a token
+    must see itself); sink + recent must stay below `context_length`, else the window covers
+    everything. `owner` prefixes the parameter names ("SinkRecent.sink"); `hint` ends the
+    message when the window is too wide."""
+    prefix = f"{owner}." if owner else ""
+    sink = integer(f"{prefix}sink", sink, low=0)
+    recent = integer(f"{prefix}recent", recent, low=1, why="a token must see itself")
+    if sink + recent >= context_length:
+        raise BadInputError(f"sink + recent = {sink + recent} reaches this model's context ({context_length}): "
+                            f"{hint}")
+    return sink, recent

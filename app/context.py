@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -357,3 +357,40 @@ def shows_errors(where: Any = None) -> Iterator[ErrorSpot]:
         spot.error = err
         outage.note_error(err)  # a model server that stopped answering is also said at the top of the page
         (where if where is not None else st).error(str(err), icon=":material/error:")
+
+
+def compute(key: str, work: Callable[[], Any], *, start: bool, spinner: str | None = "Computing\u2026",
+            again: bool = False, kind: str = "", page: str = "") -> Any:
+    """The "button, compute, keep" block of short work (a few seconds; longer work is a job, `app.jobs.run_job`):
+    the finished result for `key` when one is kept; else, when `start` (the page's button was pressed), `work()`
+    run here under a spinner, kept by `key` and returned. `again` runs it even when a result is kept (a
+    streamed generation that draws while it runs: `spinner=None`). A user's mistake raised by `work` (a
+    `ThoughtscopeError`: `BadInputError` and friends) is shown right here as st.error, never as a traceback,
+    and gives None. Results are kept where jobs keep theirs (`app.jobs.registry()`, by key), so a page reads
+    every finished result the same way, and reopening it with the same settings shows the result at once.
+
+        run = st.button("Compute", key="lens_run")
+        lens = compute(ctx.result_key("lens", layer=layer), lambda: logit_lens(ctx.backend, text, layer),
+                       start=run, spinner="Reading the lens\u2026")
+        if lens is None:
+            st.info("Press **Compute** for the lens at this layer.")
+            return
+        show_figure(lens_figure(lens), lens.to_dict(), "logit_lens")
+    """
+    import streamlit as st
+
+    from app import jobs
+
+    registry = jobs.registry()
+    if not again:
+        kept = registry.finished(key)
+        if kept is not None:
+            return kept
+    if not start:
+        return None
+    with shows_errors() as spot, (st.spinner(spinner) if spinner else contextlib.nullcontext()):
+        result = work()
+    if spot.failed:
+        return None
+    registry.keep(key, result, kind=kind, label=spinner or kind, page=page)
+    return result

@@ -143,7 +143,7 @@ def _clock(seconds: float | None) -> str:
 class JobRegistry:
     """Every job of this app process: start, find by id or key, stop, reap the unwatched."""
 
-    def __init__(self, grace_s: float = 30.0, max_finished: int = 32, costs_path: Path | None = None):
+    def __init__(self, grace_s: float = 30.0, max_finished: int = 96, costs_path: Path | None = None):
         self.grace_s = grace_s
         self.max_finished = max_finished
         self._secret = secrets.token_bytes(16)
@@ -217,12 +217,24 @@ class JobRegistry:
         return None
 
     def finished(self, key: str) -> Any:
-        """The result of the newest finished job for `key`, or None."""
+        """The result of the newest finished job for `key`, or None (a result read is kept longest)."""
         with self._lock:
             for job in reversed(self._jobs.values()):
                 if job.key == key and job.status == DONE:
+                    self._jobs.move_to_end(job.id)
                     return job.result
         return None
+
+    def keep(self, key: str, result: Any, *, kind: str = "", label: str = "", page: str = "") -> Job:
+        """Keep `result`, made outside a job (short work: `app.context.compute`), as the finished job for
+        `key`: one store holds every finished result, whichever way it was made."""
+        now = time.monotonic()
+        job = Job(self._new_id(), key, kind or key, label, page=page, status=DONE, result=result, started=now,
+                  ended=now)
+        with self._lock:
+            self._jobs[job.id] = job
+            self._trim()
+        return job
 
     def running(self) -> list[Job]:
         with self._lock:

@@ -1,0 +1,450 @@
+"""A steering stack: several directions steering one generation at once, each at its own site with its own
+strength and edit method, under one global multiplier.
+
+Neuronpedia steers with several features at once (a strength each and a global multiplier); this is the
+same idea over every direction the workbench makes. A `StackTerm` is one direction at one site; a
+`SteeringStack` holds up to `MAX_TERMS` (32) of them and compiles to the engine's interventions
+(`interventions`), one per term, applied in the stack's order. A term's effective strength is
+`strength x multiplier`; with `unit="norm"` the vector is `v/|v| x (mean activation norm at the site)`
+(the Steering page's unit: 0.5 adds half a typical activation), with `unit="raw"` it is `v` as given.
+
+Edit methods (`METHODS`): `add` adds `strength x multiplier x vector` (activation addition, Turner et
+al. 2023); `project_out` rescales the component along v by `1 - strength x multiplier`
+(`ProjectionRescale`, RISE: strength 1 removes the component, -1 doubles it).
+
+Where a direction comes from: one adapter per source, each returning a `StackTerm` whose `source`
+says how to make it again (and is the reference a preset keeps):
+`from_diff_of_means`, `from_vector_bytes` / `from_vector_file`, `from_sae_latent`,
+`from_rise_behaviour`, `from_rise_confidence`, `from_fuzzy_concept`, `from_feature_browser`.
+
+Presets (`to_preset` / `from_preset`, `save_preset` / `load_preset`): JSON with each direction inline
+as base64 safetensors, or by reference to a stored SAE folder or vector file with its sha256 (checked
+on load, so a changed file is an error, never a silently different direction). Every malformed field
+is a `BadInputError` naming the term and the field.
+
+Example:
+    >>> import torch
+    >>> stack = SteeringStack([StackTerm("resid_post.0", torch.tensor([3.0, 4.0]), 2.0, unit="raw")], 0.5)
+    >>> iv = stack.interventions()[0]
+    >>> iv.vector.tolist(), iv.scale
+    ([3.0, 4.0], 1.0)
+    >>> from_preset(to_preset(stack)).terms[0].direction.tolist()
+    [3.0, 4.0]
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from probes.backend import Backend
+from probes.interventions import RESIDUAL_KINDS, WHERE, AddVector, ProjectionRescale
+from probes.sites import parse_site
+from thoughtscope import checks
+from thoughtscope.errors import BadInputError, ThoughtscopeError
+
+MAX_TERMS = 32  # beyond this a slider per term is no longer a page, and each term is one more hook per forward
+MAX_STRENGTH = 1e4
+UNITS = ("norm", "raw")
+PRESET_FORMAT = "thoughtscope-steering-stack"
+PRESET_VERSION = 1
+
+
+def _add(term: "StackTerm", factor: float, vector: torch.Tensor) -> Any:
+    return AddVector(term.site, vector, scale=factor, where=term.where)
+
+
+def _project_out(term: "StackTerm", factor: float, vector: torch.Tensor) -> Any:
+    return ProjectionRescale(term.site, vector, alpha=factor, where=term.where)
+
+
+# edit method -> how one term becomes an intervention (factor = strength x multiplier)
+METHODS = {"add": _add, "project_out": _project_out}
+
+
+def _number(value: Any, what: str, bound: float = MAX_STRENGTH) -> float:
+    return float(checks.number(what, value, low=-bound, high=bound))
+
+
+def _vector(value: Any, what: str) -> torch.Tensor:
+    try:
+        v = torch.as_tensor(value, dtype=torch.float32).detach().flatten().cpu()
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise BadInputError(f"{what} is not a vector of numbers ({err})") from err
+    if v.numel() == 0:
+        raise BadInputError(f"{what} is empty")
+    if not torch.isfinite(v).all():
+        raise BadInputError(f"{what} contains NaN or infinite values")
+    if float(v.norm()) == 0.0:
+        raise BadInputError(f"{what} is the zero vector: it has no direction to steer along")
+    return v
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class StackTerm:
+    """One direction at one site: its strength, edit method, unit, the positions it acts on (`where`),
+    a label for its slider, and `source` (what made it; a preset's reference when it names a file)."""
+
+    site: str
+    direction: torch.Tensor
+    strength: float = 1.0
+    method: str = "add"
+    unit: str = "norm"
+    where: str = "all"
+    label: str = ""
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.direction = _vector(self.direction, f"the direction of {self.label or self.site!r}")
+
+    @property
+    def name(self) -> str:
+        return self.label or f"{self.source.get('kind', 'vector')} at {self.site}"
+
+    def check(self, d_model: int | None = None, what: str = "the term") -> None:
+        """Every parameter checked without a model; `d_model` adds the width check."""
+        try:
+            site = parse_site(self.site)
+        except ThoughtscopeError as err:
+            raise BadInputError(f"{what}: {err}") from err
+        if site.kind not in RESIDUAL_KINDS:
+            raise BadInputError(f"{what} acts at {self.site!r}; a stack term acts at "
+                                f"{', '.join(k + '.L' for k in RESIDUAL_KINDS)}")
+        checks.choice(f"{what}'s edit method", self.method, sorted(METHODS))
+        checks.choice(f"{what}'s unit", self.unit, UNITS)
+        checks.choice(f"{what}'s positions (where)", self.where, WHERE)
+        _number(self.strength, f"{what}'s strength")
+        if d_model is not None and self.direction.numel() != d_model:
+            raise BadInputError(f"{what} ({self.name}) has width {self.direction.numel()} but {self.site} has "
+                                f"width {d_model} (d_model): it was made on another model")
+
+    def vector(self, reference_norm: float | None = None) -> torch.Tensor:
+        """The vector this term adds at strength 1 (`add`) or the axis it rescales (`project_out`)."""
+        if self.unit == "raw" or self.method != "add":
+            return self.direction
+        if reference_norm is None or not reference_norm > 0:
+            raise BadInputError(f"{self.name}: unit 'norm' needs the mean activation norm at {self.site} "
+                                "(reference_norms)")
+        return self.direction / self.direction.norm() * float(reference_norm)
+
+
+@dataclass
+class SteeringStack:
+    """Up to MAX_TERMS terms and a global multiplier; `interventions()` is what the engine applies."""
+
+    terms: list[StackTerm] = field(default_factory=list)
+    multiplier: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.terms = list(self.terms)
+        if len(self.terms) > MAX_TERMS:
+            raise BadInputError(f"a steering stack holds at most {MAX_TERMS} terms; this one has {len(self.terms)}")
+
+    def check(self, d_model: int | None = None) -> "SteeringStack":
+        if len(self.terms) > MAX_TERMS:
+            raise BadInputError(f"a steering stack holds at most {MAX_TERMS} terms; this one has {len(self.terms)}")
+        _number(self.multiplier, "the global multiplier")
+        for i, term in enumerate(self.terms):
+            term.check(d_model, f"term {i + 1}")
+        return self
+
+    def add(self, term: StackTerm) -> "SteeringStack":
+        """A new stack with `term` at the end (the bound checked before anything changes)."""
+        if len(self.terms) >= MAX_TERMS:
+            raise BadInputError(f"the steering stack is full ({MAX_TERMS} terms); remove one first")
+        term.check(what=f"term {len(self.terms) + 1}")
+        return replace(self, terms=[*self.terms, term])
+
+    def remove(self, index: int) -> "SteeringStack":
+        self._index(index)
+        return replace(self, terms=[t for i, t in enumerate(self.terms) if i != index])
+
+    def with_strength(self, index: int, strength: float) -> "SteeringStack":
+        self._index(index)
+        value = _number(strength, f"term {index + 1}'s strength")
+        return replace(self, terms=[replace(t, strength=value) if i == index else t for i, t in enumerate(self.terms)])
+
+    def _index(self, index: int) -> None:
+        checks.integer("the term index", index, low=0, high=len(self.terms) - 1, why="a term of this stack")
+
+    def norm_sites(self) -> list[str]:
+        """The sites whose mean activation norm the `norm`-unit terms need."""
+        return sorted({t.site for t in self.terms if t.unit == "norm" and t.method == "add"})
+
+    def interventions(self, reference_norms: dict[str, float] | None = None, d_model: int | None = None,
+                      skip_zero: bool = True) -> list[Any]:
+        """One intervention per term, in order; terms whose effective strength is 0 are left out (they
+        change nothing) unless `skip_zero=False`."""
+        self.check(d_model)
+        norms = reference_norms or {}
+        out = []
+        for term in self.terms:
+            factor = float(term.strength) * float(self.multiplier)
+            if factor == 0.0 and skip_zero:
+                continue
+            out.append(METHODS[term.method](term, factor, term.vector(norms.get(term.site))))
+        return out
+
+    def describe(self, reference_norms: dict[str, float] | None = None) -> list[str]:
+        return [iv.describe() for iv in self.interventions(reference_norms, skip_zero=False)]
+
+    def key(self) -> str:
+        """A short hash of everything that changes the generation (directions, sites, strengths...)."""
+        h = hashlib.sha256(json.dumps(to_preset(self, inline=True), sort_keys=True).encode())
+        return h.hexdigest()[:16]
+
+
+def reference_norms(backend: Backend, prompt: Any, stack: SteeringStack, chat: bool = False) -> dict[str, float]:
+    """Mean activation norm (first token excluded) at every site a `norm`-unit term needs, from one capture."""
+    sites = stack.norm_sites()
+    if not sites:
+        return {}
+    acts = backend.capture(prompt, sites, chat=chat)
+    out = {}
+    for site in sites:
+        norms = acts[site].float().norm(dim=-1)
+        out[site] = float((norms[1:] if len(norms) > 1 else norms).mean())
+    return out
+
+
+# ----------------------------------------------------------------------------- direction sources
+
+def from_diff_of_means(backend: Backend, set_a: Sequence[str], set_b: Sequence[str], site: str, *, reduce: str = "mean",
+                       chat: bool = False, strength: float = 1.0, label: str = "") -> StackTerm:
+    """mean(site | set A) - mean(site | set B) (`analyses.steering.diff_of_means_direction`)."""
+    from analyses.steering import diff_of_means_direction
+
+    v = diff_of_means_direction(backend, set_a, set_b, site, reduce, chat)
+    source = {"kind": "diff_of_means", "set_a": [p for p in set_a if p.strip()], "set_b": [p for p in set_b if p.strip()],
+              "reduce": reduce, "chat": bool(chat)}
+    return StackTerm(site, v, strength, label=label or "difference of means", source=source)
+
+
+def from_vector_bytes(data: bytes, site: str, *, key: str | None = None, strength: float = 1.0, label: str = "",
+                      file_name: str = "") -> StackTerm:
+    """An uploaded .safetensors vector (`probes.interventions.load_vector_bytes`); kept inline in a preset."""
+    from probes.interventions import load_vector_bytes
+
+    v = load_vector_bytes(data, key)
+    source = {"kind": "upload", "file": file_name, "tensor": key, "sha256": hashlib.sha256(data).hexdigest()}
+    return StackTerm(site, v, strength, label=label or (file_name or "uploaded vector"), source=source)
+
+
+def from_vector_file(path: str | Path, site: str, *, key: str | None = None, strength: float = 1.0,
+                     label: str = "") -> StackTerm:
+    """A stored .safetensors vector; a preset refers to it by path and sha256."""
+    from probes.interventions import load_vector
+
+    v = load_vector(path, key)
+    source = {"kind": "file", "path": str(path), "tensor": key, "sha256": sha256_file(path)}
+    return StackTerm(site, v, strength, label=label or Path(path).name, source=source)
+
+
+def from_sae_latent(folder: str | Path, latent: int, site: str, d_model: int, *, strength: float = 1.0,
+                    label: str = "") -> StackTerm:
+    """The decoder row of one latent of a SAELens-format SAE (saved by the RISE page, or any SAELens
+    folder): what that latent writes into the residual stream. A preset refers to the folder and the
+    sha256 of its weights."""
+    from analyses.steering import sae_feature_direction
+    from saes.io import WEIGHTS_FILENAME
+
+    latent = checks.integer("the SAE latent", latent, low=0)
+    v = sae_feature_direction(str(folder), latent, d_model, site)
+    source = {"kind": "sae", "folder": str(folder), "latent": int(latent),
+              "sha256": sha256_file(Path(folder) / WEIGHTS_FILENAME)}
+    return StackTerm(site, v, strength, label=label or f"SAE latent {latent}", source=source)
+
+
+def from_rise_behaviour(layer: Any, behaviour: str, *, strength: float = 1.0, method: str = "add") -> StackTerm:
+    """A RISE behaviour vector (`LayerAnalysis.vectors[behaviour]`, unit length) at the layer's site."""
+    vectors = getattr(layer, "vectors", None) or {}
+    if behaviour not in vectors:
+        raise BadInputError(f"no {behaviour!r} vector at {layer.site}; this layer has {sorted(vectors) or 'none'} "
+                            "(harvest more problems or steer with a latent's column)")
+    return StackTerm(layer.site, vectors[behaviour], strength, method=method, label=f"RISE {behaviour}",
+                     source={"kind": "rise_behaviour", "behaviour": behaviour, "site": layer.site})
+
+
+def from_rise_confidence(result: Any, w_dec: Any, *, n: int = 3, strength: float = 1.0) -> StackTerm:
+    """A RISE confidence (entropy-lowering) vector: `ConfidenceResult.vector(w_dec, n)` at its site."""
+    v = result.vector(w_dec, n)
+    return StackTerm(result.site, v, strength, label="RISE confidence",
+                     source={"kind": "rise_confidence", "columns": [int(c) for c in result.top_columns[:n]],
+                             "site": result.site})
+
+
+def from_fuzzy_concept(layer: Any, rule: int, site: str, *, strength: float = 1.0, label: str = "") -> StackTerm:
+    """Concept `rule` of a fitted `FuzzyRuleLayer`: its direction (the concept minus the training mean)."""
+    directions = layer.directions_
+    n = int(directions.shape[0])
+    rule = checks.integer("the fuzzy concept", rule, low=0, high=n - 1, why="a concept of this fuzzy layer")
+    return StackTerm(site, directions[rule], strength, label=label or f"fuzzy concept {rule + 1}",
+                     source={"kind": "fuzzy_concept", "rule": int(rule)})
+
+
+def from_feature_browser(direction: Any, d_model: int, *, strength: float = 1.0) -> StackTerm:
+    """A feature-browser direction (`SAELatent`, `Neuron` or `VectorDirection`): the vector it writes into
+    the residual stream at its site. An SAE latent loaded from a folder is kept by reference."""
+    direction.check(d_model)
+    described = direction.describe()
+    source = {"kind": "feature_browser", **{k: v for k, v in described.items() if k != "kind"},
+              "direction_kind": described.get("kind")}
+    folder = getattr(direction, "source", "")
+    if described.get("kind") == "sae" and folder and Path(folder).is_dir():
+        return from_sae_latent(folder, int(direction.latent), direction.site, d_model, strength=strength,
+                               label=f"feature browser: SAE latent {direction.latent}")
+    name = described.get("name") or described.get("kind")
+    return StackTerm(direction.site, direction.write_vector(), strength,
+                     label=f"feature browser: {name}" + (f" {described['index']}" if "index" in described else ""),
+                     source=source)
+
+
+# ----------------------------------------------------------------------------- presets
+
+def _encode_vector(v: torch.Tensor) -> str:
+    from safetensors.torch import save
+
+    return base64.b64encode(save({"vector": v.contiguous()})).decode("ascii")
+
+
+def _decode_vector(text: Any, what: str) -> torch.Tensor:
+    from probes.interventions import load_vector_bytes
+
+    if not isinstance(text, str):
+        raise BadInputError(f"{what}: 'inline' must be base64 text of a .safetensors file")
+    try:
+        data = base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as err:
+        raise BadInputError(f"{what}: 'inline' is not valid base64 ({err})") from err
+    try:
+        return load_vector_bytes(data, "vector")
+    except BadInputError as err:
+        raise BadInputError(f"{what}: {err}") from err
+
+
+def to_preset(stack: SteeringStack, inline: bool = False, model_id: str = "") -> dict[str, Any]:
+    """The stack as a JSON-ready dict. A term from a stored SAE or vector file is kept by reference (path and
+    sha256) unless `inline`; every other direction inline as base64 safetensors."""
+    terms = []
+    for term in stack.terms:
+        kind = term.source.get("kind")
+        if not inline and kind == "sae":
+            ref = {"sae": {k: term.source[k] for k in ("folder", "latent", "sha256")}}
+        elif not inline and kind == "file":
+            ref = {"file": {k: term.source[k] for k in ("path", "tensor", "sha256")}}
+        else:
+            ref = {"inline": _encode_vector(term.direction)}
+        terms.append({"site": term.site, "strength": float(term.strength), "method": term.method, "unit": term.unit,
+                      "where": term.where, "label": term.label, "source": term.source, "direction": ref})
+    out = {"format": PRESET_FORMAT, "version": PRESET_VERSION, "multiplier": float(stack.multiplier), "terms": terms}
+    if model_id:
+        out["model_id"] = model_id
+    return out
+
+
+TERM_FIELDS = {"site", "strength", "method", "unit", "where", "label", "source", "direction"}
+
+
+def _resolve(ref: Any, site: str, what: str, d_model: int | None) -> torch.Tensor:
+    if not isinstance(ref, dict) or len(ref) != 1 or next(iter(ref)) not in ("inline", "sae", "file"):
+        raise BadInputError(f"{what}: 'direction' must be one of {{'inline': ...}}, {{'sae': ...}}, {{'file': ...}}")
+    (how, body), = ref.items()
+    if how == "inline":
+        return _decode_vector(body, what)
+    wanted = ("folder", "latent", "sha256") if how == "sae" else ("path", "tensor", "sha256")
+    if not isinstance(body, dict) or set(body) != set(wanted):
+        raise BadInputError(f"{what}: a {how} reference holds exactly {list(wanted)}")
+    from saes.io import WEIGHTS_FILENAME
+
+    path = Path(str(body["folder"])) / WEIGHTS_FILENAME if how == "sae" else Path(str(body["path"]))
+    if not path.is_file():
+        raise BadInputError(f"{what}: the stored {'SAE' if how == 'sae' else 'vector'} {path} does not exist here")
+    if sha256_file(path) != body["sha256"]:
+        raise BadInputError(f"{what}: {path} has changed since the preset was saved (its sha256 differs); "
+                            "it would steer with another direction")
+    if how == "file":
+        from probes.interventions import load_vector
+
+        return load_vector(path, body["tensor"])
+    from analyses.steering import sae_feature_direction
+    from saes.io import load_sae
+
+    latent = body["latent"]
+    latent = checks.integer(f"{what}'s SAE latent", latent, low=0)
+    width = d_model if d_model is not None else int(load_sae(str(body["folder"])).cfg.d_in)
+    return sae_feature_direction(str(body["folder"]), latent, width, site)
+
+
+def from_preset(data: Any, d_model: int | None = None) -> SteeringStack:
+    """A stack from `to_preset`'s dict, every field checked (a malformed one names its term and field)."""
+    if not isinstance(data, dict) or data.get("format") != PRESET_FORMAT:
+        raise BadInputError(f"not a steering-stack preset: a JSON object with \"format\": \"{PRESET_FORMAT}\"")
+    if data.get("version") != PRESET_VERSION:
+        raise BadInputError(f"preset version {data.get('version')!r}; this workbench reads version {PRESET_VERSION}")
+    terms_data = data.get("terms")
+    if not isinstance(terms_data, list):
+        raise BadInputError("the preset's 'terms' must be a list")
+    if len(terms_data) > MAX_TERMS:
+        raise BadInputError(f"the preset has {len(terms_data)} terms; a stack holds at most {MAX_TERMS}")
+    multiplier = _number(data.get("multiplier", 1.0), "the preset's multiplier")
+    terms = []
+    for i, raw in enumerate(terms_data):
+        what = f"preset term {i + 1}"
+        if not isinstance(raw, dict):
+            raise BadInputError(f"{what} is not a JSON object")
+        unknown, missing = sorted(set(raw) - TERM_FIELDS), sorted({"site", "direction"} - set(raw))
+        if unknown or missing:
+            raise BadInputError(f"{what}: " + "; ".join(
+                ([f"unknown field(s) {unknown}"] if unknown else []) + ([f"missing {missing}"] if missing else [])))
+        for name in ("site", "method", "unit", "where", "label"):
+            if name in raw and not isinstance(raw[name], str):
+                raise BadInputError(f"{what}: '{name}' must be text, got {raw[name]!r}")
+        if not isinstance(raw.get("source", {}), dict):
+            raise BadInputError(f"{what}: 'source' must be a JSON object")
+        vector = _resolve(raw["direction"], raw["site"], what, d_model)
+        try:
+            term = StackTerm(raw["site"], vector, _number(raw.get("strength", 1.0), f"{what}'s strength"),
+                             raw.get("method", "add"), raw.get("unit", "norm"), raw.get("where", "all"),
+                             raw.get("label", ""), dict(raw.get("source", {})))
+        except BadInputError as err:
+            raise BadInputError(f"{what}: {err}") from err
+        term.check(d_model, what)
+        terms.append(term)
+    return SteeringStack(terms, multiplier)
+
+
+def save_preset(stack: SteeringStack, path: str | Path, inline: bool = False, model_id: str = "") -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(to_preset(stack, inline, model_id), indent=1))
+    return path
+
+
+def preset_from_bytes(data: bytes, d_model: int | None = None) -> SteeringStack:
+    """A stack from a preset file's bytes (an upload): not JSON, or not a preset, is a clear error."""
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadInputError(f"the preset is not a JSON file ({err})") from err
+    return from_preset(parsed, d_model)
+
+
+def load_preset(path: str | Path, d_model: int | None = None) -> SteeringStack:
+    path = Path(path)
+    if not path.is_file():
+        raise BadInputError(f"preset file {path} does not exist")
+    return preset_from_bytes(path.read_bytes(), d_model)

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 CONFIDENCE = 0.95
@@ -94,9 +95,8 @@ def split_three(items: Sequence[Any], n_calibration: int, n_development: int, n_
     keys = [key(x) for x in items]
     if len(set(keys)) != len(keys):
         raise BadInputError("the problems to split hold duplicates; remove them so no problem sits in two splits")
-    for name, n in (("calibration", n_calibration), ("development", n_development)):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise BadInputError(f"the {name} split needs a count >= 0, got {n!r}")
+    n_calibration = checks.integer("n_calibration", n_calibration, low=0)
+    n_development = checks.integer("n_development", n_development, low=0)
     rest = len(items) - n_calibration - n_development
     if n_evaluation is None:
         n_evaluation = rest
@@ -277,12 +277,42 @@ def paired_difference_interval(method: Sequence[float], baseline: Sequence[float
     return bootstrap_interval(a - b, **kwargs)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from `n` samples of which `c` are correct (Chen et al. 2021).
+
+    Equals 1 - C(n-c, k) / C(n, k), computed as a product so large `n` does not overflow.
+
+    >>> round(pass_at_k(5, 2, 1), 12), round(pass_at_k(5, 2, 2), 12), pass_at_k(5, 4, 2)
+    (0.4, 0.7, 1.0)
+    """
+    n, c, k = (checks.integer(f"pass@k's {label}", value) for label, value in (("n", n), ("c", c), ("k", k)))
+    if not 0 <= c <= n:
+        raise BadInputError(f"pass@k needs 0 <= c <= n, got c={c}, n={n}.")
+    if not 1 <= k <= n:
+        raise BadInputError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}; draw more samples.")
+    if n - c < k:
+        # Every k-subset of the samples holds at least one correct one.
+        return 1.0
+    # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i)
+    return float(1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1)))
+
+
+def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float:
+    """Mean pass@k over problems, each given as (samples drawn, samples correct).
+
+    >>> round(mean_pass_at_k([(5, 2), (5, 0)], k=1), 12)
+    0.2
+    """
+    values = [pass_at_k(n, c, k) for n, c in counts]
+    if not values:
+        raise BadInputError("mean_pass_at_k needs at least one (n, c) pair.")
+    return sum(values) / len(values)
+
+
 def pass_at_k_interval(counts: Sequence[tuple[int, int]], k: int, *, confidence: float = CONFIDENCE,
                        n_resamples: int = N_RESAMPLES, seed: int = 0) -> Interval:
     """Mean unbiased pass@k over problems, each given as (samples drawn, samples correct), with its
     bootstrap interval over problems."""
-    from analyses.tasks import pass_at_k
-
     per_problem = [pass_at_k(int(n), int(c), k) for n, c in counts]
     return bootstrap_interval(per_problem, confidence=confidence, n_resamples=n_resamples, seed=seed)
 

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from analyses.problem import Problem
 from thoughtscope.errors import BadInputError
 
 NAME = "toy-reasoner"
@@ -37,7 +38,7 @@ KIND_TO_RISE = {"reflection": "reflection", "backtrack": "backtracking"}
 
 
 def _reasoner():
-    from probes.toys import reasoner
+    from probes.toys import reasoner  # torch: drawn only when organism problems are, so analyses.tasks stays torch-free
 
     return reasoner
 
@@ -80,11 +81,9 @@ def behaviour_counts(text: str) -> dict[str, int]:
     return {k: counts.get(k, 0) for k in (*_reasoner().KINDS, _reasoner().OTHER)}
 
 
-def organism_problems(n: int, split: str = "eval", seed: int = 0, size: str = "full") -> list[Any]:
+def organism_problems(n: int, split: str = "eval", seed: int = 0, size: str = "full") -> list[Problem]:
     """`n` problems of one of the generator's own splits (train, calibration, dev, eval: disjoint by
     construction), each with its planted trace and ground truth in `meta`."""
-    from analyses.tasks import Problem
-
     r = _reasoner()
     if split not in SPLITS:
         raise BadInputError(f"split {split!r}; use one of calibration, dev, eval")

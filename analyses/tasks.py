@@ -29,46 +29,23 @@ True
 from __future__ import annotations
 
 import json
-import math
 import random
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from importlib.resources import files
 from typing import Any
 
+from analyses.evaluation import Splits, mean_pass_at_k, pass_at_k, split_three
+from analyses.organism import organism_problems, size_of
+from analyses.problem import Problem
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 TASK_NAMES = ("arith", "arith2", "arith-mixed", "gsm8k", "toy-reasoner", "toy-reasoner:small")
 ORGANISM_TASKS = ("toy-reasoner", "toy-reasoner:small")
 
 GSM8K_FILE = "gsm8k_test.jsonl"
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One question with a single canonical numeric answer.
-
-    `answer` is already normalised (``"18"``, not ``"18.0"`` or ``"$18"``), so two problems
-    compare by string. `meta` holds what made the problem (operands and operators for the
-    generated ones) so tests and analyses can recompute the answer; it is left out of the hash
-    because a dict cannot be hashed.
-    """
-
-    id: str
-    question: str
-    answer: str
-    source: str
-    steps: int
-    meta: dict[str, Any] = field(default_factory=dict, hash=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Problem:
-        return cls(**data)
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -208,8 +185,6 @@ def known_answer(question: str) -> str | None:
     >>> known_answer("What is the capital of France?") is None
     True
     """
-    import re
-
     text = " ".join(str(question).split())
     names = "|".join(re.escape(n) for n, _ in _NAMES)
     objects = "|".join(re.escape(o) for o in _OBJECTS)
@@ -313,8 +288,6 @@ def load_task(name: str, n: int, seed: int = 0, split: str = "eval") -> list[Pro
     """
     _check_count(n)
     if name in ORGANISM_TASKS:
-        from analyses.organism import organism_problems, size_of
-
         return organism_problems(n, split=split, seed=seed, size=size_of(name))
     if name == "arith":
         return arithmetic_problems(n, steps=1, seed=seed)
@@ -336,8 +309,6 @@ def load_splits(name: str, n_calibration: int, n_development: int, n_evaluation:
     >>> load_splits("arith", 2, 3, 5, seed=0).sizes()
     {'calibration': 2, 'development': 3, 'evaluation': 5}
     """
-    from analyses.evaluation import Splits, split_three
-
     if name in ORGANISM_TASKS:
         parts = [load_task(name, k, seed=seed, split=split) if k else []
                  for k, split in ((n_calibration, "calibration"), (n_development, "dev"), (n_evaluation, "eval"))]
@@ -533,40 +504,3 @@ def is_correct(prediction: str | int | float | None, target: Problem | str | int
         return str(prediction).strip().casefold() == expected.strip().casefold()
     predicted = extract_answer(str(prediction))
     return predicted is not None and _parse_number(predicted) == expected_number
-
-
-# --------------------------------------------------------------------------- pass@k
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from `n` samples of which `c` are correct (Chen et al. 2021).
-
-    Equals 1 - C(n-c, k) / C(n, k), computed as a product so large `n` does not overflow.
-
-    >>> round(pass_at_k(5, 2, 1), 12), round(pass_at_k(5, 2, 2), 12), pass_at_k(5, 4, 2)
-    (0.4, 0.7, 1.0)
-    """
-    for label, value in (("n", n), ("c", c), ("k", k)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise BadInputError(f"pass@k needs integer {label}, got {value!r}.")
-    if not 0 <= c <= n:
-        raise BadInputError(f"pass@k needs 0 <= c <= n, got c={c}, n={n}.")
-    if not 1 <= k <= n:
-        raise BadInputError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}; draw more samples.")
-    if n - c < k:
-        # Every k-subset of the samples holds at least one correct one.
-        return 1.0
-    # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i)
-    return float(1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1)))
-
-
-def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float:
-    """Mean pass@k over problems, each given as (samples drawn, samples correct).
-
-    >>> round(mean_pass_at_k([(5, 2), (5, 0)], k=1), 12)
-    0.2
-    """
-    values = [pass_at_k(n, c, k) for n, c in counts]
-    if not values:
-        raise BadInputError("mean_pass_at_k needs at least one (n, c) pair.")
-    return sum(values) / len(values)

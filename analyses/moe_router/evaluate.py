@@ -11,7 +11,7 @@ abstract is public; the evaluation here is our reconstruction (METHODS.md sectio
 2. Then each method runs once on the evaluation split: greedy; token temperature sampling at each T
    of `TEMPERATURES`; Expert-Sample at the chosen setting (greedy tokens); Expert-Sample + temperature.
 3. Per method: pass@k for k = 1..N (the unbiased estimator of Chen et al. 2021,
-   `analyses.tasks.pass_at_k`) and best-of-n (the sample the model itself scores highest, mean token
+   `analyses.evaluation.pass_at_k`) and best-of-n (the sample the model itself scores highest, mean token
    log-prob, checked by the task's verifier) and majority@n, each with a 95% bootstrap interval over
    problems. With the verifier itself as the selector best-of-n is pass@n ("oracle").
 4. Paired tests on the same problems: pass@1 per problem (Wilcoxon signed-rank, with the paired
@@ -41,6 +41,7 @@ import numpy as np
 from analyses.evaluation import (Choice, bootstrap_interval, choose_on_dev, mcnemar_exact, paired_difference_interval,
                                  pass_at_k_interval, wilcoxon_test)
 from analyses.moe_router.problems import Item, load_items, resolve_task
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 TEMPERATURES = (0.3, 0.6, 1.0)
@@ -148,7 +149,7 @@ class Method:
                 "active_experts": self.active_experts}
 
 
-def arch_of(backend: Any) -> Any:
+def arch_of(backend: Backend) -> Any:
     """The backend's `ArchInfo` rebuilt from `info()["arch"]` (what router rules validate against)."""
     from probes.zoo import ArchInfo
 
@@ -157,7 +158,7 @@ def arch_of(backend: Any) -> Any:
     return ArchInfo(**{k: tuple(v) if k == "moe_layers" else v for k, v in d.items() if k in fields})
 
 
-def require_moe(backend: Any) -> Any:
+def require_moe(backend: Backend) -> Any:
     """The backend's ArchInfo, or a clear error for a dense model (before any model work)."""
     from probes.backend import require
 
@@ -244,7 +245,7 @@ def batch_seed(seed: int, batch: int) -> int:
     return int(seed) * 100_003 + int(batch)
 
 
-def draw_samples(backend: Any, items: Sequence[Item], method: Method, n_samples: int, *, max_new_tokens: int = 48,
+def draw_samples(backend: Backend, items: Sequence[Item], method: Method, n_samples: int, *, max_new_tokens: int = 48,
                  seed: int = 0, batch_rows: int = 128, keep_texts: bool = False, progress: Progress | None = None,
                  stage: str | None = None) -> Samples:
     """Draw `n_samples` answers per problem with `method` (one per problem when the method is deterministic),
@@ -311,7 +312,7 @@ def paired_tests(method: Samples, baseline: Samples, seed: int = 0, n_resamples:
 def _dev_row(samples: Samples) -> dict[str, Any]:
     n = samples.n_samples
     counts = samples.counts()
-    from analyses.tasks import mean_pass_at_k
+    from analyses.evaluation import mean_pass_at_k
 
     return {"pass@1": mean_pass_at_k(counts, 1), f"pass@{max(1, n // 4)}": mean_pass_at_k(counts, max(1, n // 4)),
             f"pass@{n}": mean_pass_at_k(counts, n), "mean_tokens": float(samples.tokens.mean()),
@@ -319,7 +320,7 @@ def _dev_row(samples: Samples) -> dict[str, Any]:
             "seconds": round(samples.seconds, 2)}
 
 
-def choose_expert_setting(backend: Any, dev: Sequence[Item], grid: Sequence[ExpertSetting], n_samples: int, *,
+def choose_expert_setting(backend: Backend, dev: Sequence[Item], grid: Sequence[ExpertSetting], n_samples: int, *,
                           temperature: float = 0.0, progress: Progress | None = None, **kw: Any) -> Choice:
     """The Expert-Sample setting with the highest dev pass@N (ties: dev pass@1), every setting measured."""
     grid = list(grid)
@@ -339,7 +340,7 @@ def choose_expert_setting(backend: Any, dev: Sequence[Item], grid: Sequence[Expe
                          objective_name=f"max dev {key}, ties: max dev pass@1")
 
 
-def choose_temperature(backend: Any, dev: Sequence[Item], temperatures: Sequence[float], n_samples: int, *,
+def choose_temperature(backend: Backend, dev: Sequence[Item], temperatures: Sequence[float], n_samples: int, *,
                        expert: ExpertSetting | None = None, name: str = "temperature",
                        progress: Progress | None = None, **kw: Any) -> Choice:
     """The token temperature (with `expert` routing, if given) with the highest dev pass@N (ties: pass@1)."""
@@ -402,7 +403,7 @@ class ExpertSampleReport:
         return out
 
 
-def evaluate_expert_sample(backend: Any, task: str = "auto", n: int = 100, n_dev: int = 40, n_samples: int = 16, *,
+def evaluate_expert_sample(backend: Backend, task: str = "auto", n: int = 100, n_dev: int = 40, n_samples: int = 16, *,
                            grid: Sequence[ExpertSetting] | None = None, temperatures: Sequence[float] = TEMPERATURES,
                            combined_temperatures: Sequence[float] | None = None, max_new_tokens: int = 48,
                            seed: int = 0, batch_rows: int = 128, n_resamples: int = 2000,
@@ -471,7 +472,7 @@ class ActiveExpertsReport:
         return {"model": self.model, "task": self.task, "k": self.k, "rows": self.rows, "settings": self.settings}
 
 
-def evaluate_active_experts(backend: Any, task: str = "auto", n: int = 100, ks: Sequence[int] | None = None, *,
+def evaluate_active_experts(backend: Backend, task: str = "auto", n: int = 100, ks: Sequence[int] | None = None, *,
                             max_new_tokens: int = 48, seed: int = 0, batch_rows: int = 128, n_resamples: int = 2000,
                             progress: Progress | None = None) -> ActiveExpertsReport:
     """Greedy accuracy with `TopK(k')` at every MoE layer for each k' in `ks` (default: k down to 1), each

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from probes.backend import Backend
 from probes.records import Trace
 from probes.sites import parse_site
 from thoughtscope.errors import BadInputError
@@ -93,7 +94,7 @@ class CompletionTrace:
     def attention_layers(self) -> list[int]:
         return sorted(s.layer for s in map(parse_site, self.trace.activations) if s.kind == "attn_pattern")
 
-    def pattern_of(self, backend: Any, layer: int) -> Trace:
+    def pattern_of(self, backend: Backend, layer: int) -> Trace:
         """The trace, with `attn_pattern.<layer>` in it (traced alone, once, if the first pass left it out)."""
         if not 0 <= int(layer) < self.n_layers:
             raise BadInputError(f"layer {layer} out of range; this model has layers 0..{self.n_layers - 1}")
@@ -113,22 +114,22 @@ def attention_bytes(n_layers: int, n_heads: int, seq: int) -> int:
     return n_layers * n_heads * seq * seq * 4
 
 
-def trace_completion(backend: Any, prompt: Any, generated_ids: Sequence[int], chat: bool = False,
+def trace_completion(backend: Backend, prompt: Any, generated_ids: Sequence[int], chat: bool = False,
                      attention_budget: int = ATTENTION_BUDGET_BYTES, attention: bool = True) -> CompletionTrace:
     """One teacher-forced pass over prompt + generated tokens capturing what every view needs."""
-    arch = backend.info()["arch"]
+    arch = backend.arch()
     prompt_ids = backend.encode(prompt, chat=chat)
     ids = list(prompt_ids) + [int(i) for i in generated_ids]
-    sites = resid_sites(arch["n_layers"])
+    sites = resid_sites(arch.n_layers)
     caps = backend.capabilities()
     if attention and caps.get("attention", True) and \
-            attention_bytes(arch["n_layers"], arch["n_heads"], len(ids)) <= attention_budget:
-        sites += attention_sites(arch["n_layers"])
+            attention_bytes(arch.n_layers, arch.n_heads, len(ids)) <= attention_budget:
+        sites += attention_sites(arch.n_layers)
     trace = backend.trace(ids, capture=sites)
-    return CompletionTrace(trace, len(prompt_ids), arch["n_layers"])
+    return CompletionTrace(trace, len(prompt_ids), arch.n_layers)
 
 
-def trace_with_completion(backend: Any, prompt: Any, generated_ids: Sequence[int], capture: Sequence[str],
+def trace_with_completion(backend: Backend, prompt: Any, generated_ids: Sequence[int], capture: Sequence[str],
                           chat: bool = False) -> Trace:
     """A teacher-forced trace of a prompt followed by the tokens a generation produced from it."""
     prompt_ids = backend.encode(prompt, chat=chat)
@@ -177,7 +178,7 @@ class LogitLensResult:
         return out
 
 
-def logit_lens(trace: Trace, backend: Any, start: int = 0, stop: int | None = None,
+def logit_lens(trace: Trace, backend: Backend, start: int = 0, stop: int | None = None,
                prompt_len: int | None = None) -> LogitLensResult:
     """softmax(unembed @ final_norm(resid_post.L)) at every layer and at positions [start, stop), through
     `backend.readout`: the top token and its probability, and the probability and rank of the next

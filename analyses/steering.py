@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from probes.backend import Backend
 from probes.engine import Sampling
 from thoughtscope.errors import BadInputError
 from probes.interventions import AddVector
@@ -61,7 +62,7 @@ def _clean_prompts(prompts: Sequence[str], what: str) -> list[str]:
     return kept
 
 
-def mean_activation(backend: Any, prompts: Sequence[str], site: str, reduce: str = "mean",
+def mean_activation(backend: Backend, prompts: Sequence[str], site: str, reduce: str = "mean",
                     chat: bool = False) -> torch.Tensor:
     """Mean activation at `site` over prompts; per prompt the mean over positions or the last position."""
     if reduce not in REDUCTIONS:
@@ -73,7 +74,7 @@ def mean_activation(backend: Any, prompts: Sequence[str], site: str, reduce: str
     return torch.stack(rows).mean(0).cpu()
 
 
-def diff_of_means_direction(backend: Any, prompts_a: Sequence[str], prompts_b: Sequence[str], site: str,
+def diff_of_means_direction(backend: Backend, prompts_a: Sequence[str], prompts_b: Sequence[str], site: str,
                             reduce: str = "mean", chat: bool = False) -> torch.Tensor:
     """mean(site | prompts_a) - mean(site | prompts_b): adding it pushes the model from B towards A."""
     a = _clean_prompts(prompts_a, "A")
@@ -159,7 +160,7 @@ class SteeringComparison:
                 "unsteered": self.unsteered.to_dict(), "steered": self.steered.to_dict()}
 
 
-def site_norm(backend: Any, prompt: Any, site: str, chat: bool = False) -> float:
+def site_norm(backend: Backend, prompt: Any, site: str, chat: bool = False) -> float:
     """Mean L2 norm of the activation at `site` over the prompt's positions, the first excluded (the
     first token is an attention sink whose residual norm is many times the others'): the unit of
     `unit="norm"` steering scales."""
@@ -183,7 +184,7 @@ def steering_vector(direction: Any, unit: str = "raw", reference_norm: float | N
     return v / norm * float(reference_norm)
 
 
-def generate_text(backend: Any, prompt: Any, *, interventions: Sequence[Any] = (), max_new_tokens: int = 32,
+def generate_text(backend: Backend, prompt: Any, *, interventions: Sequence[Any] = (), max_new_tokens: int = 32,
                   sampling: Sampling | None = None, seed: int = 0, chat: bool = False) -> GeneratedText:
     records = list(backend.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                                     interventions=list(interventions), chat=chat))
@@ -194,7 +195,7 @@ def _greedy(sampling: Sampling | None) -> bool:
     return sampling is None or sampling.greedy
 
 
-def generate_from_draft(backend: Any, prompt: Any, draft: GeneratedText, *, interventions: Sequence[Any] = (),
+def generate_from_draft(backend: Backend, prompt: Any, draft: GeneratedText, *, interventions: Sequence[Any] = (),
                         max_new_tokens: int = 32, chat: bool = False) -> tuple[GeneratedText, int]:
     """Greedy generation under `interventions` that starts by checking a `draft` continuation.
 
@@ -234,7 +235,7 @@ def generate_from_draft(backend: Any, prompt: Any, draft: GeneratedText, *, inte
     return head + tail, kept
 
 
-def continuation_perplexity(backend: Any, prompt: Any, continuation_ids: Sequence[int], chat: bool = False,
+def continuation_perplexity(backend: Backend, prompt: Any, continuation_ids: Sequence[int], chat: bool = False,
                             interventions: Sequence[Any] = ()) -> float | None:
     """exp(mean -log p) of the continuation's tokens after the prompt (under `interventions`, by default
     none: the unsteered model). None for an empty continuation."""
@@ -247,7 +248,7 @@ def continuation_perplexity(backend: Any, prompt: Any, continuation_ids: Sequenc
     return float(torch.exp(-lp.mean()))
 
 
-def steered_comparison(backend: Any, prompt: Any, site: str, direction: torch.Tensor, scale: float, *,
+def steered_comparison(backend: Backend, prompt: Any, site: str, direction: torch.Tensor, scale: float, *,
                        max_new_tokens: int = 32, sampling: Sampling | None = None, seed: int = 0,
                        chat: bool = False, unsteered: GeneratedText | None = None, unit: str = "raw",
                        reference_norm: float | None = None, draft: GeneratedText | None = None,
@@ -341,7 +342,7 @@ class SteeringGrid:
                              self.unsteered_perplexity, rows)
 
 
-def steering_grid(backend: Any, prompt: Any, site: str, direction: torch.Tensor, scales: Sequence[float], *,
+def steering_grid(backend: Backend, prompt: Any, site: str, direction: torch.Tensor, scales: Sequence[float], *,
                   max_new_tokens: int = 32, seed: int = 0, chat: bool = False, unit: str = "norm",
                   reference_norm: float | None = None, unsteered: GeneratedText | None = None,
                   on_progress: Any = None, watch: float | None = None, on_watched: Any = None) -> SteeringGrid:
@@ -389,7 +390,7 @@ def steering_grid(backend: Any, prompt: Any, site: str, direction: torch.Tensor,
                         float(direction.norm()), int(seed), unsteered, texts, time.perf_counter() - started)
 
 
-def add_perplexities(backend: Any, prompt: Any, grid: SteeringGrid, scales: Sequence[float] | None = None, *,
+def add_perplexities(backend: Backend, prompt: Any, grid: SteeringGrid, scales: Sequence[float] | None = None, *,
                      chat: bool = False, on_progress: Any = None) -> SteeringGrid:
     """Fill in the perplexity under the unsteered model of the grid's texts at `scales` (default: all)
     and of the unsteered text: one teacher-forced pass each, skipping those already known."""
@@ -430,7 +431,7 @@ class SteeringSweep:
         }
 
 
-def steering_sweep(backend: Any, prompt: Any, site: str, direction: torch.Tensor, scales: Sequence[float], *,
+def steering_sweep(backend: Backend, prompt: Any, site: str, direction: torch.Tensor, scales: Sequence[float], *,
                    max_new_tokens: int = 32, sampling: Sampling | None = None, seed: int = 0, chat: bool = False,
                    unit: str = "norm", reference_norm: float | None = None,
                    unsteered: GeneratedText | None = None, on_progress: Any = None) -> SteeringSweep:

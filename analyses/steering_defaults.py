@@ -40,6 +40,7 @@ import torch
 
 from analyses.steering import (continuation_perplexity, diff_of_means_direction, site_norm, steering_grid,
                                steering_vector)
+from probes.backend import Backend
 from probes.interventions import AddVector
 from thoughtscope.errors import BadInputError
 
@@ -125,7 +126,7 @@ def chat_input(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
 
-def word_ids(backend: Any, words: Sequence[str]) -> list[int]:
+def word_ids(backend: Backend, words: Sequence[str]) -> list[int]:
     """The first token of " word" for each word (duplicates dropped, order kept)."""
     ids: list[int] = []
     for w in words:
@@ -135,7 +136,7 @@ def word_ids(backend: Any, words: Sequence[str]) -> list[int]:
     return ids
 
 
-def target_logmass(backend: Any, ids: Sequence[int], n_prompt: int, targets: Sequence[int],
+def target_logmass(backend: Backend, ids: Sequence[int], n_prompt: int, targets: Sequence[int],
                    interventions: Sequence[Any] = (), n_positions: int = SCORED_POSITIONS) -> list[float]:
     """log sum_{t in targets} p(t | prefix) at the positions n_prompt - 1 .. n_prompt - 2 + n_positions
     of the teacher-forced sequence `ids` (under `interventions`)."""
@@ -161,7 +162,7 @@ def words_in_text(text: str, words: Sequence[str]) -> int:
     return sum(w.startswith(stems) for w in re.findall(r"[a-z]+", text.lower()))
 
 
-def measure_prompt(backend: Any, prompt: str, site: str, direction: torch.Tensor, targets: Sequence[int],
+def measure_prompt(backend: Backend, prompt: str, site: str, direction: torch.Tensor, targets: Sequence[int],
                    scales: Sequence[float] = SCALES, max_new_tokens: int = MAX_NEW_TOKENS,
                    words: Sequence[str] = ()) -> dict[str, Any]:
     """Target shift, perplexity and distinct-bigram fraction at every scale on one prompt."""
@@ -243,7 +244,7 @@ def choose_prompt(per_prompt: Sequence[dict[str, Any]], scale: float, guard: dic
     return max(ok, key=lambda p: (at(p).get("target_words_in_text", 0), at(p)["target_shift"]))["prompt"]
 
 
-def run(backend: Any, pairs: Sequence[Pair] = PAIRS, layers: Sequence[int] = LAYERS,
+def run(backend: Backend, pairs: Sequence[Pair] = PAIRS, layers: Sequence[int] = LAYERS,
         dev: Sequence[str] = DEV_PROMPTS, held_out: Sequence[str] = HELD_OUT_PROMPTS,
         scales: Sequence[float] = SCALES, log: Any = None) -> dict[str, Any]:
     """The whole measurement: every candidate on the development prompts, the choice, the held-out check."""

@@ -448,3 +448,53 @@ def load_preset(path: str | Path, d_model: int | None = None) -> SteeringStack:
     if not path.is_file():
         raise BadInputError(f"preset file {path} does not exist")
     return preset_from_bytes(path.read_bytes(), d_model)
+
+
+# ----------------------------------------------------------------------------- generating with a stack
+
+@dataclass
+class StackGeneration:
+    """The unsteered and the stack-steered text of one prompt and seed; `interventions` says what the stack
+    applied (one description per active term), `reused_tokens` how many greedy tokens a draft supplied."""
+
+    stack_key: str
+    multiplier: float
+    interventions: list[str]
+    unsteered: Any  # analyses.steering.GeneratedText
+    steered: Any
+    reference_norms: dict[str, float] = field(default_factory=dict)
+    reused_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stack_key": self.stack_key, "multiplier": self.multiplier, "interventions": list(self.interventions),
+                "reference_norms": dict(self.reference_norms), "reused_tokens": self.reused_tokens,
+                "unsteered": self.unsteered.to_dict(), "steered": self.steered.to_dict()}
+
+
+def stack_generation(backend: Any, prompt: Any, stack: SteeringStack, *, max_new_tokens: int = 32, seed: int = 0,
+                     chat: bool = False, sampling: Any = None, unsteered: Any = None, draft: Any = None,
+                     norms: dict[str, float] | None = None) -> StackGeneration:
+    """Generate with the whole stack (its interventions in order) beside the unsteered text of the same seed.
+
+    Greedy decoding checks a draft first (`draft`, else the unsteered text: `generate_from_draft`, the
+    accept rule of speculative decoding), so a slider move regenerates only the tokens after the first
+    change; sampled decoding generates from the seed. A stack whose every strength is 0 is the unsteered
+    text. Everything is checked before any model work."""
+    from analyses.steering import generate_from_draft, generate_text
+
+    d_model = backend.arch().d_model
+    stack.check(d_model)
+    norms = dict(norms) if norms is not None else reference_norms(backend, prompt, stack, chat)
+    ivs = stack.interventions(norms, d_model)
+    kwargs = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat)
+    base = unsteered if unsteered is not None else generate_text(backend, prompt, **kwargs)
+    reused = 0
+    if not ivs:
+        steered, reused = base, len(base.token_ids)
+    elif (sampling is None or sampling.greedy) and (draft or base).token_ids:
+        steered, reused = generate_from_draft(backend, prompt, draft or base, interventions=ivs,
+                                              max_new_tokens=max_new_tokens, chat=chat)
+    else:
+        steered = generate_text(backend, prompt, interventions=ivs, **kwargs)
+    return StackGeneration(stack.key(), float(stack.multiplier), [iv.describe() for iv in ivs], base, steered,
+                           norms, reused)

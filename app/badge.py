@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from probes.backend import Backend
+
 COLOURS = {"pass": "green", "warn": "orange", "fail": "red"}
 ICONS = {"pass": "verified", "warn": "warning", "fail": "error"}
 LABELS = {"pass": "numbers checked", "warn": "numbers: check the warnings", "fail": "numbers differ from the model"}
@@ -44,14 +46,14 @@ def badge_tooltip(summary: dict[str, Any]) -> str:
     return "\n\n".join(lines)
 
 
-def in_process_engine(backend: Any) -> Any | None:
+def in_process_engine(backend: Backend) -> Any | None:
     """The backend when it is an engine of this process with local weights (it can validate itself)."""
     from probes.engine import Engine
 
     return backend if isinstance(backend, Engine) and not backend.handle.remote else None
 
 
-def current_badge(backend: Any, start: bool = True) -> dict[str, Any] | None:
+def current_badge(backend: Backend, start: bool = True) -> dict[str, Any] | None:
     """The cached badge, or None; with `start`, an in-process model without one begins validating in the background."""
     from thoughtscope.errors import ThoughtscopeError
 

@@ -41,6 +41,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from probes.backend import Backend
+
 GOALS = {"page_first_figure_switch": 1.0, "page_first_figure_new_tab": 2.0, "steer_slider": 1.5, "feature_browse": 1.0,
          "job_stop": 2.0, "page_first_result": 2.0}
 
@@ -83,7 +85,7 @@ def _page_slider_moves(model_id: str, moves: tuple[float, ...], max_new_tokens: 
     return {"first_s": first, "runs_s": runs, "texts": shown}
 
 
-def bench_steer_slider(backend: Any, moves: tuple[float, ...] = (0.75, 1.0, -0.5, -1.0, 1.5, 0.25),
+def bench_steer_slider(backend: Backend, moves: tuple[float, ...] = (0.75, 1.0, -0.5, -1.0, 1.5, 0.25),
                        max_new_tokens: int = 48, page: bool = True) -> dict[str, Any]:
     """What the Steering page does (greedy): the first draw of a direction generates every slider stop in
     one batch; a move reads it. Timed: that batch, the page's rerun after each move (with `page`), and
@@ -133,7 +135,7 @@ def bench_steer_slider(backend: Any, moves: tuple[float, ...] = (0.75, 1.0, -0.5
     return row
 
 
-def bench_feature_browse(backend: Any, n_contexts: int = 10_000, latents: int = 5, k: int = 20,
+def bench_feature_browse(backend: Backend, n_contexts: int = 10_000, latents: int = 5, k: int = 20,
                          layer: int | None = None) -> list[dict[str, Any]]:
     """Index `n_contexts` generated problems once (cached), train a small SAE on a sample of the rows,
     then time browses of `latents` latents and of one vector. The site defaults to a quarter of the
@@ -356,7 +358,7 @@ def run_views(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
 class _StampedBackend:
     """A backend whose model calls stamp when they ended (`last_call_end`, perf_counter seconds)."""
 
-    def __init__(self, backend: Any):
+    def __init__(self, backend: Backend):
         self._backend, self.last_call_end, self.calls = backend, 0.0, 0
 
     def __getattr__(self, name: str) -> Any:
@@ -385,7 +387,7 @@ class _StampedBackend:
         return out
 
 
-def bench_job_stop(backend: Any, stop_after_s: tuple[float, ...] = (3.0, 8.0, 15.0, 25.0)) -> dict[str, Any]:
+def bench_job_stop(backend: Backend, stop_after_s: tuple[float, ...] = (3.0, 8.0, 15.0, 25.0)) -> dict[str, Any]:
     """Start the CoT calibration as a job (`app.jobs.JobRegistry`), press Stop `stop_after_s` seconds in
     (a fresh job each time), and time Stop -> the job's last model call ended, and -> its thread ended."""
     import tempfile

@@ -21,8 +21,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+from probes.backend import Backend
 from probes.engine import Sampling
 from probes.tokens import MAX_PROMPT_CHARS
 from thoughtscope.errors import BadInputError, ThoughtscopeError
@@ -152,7 +154,7 @@ class GenerationSettings:
 class PageContext:
     """The sidebar's choices. `prompt` is what the user typed; `model_input()` is what the model gets."""
 
-    backend: Any
+    backend: Backend
     model_id: str
     prompt: str
     chat: bool = True
@@ -200,9 +202,9 @@ class PageContext:
         asked = (json.dumps(model_input), self.prompt_warn_tokens, max_new)
         if self._estimate is not None and self._estimate[0] == asked:  # model_input() runs often in one page
             return self._estimate[1]
-        # info() once per context: through a server it is a request
+        # arch() once per context (a client reads it once from the server's /info)
         context = self._context_length = (self._context_length if self._context_length != -1
-                                          else self.backend.info().get("arch", {}).get("context_length"))
+                                          else self.backend.arch().context_length)
         limit = min(self.prompt_warn_tokens, (context - max_new) if context else self.prompt_warn_tokens)
         estimate = None
         if _input_bytes(model_input) + TEMPLATE_ALLOWANCE > limit:
@@ -394,3 +396,11 @@ def compute(key: str, work: Callable[[], Any], *, start: bool, spinner: str | No
         return None
     registry.keep(key, result, kind=kind, label=spinner or kind, page=page)
     return result
+
+
+def read_json(path: str | Path) -> Any:
+    """A JSON file the user named (an evaluation report): its content, or a `BadInputError` saying why not."""
+    try:
+        return json.loads(Path(path).expanduser().read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise BadInputError(f"cannot read {path}: {err}") from err

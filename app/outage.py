@@ -16,6 +16,9 @@ from urllib.parse import urlparse
 
 import streamlit as st
 
+from probes.arch import ArchInfo
+from probes.backend import Backend
+
 OUTAGE = "_ts_server_outage"  # this run's lost server: {"url", "cause", "model_id"}, or absent
 SEEN = "_ts_server_seen"  # per server URL: its last info() and capabilities()
 POLLS = "_ts_outage_polls"
@@ -26,7 +29,7 @@ class LastKnownServer:
     """The `Backend` of a server that stopped answering: `info()` and `capabilities()` are its last
     answers; every other call goes to the real client (and raises its error while the server is away)."""
 
-    def __init__(self, backend: Any, info: dict[str, Any], capabilities: dict[str, bool]):
+    def __init__(self, backend: Backend, info: dict[str, Any], capabilities: dict[str, bool]):
         self._backend, self._info, self._capabilities = backend, info, capabilities
 
     def info(self) -> dict[str, Any]:
@@ -35,11 +38,14 @@ class LastKnownServer:
     def capabilities(self) -> dict[str, bool]:
         return self._capabilities
 
+    def arch(self) -> ArchInfo:
+        return ArchInfo.from_dict(self._info["arch"])
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
 
 
-def remember(url: str, backend: Any, info: dict[str, Any]) -> None:
+def remember(url: str, backend: Backend, info: dict[str, Any]) -> None:
     """After a good answer: keep the server's info (and, once per model, its capabilities)."""
     seen = st.session_state.setdefault(SEEN, {})
     last = seen.get(url)
@@ -48,7 +54,7 @@ def remember(url: str, backend: Any, info: dict[str, Any]) -> None:
     seen[url] = {**last, "info": dict(info)}
 
 
-def last_known(url: str, backend: Any) -> LastKnownServer | None:
+def last_known(url: str, backend: Backend) -> LastKnownServer | None:
     """`backend` answering with what the server at `url` last said; None if it never answered here."""
     last = st.session_state.get(SEEN, {}).get(url)
     return None if last is None else LastKnownServer(backend, last["info"], last["capabilities"])

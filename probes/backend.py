@@ -27,8 +27,37 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from probes.arch import ArchInfo
 from probes.records import Readout, TokenRecord, Trace
 from thoughtscope.errors import BadInputError
+
+
+class PrefixHandle(Protocol):
+    """What a method may read of a prefix state (`probes.engine.PrefixState`, `probes.client.RemotePrefix`)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def ids(self) -> list[int]: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+
+class TokenStream(Protocol):
+    """What `generate` returns: the records as they are made (`probes.engine.GenerationStream`,
+    `probes.client.RemoteStream`); `records` holds those seen so far, `close()` stops the generation."""
+
+    records: list[TokenRecord]
+
+    def __iter__(self) -> Iterator[TokenRecord]: ...
+
+    def __next__(self) -> TokenRecord: ...
+
+    def close(self) -> None: ...
+
+    def text(self, batch_index: int = 0) -> str: ...
 
 
 @runtime_checkable
@@ -36,14 +65,18 @@ class Backend(Protocol):
     # ----- the model -----
 
     def info(self) -> dict[str, Any]:
-        """Model id, fingerprint, device, dtype, family, `arch` facts (see `ModelHandle.info`)."""
+        """Model id, fingerprint, device, dtype, family, `arch` facts as a dict (see `ModelHandle.info`);
+        read model facts through `arch()`, which types them."""
+
+    def arch(self) -> ArchInfo:
+        """The model's architecture facts (layers, heads, widths, vocabulary, experts), typed."""
 
     def sites(self) -> list[dict[str, Any]]:
         """Every hook site of the model: rows of site, shape, tl_hook, doc."""
 
     def capabilities(self) -> dict[str, bool]:
         """What this backend can do: generate, trace, interventions, fork, capture_batch, readout,
-        grad, attention, kv_policy, router, vision (see `probes.engine.CAPABILITIES`)."""
+        grad, attention, kv_policy, router, vision, head_gates (see `probes.engine.CAPABILITIES`)."""
 
     # ----- tokens -----
 
@@ -64,21 +97,22 @@ class Backend(Protocol):
     def generate(self, prompt: Any = None, *, prompts: Sequence[Any] | None = None, n_samples: int = 1,
                  max_new_tokens: int = 64, sampling: Any = None, seed: int = 0, capture: Sequence[str] = (),
                  interventions: Sequence[Any] = (), top_k: int = 5, stop: Sequence[str] = (),
-                 chat: bool = False) -> Iterator[TokenRecord]:
-        """Stream one record per new token (see `Engine.generate`)."""
+                 chat: bool = False, images: Any = None) -> TokenStream:
+        """Stream one record per new token (see `Engine.generate`); a VLM takes `images` (one per prompt)."""
 
     def trace(self, text: Any, capture: Sequence[str] = (), interventions: Sequence[Any] = (),
-              chat: bool = False) -> Trace:
+              chat: bool = False, images: Sequence[Any] | None = None) -> Trace:
         """One teacher-forced pass (see `Engine.trace`)."""
 
     def capture(self, text: Any, capture: Sequence[str], interventions: Sequence[Any] = (),
-                chat: bool = False) -> dict[str, torch.Tensor]:
+                chat: bool = False, images: Sequence[Any] | None = None) -> dict[str, torch.Tensor]:
         """One forward, the named sites out: {site: [seq, ...]}."""
 
     def capture_batch(self, sequences: Sequence[list[int]], capture: Sequence[str], prefix: Any = None,
-                      stop_after_last_site: bool = True,
-                      positions: Sequence[Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
-        """Batched teacher-forced capture, optionally reusing a prefix state and keeping only `positions`."""
+                      stop_after_last_site: bool = True, positions: Sequence[Sequence[int]] | None = None,
+                      interventions: Sequence[Any] = ()) -> dict[str, torch.Tensor]:
+        """Batched teacher-forced capture, optionally reusing a prefix state, keeping only `positions`,
+        under `interventions`."""
 
     def head_means(self, texts: Sequence[str], layer: int) -> torch.Tensor:
         """Mean per-head attention output at `z.layer` [n_heads, head_dim] (for mean ablation)."""
@@ -100,7 +134,7 @@ class Backend(Protocol):
 
     # ----- prefix states -----
 
-    def prefill(self, prompt: Any, chat: bool = False, base: Any = None, images: Any = None) -> Any:
+    def prefill(self, prompt: Any, chat: bool = False, base: Any = None, images: Any = None) -> PrefixHandle:
         """Run a prefix once (extending `base` when given) and keep its state for forks; a VLM takes the
         prompt's `images` (then forks start after the image tokens)."""
 
@@ -111,8 +145,13 @@ class Backend(Protocol):
     def free(self, state: Any) -> None:
         """Release a prefix state."""
 
+    # ----- RLKV head gates (capability "head_gates": in-process only) -----
 
-def require(backend: Any, *needed: str) -> None:
+    def head_gates(self, sink: int = 128, recent: int = 256, init: float = 1.0, gates: Any = None) -> Any:
+        """A `probes.gates.GateSession` (see `Engine.head_gates`); `require(backend, "head_gates")` first."""
+
+
+def require(backend: Backend, *needed: str) -> None:
     """Raise a `BadInputError` naming what is missing when `backend` lacks a capability."""
     have = backend.capabilities()
     missing = [name for name in needed if not have.get(name, False)]
@@ -123,7 +162,7 @@ def require(backend: Any, *needed: str) -> None:
 
 
 def open_backend(model: str | None = None, server: str | None = None, token: str | None = None,
-                 timeout: float = 600.0, **load_kwargs: Any) -> Any:
+                 timeout: float = 600.0, **load_kwargs: Any) -> Backend:
     """The backend a CLI or script asked for: a model server at `server`, else `model` in this process."""
     if server:
         from probes.client import RemoteBackend

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import torch
 
+from probes.arch import ArchInfo
 from probes.optimize import EntropyFit
 from probes.records import Readout, TokenRecord, Trace
 from probes.tokens import TokenizerOps, tokenizer_from_files
@@ -123,6 +124,7 @@ class RemoteBackend:
         self._ops: TokenizerOps | None = None
         self._ops_lock = threading.Lock()
         self._info: dict[str, Any] | None = None
+        self._arch: ArchInfo | None = None
         self.server_info: dict[str, Any] = {}  # what GET /info says of the server itself (its request budget)
         self._queue_ticket: str | None = None  # our place in line after a 503, sent with the next request
 
@@ -144,11 +146,18 @@ class RemoteBackend:
         self._info = body
         return self._info
 
+    def arch(self) -> ArchInfo:
+        """The served model's `ArchInfo`, rebuilt from /info's "arch" section (read once: it cannot change)."""
+        if self._arch is None:
+            self._arch = ArchInfo.from_dict((self._info or self.info())["arch"])
+        return self._arch
+
     def sites(self) -> list[dict[str, Any]]:
         return self._call("GET", "/sites")
 
     def capabilities(self) -> dict[str, bool]:
-        return self._call("GET", "/capabilities")
+        # head gates train on the model's own weights in the process that holds it: never through a server
+        return {**self._call("GET", "/capabilities"), "head_gates": False}
 
     # ----- tokens: encoded here, with the server's tokenizer (fetched once) -----
 
@@ -213,8 +222,11 @@ class RemoteBackend:
         return self.trace(text, capture=capture, interventions=interventions, chat=chat, images=images).activations
 
     def capture_batch(self, sequences: Sequence[list[int]], capture: Sequence[str], prefix: Any = None,
-                      stop_after_last_site: bool = True,
-                      positions: Sequence[Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+                      stop_after_last_site: bool = True, positions: Sequence[Sequence[int]] | None = None,
+                      interventions: Sequence[Any] = ()) -> dict[str, torch.Tensor]:
+        if interventions:
+            raise BadInputError("capture_batch with interventions runs in the process that holds the model; the "
+                                "server's /capture_batch takes none (use trace per sequence, or an in-process engine)")
         body = {"sequences": [[int(t) for t in seq] for seq in sequences], "capture": list(capture),
                 "prefix": self._state_id(prefix) if prefix is not None else None,
                 "stop_after_last_site": stop_after_last_site,
@@ -282,6 +294,11 @@ class RemoteBackend:
 
     def free(self, state: Any) -> None:
         self._call("POST", f"/free/{self._state_id(state)}")
+
+    def head_gates(self, sink: int = 128, recent: int = 256, init: float = 1.0, gates: Any = None) -> Any:
+        """Refused: capability "head_gates" is in-process only (the gates train against the model's weights)."""
+        raise BadInputError("head gates need the model in this process (capability head_gates); load it with "
+                            "--model instead of --server")
 
     def _state_id(self, state: Any) -> str:
         if not isinstance(state, RemotePrefix):

@@ -41,7 +41,7 @@ from probes.interventions import Intervention, MaskAttention
 from probes.records import Readout, TokenRecord, Trace
 from probes.sites import FAMILIES, Site, get_module, list_sites, validate_site
 from probes.tokens import MAX_PROMPT_CHARS, Prompt, TokenizerOps  # noqa: F401  (MAX_PROMPT_CHARS re-exported)
-from probes.zoo import ModelHandle, load_model
+from probes.zoo import ArchInfo, ModelHandle, load_model
 from thoughtscope.errors import BadInputError
 
 MAX_NEW_TOKENS_LIMIT = 8192
@@ -49,7 +49,7 @@ MAX_READOUT_ROWS = 65_536
 
 # What a backend can do (`capabilities()`): a page declares what it needs from this list.
 CAPABILITIES = ("generate", "trace", "interventions", "fork", "capture_batch", "readout", "grad", "attention",
-                "kv_policy", "router", "vision")
+                "kv_policy", "router", "vision", "head_gates")
 
 
 @dataclass(frozen=True)
@@ -297,6 +297,10 @@ class Engine:
         # with the model's correctness badge (probes.validate; None until validated), so the server's
         # /info and every provenance record built from info() carry it
         return {**self.handle.info(), "validation": cached_summary(self.handle)}
+
+    def arch(self) -> ArchInfo:
+        """The model's typed architecture facts (what `info()["arch"]` holds as a dict)."""
+        return self.handle.arch
 
     def sites(self) -> list[dict[str, Any]]:
         return list_sites(self.handle.arch)

@@ -56,7 +56,14 @@ def engine():
 
 def test_both_backends_implement_the_whole_protocol(remote, engine):
     assert isinstance(remote, Backend) and isinstance(engine, Backend)
-    assert remote.capabilities() == engine.capabilities()
+    # everything but the head gates, which train against the weights in the process that holds them
+    assert remote.capabilities() == {**engine.capabilities(), "head_gates": False} and engine.capabilities()["head_gates"]
+    assert remote.arch() == engine.arch() and remote.arch().moe_layers == engine.arch().moe_layers == ()
+    assert remote.arch().to_dict() == engine.info()["arch"]
+    with pytest.raises(BadInputError, match="head gates need the model in this process"):
+        remote.head_gates(sink=1, recent=2)
+    with pytest.raises(BadInputError, match="capture_batch with interventions runs in the process"):
+        remote.capture_batch([[1, 2, 3]], ["resid_post.0"], interventions=[object()])
     assert remote.encode("2 + 2 = ?", chat=True) == engine.encode("2 + 2 = ?", chat=True)
     ids = engine.encode("Sara has 9 pencils.")
     assert remote.decode(ids) == engine.decode(ids) and remote.token_texts(ids) == engine.token_texts(ids)
@@ -210,6 +217,6 @@ def test_a_page_states_what_it_needs_and_ndif_handles_say_what_they_lack(engine)
     remote_only = Engine(engine.handle)
     remote_only.handle = type(engine.handle)(**{**engine.handle.__dict__, "remote": True})
     have = remote_only.capabilities()
-    assert have["trace"] and not have["fork"] and not have["generate"] and not have["grad"]
+    assert have["trace"] and not have["fork"] and not have["generate"] and not have["grad"] and not have["head_gates"]
     with pytest.raises(BadInputError, match="cannot do fork"):
         require(remote_only, "fork")

@@ -18,6 +18,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from app.context import (CONFIRM_LABEL, GenerationSettings, GenerationSpeed, LongPromptError,  # noqa: E402
                          PageContext, measured_speed, prompt_warn_default, record_speed)
+from probes.arch import ArchInfo  # noqa: E402
 from probes.tokens import MAX_PROMPT_CHARS  # noqa: E402
 from thoughtscope.errors import BadInputError  # noqa: E402
 
@@ -33,6 +34,10 @@ class CountingBackend:
     def info(self):
         self.calls.append("info")
         return self._info if self._info is not None else self._backend.info()
+
+    def arch(self):
+        self.calls.append("arch")
+        return ArchInfo.from_dict(self._info["arch"]) if self._info is not None else self._backend.arch()
 
     def __getattr__(self, name):
         attr = getattr(self._backend, name)
@@ -123,7 +128,7 @@ def test_a_20000_character_prompt_never_starts_model_work_unconfirmed(llama):
 def test_a_short_prompt_is_not_even_tokenized(llama):
     backend = CountingBackend(llama)
     assert context(backend, "2 + 2 =").model_input() == "2 + 2 ="
-    assert backend.calls == ["info"]
+    assert backend.calls == ["arch"]
 
 
 def test_over_the_character_cap_is_a_clear_error_before_any_call(llama):
@@ -277,13 +282,13 @@ def test_the_rlkv_page_ends_on_tables_that_fit_not_on_empty_looking_cells(monkey
     from analyses.rlkv.evaluate import evaluate_rlkv
     from tests import apptest_helpers as helpers
 
-    import app.views.rlkv as page
+    from app import jobs
 
     report = evaluate_rlkv(llama, "arith", [0.5], n=2, n_dev=1, n_calibration=1, sink=1, recent=4, random_seeds=1,
                            snapkv_windows=[2], max_new_tokens=4, methods="random,streaming").to_dict()
     (tmp_path / "eval.json").write_text(json.dumps(report))
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", MODEL)
-    page.results.clear()
+    jobs.registry.clear()
     at = helpers.open_page("rlkv", 6)
     at.text_input(key="rlkv_eval_path").set_value(str(tmp_path / "eval.json")).run()
     helpers.assert_clean(at)
@@ -295,4 +300,4 @@ def test_the_rlkv_page_ends_on_tables_that_fit_not_on_empty_looking_cells(monkey
         assert list(modes[name]) == [r["error_modes"][name] for r in report["rows"]]
     last = list(at.main)[-1]
     assert last.type == "caption" and last.value == report["notes"][-1]
-    page.results.clear()
+    jobs.registry.clear()

@@ -283,7 +283,7 @@ def test_a_saved_estimator_loads_only_for_a_model_of_its_shape(tmp_path, llava):
     rng = np.random.default_rng(0)
     AmortizedAttribution(epochs=5).fit(rng.normal(size=(20, 8)), rng.normal(size=20)).save(tmp_path / "a")
     AmortizedAttribution(epochs=5).fit(rng.normal(size=(20, 6)), rng.normal(size=20)).save(tmp_path / "b")
-    arch = llava.info()["arch"]  # 2 layers x 4 heads
+    arch = llava.arch()  # 2 layers x 4 heads
     assert load_estimator(str(tmp_path / "a"), arch).n_features_in_ == 8
     with pytest.raises(BadInputError, match="2 layers x 4 heads = 8"):
         load_estimator(str(tmp_path / "b"), arch)

@@ -11,8 +11,9 @@ from analyses.cot_entropy.detector import CalibrationTrace, CotMonitor, CusumDet
 from analyses.cot_entropy.rules import StoppingRule, run_with_rule
 from analyses.families import family_for, task_prompt
 from analyses.tasks import load_task
+from probes.backend import Backend
 
-def bench_cusum_overhead(backend: Any, *, max_new_tokens: int = 48, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
+def bench_cusum_overhead(backend: Backend, *, max_new_tokens: int = 48, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
     """CUSUM + entropy bookkeeping / plain streaming generation, interleaved in one run (probes excluded).
 
     The detector is updated once per step end with that step's mean token entropy (a stand-in
@@ -63,7 +64,7 @@ def bench_server_cot_eval(model_id: str = "smollm2-135m", n: int = 4, n_calibrat
 
     reports: dict[str, Any] = {}
 
-    def run(name: str, backend: Any) -> None:
+    def run(name: str, backend: Backend) -> None:
         reports[name] = evaluate_cot_exit(backend, "arith", n, n_calibration, n_calibration, max_new_tokens=48,
                                           batch_size=4, n_resamples=200)
 

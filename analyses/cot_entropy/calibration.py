@@ -24,6 +24,7 @@ from analyses.evaluation import Choice
 from analyses.families import ModelFamily
 from analyses.organism import is_organism
 from analyses.tasks import Problem, load_task
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 HELD_OUT = 8  # problems after the calibration ones that the page offers as traces (never calibrated or developed on)
@@ -89,7 +90,7 @@ def _trace_row(t: Any) -> dict[str, Any]:
             "answers": list(cal.answers), "final_answer": cal.final_answer}
 
 
-def calibrate(backend: Any, task: str, family: ModelFamily, *, n_calibration: int = 12, n_development: int = 12,
+def calibrate(backend: Backend, task: str, family: ModelFamily, *, n_calibration: int = 12, n_development: int = 12,
               max_new_tokens: int = 48, seed: int = 0, density: str = "kde", bins: int = 10,
               h_grid: Sequence[float] = PAGE_H_GRID, tolerance: float = 0.02, batch_size: int = 4,
               on_progress: Callable[[str, int, int], None] | None = None) -> PageCalibration:

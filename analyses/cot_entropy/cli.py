@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, eval_group
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 
@@ -65,13 +66,13 @@ def parse_dynasor(values: list[str]) -> list[tuple[int, int]]:
     return out
 
 
-def _family(engine, step_delimiter: Optional[str]):
+def _family(engine: Backend, step_delimiter: Optional[str]):
     from analyses.families import family_for
 
     return family_for(engine).with_delimiter(step_delimiter)
 
 
-def _task(engine, task: str) -> str:
+def _task(engine: Backend, task: str) -> str:
     from analyses.families import default_task
 
     return default_task(engine) if task == "auto" else task

@@ -35,6 +35,7 @@ from analyses.evaluation import (Choice, Comparison, bootstrap_interval, choose_
                                  detectable_statement, fewest_cost_within, mcnemar_exact)
 from analyses.families import ModelFamily, family_for
 from analyses.tasks import Problem, is_correct, load_splits
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 DEFAULT_H_GRID = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -209,7 +210,7 @@ class CotExitReport:
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
-def fit_detector(backend: Any, problems: Sequence[Problem], family: ModelFamily, *, threshold: float = 2.0,
+def fit_detector(backend: Backend, problems: Sequence[Problem], family: ModelFamily, *, threshold: float = 2.0,
                  density: str = "kde", bandwidth: float | None = None, bins: int = 10, max_new_tokens: int = 96,
                  seed: int = 0, batch_size: int = 8,
                  on_progress: Callable[[int, int], None] | None = None) -> tuple[CusumDetector, list[ProbedTrace]]:
@@ -285,7 +286,7 @@ def _stage(progress: Progress | None, stage: str) -> Callable[[int, int], None] 
     return None if progress is None else (lambda done, total: progress(stage, done, total))
 
 
-def evaluate_cot_exit(backend: Any, task: str = "arith", n: int = 100, n_calibration: int = 60, n_dev: int = 60, *,
+def evaluate_cot_exit(backend: Backend, task: str = "arith", n: int = 100, n_calibration: int = 60, n_dev: int = 60, *,
                       h_grid: Sequence[float] = DEFAULT_H_GRID, deer_grid: Sequence[float] = DEFAULT_DEER_GRID,
                       dynasor_grid: Sequence[tuple[int, int]] | None = None, density: str = "kde",
                       bandwidths: Sequence[float] | None = None, bins: int = 10, tolerance: float = 0.02,
@@ -424,7 +425,7 @@ class VoteReport:
         return {"command": "eval cot-vote", "split": "evaluation", **{k: v for k, v in self.__dict__.items()}}
 
 
-def evaluate_cot_vote(backend: Any, task: str = "arith", n: int = 20, n_calibration: int = 20, *,
+def evaluate_cot_vote(backend: Backend, task: str = "arith", n: int = 20, n_calibration: int = 20, *,
                       samples: int = 8, temperature: float = 0.7, threshold: float = 2.0,
                       family: ModelFamily | None = None, max_new_tokens: int = 96, seed: int = 0,
                       batch_size: int = 16, density: str = "kde", bins: int = 10,

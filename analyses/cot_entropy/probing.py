@@ -15,6 +15,7 @@ import numpy as np
 
 from analyses.families import ModelFamily
 from analyses.tasks import extract_answer
+from probes.backend import Backend
 
 @dataclass
 class Probe:
@@ -58,7 +59,7 @@ class Probe:
                 "tokens_computed": self.tokens_computed}
 
 
-def probe_answer(backend: Any, state: Any, family: ModelFamily, token_index: int, at: int | None = None) -> Probe:
+def probe_answer(backend: Backend, state: Any, family: ModelFamily, token_index: int, at: int | None = None) -> Probe:
     """Fork `state` (or its first `at` tokens), append the family's answer-forcing suffix, decode greedily."""
     suffix_ids = backend.encode(family.answer_suffix, add_special_tokens=False)
     records = backend.fork(state, list(suffix_ids), max_new_tokens=family.answer_max_tokens,
@@ -66,7 +67,7 @@ def probe_answer(backend: Any, state: Any, family: ModelFamily, token_index: int
     return Probe.from_records(records, token_index, len(suffix_ids), backend.eos_ids())
 
 
-def probe_positions(backend: Any, prompt_ids: Sequence[int], token_ids: Sequence[int],
+def probe_positions(backend: Backend, prompt_ids: Sequence[int], token_ids: Sequence[int],
                     positions: Iterable[int], family: ModelFamily,
                     between: Callable[[], None] | None = None) -> dict[int, Probe]:
     """Probes of a finished trace at each position: one prefill of the longest prefix, then one fork
@@ -93,7 +94,7 @@ def probe_positions(backend: Any, prompt_ids: Sequence[int], token_ids: Sequence
 class LivePrefix:
     """The prefix state of a trace being generated, extended step by step (only new tokens computed)."""
 
-    def __init__(self, backend: Any, prompt_ids: Sequence[int]):
+    def __init__(self, backend: Backend, prompt_ids: Sequence[int]):
         self.backend, self.prompt_ids, self.state = backend, list(prompt_ids), None
 
     def at(self, token_ids: Sequence[int]) -> Any:

@@ -23,6 +23,7 @@ from analyses.cot_entropy.probing import LivePrefix, Probe, probe_answer, probe_
 from analyses.families import ModelFamily, family_for, task_prompt
 from analyses.steps import StepEnd, StepSegmenter, step_ends
 from analyses.tasks import Problem, extract_answer, is_correct
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 HESITATION_WORDS = ("wait", "hmm", "but", "however", "alternatively", "maybe", "not sure", "double-check")
@@ -246,7 +247,7 @@ def _prompt_of(problem: Problem | Any, family: ModelFamily) -> tuple[Any, bool]:
     return task_prompt(problem, family) if isinstance(problem, Problem) else (problem, True)
 
 
-def run_with_rule(backend: Any, prompt: Any, rule: StoppingRule, *, family: ModelFamily | None = None,
+def run_with_rule(backend: Backend, prompt: Any, rule: StoppingRule, *, family: ModelFamily | None = None,
                   max_new_tokens: int = 96, sampling: Any = None, seed: int = 0, target: str | None = None,
                   problem_id: str = "", on_event: Callable[[str, Any], None] | None = None) -> ExitResult:
     """Generate while `rule` watches: at each probe point the prefix state is extended to that step end
@@ -290,7 +291,7 @@ def run_with_rule(backend: Any, prompt: Any, rule: StoppingRule, *, family: Mode
     return _exit(rule, problem_id, target, extract_answer(text), False, len(texts), used, text, None)
 
 
-def generate_with_early_exit(backend: Any, problem: Problem | Any, detector: CusumDetector, *,
+def generate_with_early_exit(backend: Backend, problem: Problem | Any, detector: CusumDetector, *,
                              family: ModelFamily | None = None, max_new_tokens: int = 96, sampling: Any = None,
                              seed: int = 0, on_event: Callable[[str, Any], None] | None = None) -> ExitResult:
     """Generate with CUSUM watching the step-end probes; at the alarm, stop and emit that probe's answer."""
@@ -299,7 +300,7 @@ def generate_with_early_exit(backend: Any, problem: Problem | Any, detector: Cus
                          on_event=on_event)
 
 
-def _trace_from_records(backend, prompt_ids, records, family, rules, problem_id, target,
+def _trace_from_records(backend: Backend, prompt_ids, records, family, rules, problem_id, target,
                         between=None) -> ProbedTrace:
     texts = [r.text for r in records]
     ids = [r.token_id for r in records]
@@ -309,7 +310,7 @@ def _trace_from_records(backend, prompt_ids, records, family, rules, problem_id,
                        list(prompt_ids))
 
 
-def probe_traces(backend: Any, problems: Sequence[Problem], family: ModelFamily, rules: Sequence[StoppingRule], *,
+def probe_traces(backend: Backend, problems: Sequence[Problem], family: ModelFamily, rules: Sequence[StoppingRule], *,
                  max_new_tokens: int = 96, sampling: Any = None, seed: int = 0, n_samples: int = 1,
                  batch_size: int = 8, on_progress: Callable[[int, int], None] | None = None) -> list[ProbedTrace]:
     """Generate every problem's trace(s) in batches, then probe each where any of `rules` would.

@@ -45,6 +45,7 @@ from analyses.evaluation import Choice, bootstrap_interval, choose_on_dev
 from analyses.families import ModelFamily, family_for
 from analyses.steps import step_ends
 from analyses.tasks import Problem, load_splits
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]
@@ -130,7 +131,7 @@ class SettlingReport:
         return out
 
 
-def planted_traces(backend: Any, problems: Sequence[Problem], family: ModelFamily,
+def planted_traces(backend: Backend, problems: Sequence[Problem], family: ModelFamily,
                    on_progress: Callable[[int, int], None] | None = None) -> list[ProbedTrace]:
     """Each problem's planted trace (`meta["trace"]`), teacher-forced and probed at every step end."""
     out = []
@@ -172,7 +173,7 @@ def _rows(traces: Sequence[ProbedTrace], problems: Sequence[Problem], detector: 
     return rows
 
 
-def evaluate_settling(backend: Any, task: str | None = None, n: int = 100, n_calibration: int = 60, n_dev: int = 60,
+def evaluate_settling(backend: Backend, task: str | None = None, n: int = 100, n_calibration: int = 60, n_dev: int = 60,
                       *, h_grid: Sequence[float] = DEFAULT_H_GRID, bound: int = 2, density: str = "kde",
                       bandwidths: Sequence[float] | None = None, bins: int = 10, seed: int = 0,
                       family: ModelFamily | None = None, progress: Progress | None = None) -> SettlingReport:

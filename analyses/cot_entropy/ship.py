@@ -14,6 +14,7 @@ from typing import Any
 
 from analyses.cot_entropy.calibration import PAGE_H_GRID, PageCalibration, calibrate
 from analyses.families import default_task, family_for
+from probes.backend import Backend
 
 NAME = "cot-calibration"
 FILE = "calibration.json"
@@ -28,7 +29,7 @@ def _terminal_progress(stage: str, done: int, total: int, _last: dict[str, Any] 
         print(f"\r{stage}: {done}/{total} traces", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
 
-def build_calibration(backend: Any, on_progress=None, **overrides: Any) -> tuple[PageCalibration, dict[str, Any]]:
+def build_calibration(backend: Backend, on_progress=None, **overrides: Any) -> tuple[PageCalibration, dict[str, Any]]:
     """The page's default calibration on `backend` (plus its provenance record)."""
     from thoughtscope.provenance import provenance
 

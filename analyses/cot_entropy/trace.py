@@ -14,6 +14,7 @@ from analyses.cot_entropy.rules import ProbedTrace, StoppingRule, _correct, _pro
 from analyses.families import ModelFamily, family_for
 from analyses.steps import step_ends
 from analyses.tasks import Problem
+from probes.backend import Backend
 
 # ----------------------------------------------------------------------------- one trace, for the page
 
@@ -67,7 +68,7 @@ class TraceAnalysis:
         }
 
 
-def analyze_trace(backend: Any, prompt: Problem | Any, detector: CusumDetector, *, family: ModelFamily | None = None,
+def analyze_trace(backend: Backend, prompt: Problem | Any, detector: CusumDetector, *, family: ModelFamily | None = None,
                   max_new_tokens: int = 96, sampling: Any = None, seed: int = 0,
                   smoothing_window: int = 5) -> TraceAnalysis:
     """Generate one trace to its end, probe every step end, and lay out the CUSUM path over it."""

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from analyses.feature_browser.index import CorpusIndex
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 BLOCK_ROWS = 4_096  # rows converted to float32 at a time: bounded memory, and a block that stays in cache
@@ -77,11 +78,11 @@ def top_contexts(index: CorpusIndex, scores: torch.Tensor, k: int, positive_only
     return [c for c in order if not positive_only or maxima[c] > 0]
 
 
-def _words(backend: Any, ids: torch.Tensor, logits: torch.Tensor) -> list[dict[str, Any]]:
+def _words(backend: Backend, ids: torch.Tensor, logits: torch.Tensor) -> list[dict[str, Any]]:
     return [{"token": backend.decode([int(i)]), "token_id": int(i), "logit": float(v)} for i, v in zip(ids, logits)]
 
 
-def browse(index: CorpusIndex, direction: Any, backend: Any = None, k: int = 20, bins: int = 40,
+def browse(index: CorpusIndex, direction: Any, backend: Backend | None = None, k: int = 20, bins: int = 40,
            n_logits: int = 10) -> FeatureBrowse:
     """The top `k` contexts of `direction` over `index`, its histogram, and (with a backend) the
     `n_logits` tokens its write vector promotes and suppresses most."""

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from analyses.feature_browser.corpus import Corpus
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 INDEX_VERSION = 1
@@ -113,7 +114,7 @@ class CorpusIndex:
                 "first_token_excluded": True}
 
 
-def tokenize_corpus(backend: Any, corpus: Corpus, max_tokens: int) -> list[list[int]]:
+def tokenize_corpus(backend: Backend, corpus: Corpus, max_tokens: int) -> list[list[int]]:
     """Every text as token ids, cut into windows of at most `max_tokens`; windows of one token dropped."""
     contexts = []
     for text in corpus.texts:
@@ -124,7 +125,7 @@ def tokenize_corpus(backend: Any, corpus: Corpus, max_tokens: int) -> list[list[
     return contexts
 
 
-def _chunk_rows(backend: Any, chunk: Sequence[list[int]], site: str, settings: IndexSettings,
+def _chunk_rows(backend: Backend, chunk: Sequence[list[int]], site: str, settings: IndexSettings,
                 on_batch: Callable[[int], None]) -> torch.Tensor:
     """Rows of positions 1.. of every context of the chunk, in chunk order (forwards in length order,
     so a batch pads little)."""
@@ -144,7 +145,7 @@ def _chunk_rows(backend: Any, chunk: Sequence[list[int]], site: str, settings: I
     return acts.to(dtype)
 
 
-def build_index(backend: Any, corpus: Corpus, site: str, settings: IndexSettings | None = None, store: Any = "default",
+def build_index(backend: Backend, corpus: Corpus, site: str, settings: IndexSettings | None = None, store: Any = "default",
                 on_progress: Progress | None = None) -> CorpusIndex:
     """The corpus' activations at `site`: loaded from `store` (an ActivationStore; "default" for the user
     cache, None for no cache) where they are, computed (and stored) where not."""

@@ -61,7 +61,7 @@ def build(model_id: str, command: str, root: Path | None = None) -> Path:
     engine = Engine.from_id(model_id)
     info = engine.info()
     corpus = load_corpus(CORPUS, n=N_TEXTS)
-    site = default_site(info["arch"]["n_layers"])
+    site = default_site(engine.arch().n_layers)
     started = time.perf_counter()
 
     def progress(done: int, total: int) -> None:

@@ -34,7 +34,7 @@ def check_sae(sae: Any, backend: Backend, site: str) -> None:
     from saes.io import check_fits
 
     info = backend.info()
-    check_fits(sae, int(info["arch"]["d_model"]), site)
+    check_fits(sae, backend.arch().d_model, site)
     meta = getattr(sae.cfg, "metadata", None)
     trained_on = getattr(meta, "model_name", None)
     if trained_on and info.get("model_id") and trained_on != info["model_id"]:

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from probes.backend import Backend
+
 TOP_K = 50
 KEEP = 15
 _WORD = re.compile(r"^[A-Za-z]{2,}$")
@@ -107,10 +109,10 @@ def filter_words(token_texts: Sequence[str], keep: int = KEEP) -> list[str]:
     return out
 
 
-def ground_words(backend: Any, directions: Any, top_k: int = TOP_K, keep: int = KEEP) -> list[list[str]]:
+def ground_words(backend: Backend, directions: Any, top_k: int = TOP_K, keep: int = KEEP) -> list[list[str]]:
     """Per concept vector [K, d]: up to `keep` words among the `top_k` tokens of its unembedding readout."""
     vectors = torch.as_tensor(directions, dtype=torch.float32)
-    top_k = min(top_k, backend.info()["arch"]["vocab_size"])  # a toy's word-level vocabulary can be smaller
+    top_k = min(top_k, backend.arch().vocab_size)  # a toy's word-level vocabulary can be smaller
     readout = backend.readout(vectors, norm=False, top_k=top_k)
     return [filter_words([backend.decode([int(i)]) for i in row], keep) for row in readout.top_ids.tolist()]
 

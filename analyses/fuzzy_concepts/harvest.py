@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]
@@ -121,10 +122,10 @@ class RepresentationSource(Protocol):
     def settings(self) -> dict[str, Any]:
         """Everything the samples depend on (provenance and the generation cache key)."""
 
-    def samples(self, backend: Any, store: Any = None, on_progress: Progress | None = None) -> list[Sample]:
+    def samples(self, backend: Backend, store: Any = None, on_progress: Progress | None = None) -> list[Sample]:
         """The samples, each with the position to read; a project error if the target occurs in none."""
 
-    def read(self, backend: Any, samples: Sequence[Sample], site: str) -> torch.Tensor:
+    def read(self, backend: Backend, samples: Sequence[Sample], site: str) -> torch.Tensor:
         """The rows [len(samples), d] at `site`."""
 
 
@@ -163,7 +164,7 @@ class TextSource:
 
     # ----- the samples -----
 
-    def samples(self, backend: Any, store: Any = None, on_progress: Progress | None = None) -> list[Sample]:
+    def samples(self, backend: Backend, store: Any = None, on_progress: Progress | None = None) -> list[Sample]:
         self.validate()
         word = check_word(self.word)
         if self.kind == "generate":
@@ -214,7 +215,7 @@ class TextSource:
                         {"context": context, "template": str(TEMPLATES.index(template))}))
         return out
 
-    def _generated(self, backend: Any, store: Any, on_progress: Progress | None) -> list[Sample]:
+    def _generated(self, backend: Backend, store: Any, on_progress: Progress | None) -> list[Sample]:
         from probes.engine import Sampling
 
         info = backend.info()
@@ -251,12 +252,12 @@ class TextSource:
 
     # ----- the rows -----
 
-    def read(self, backend: Any, samples: Sequence[Sample], site: str) -> torch.Tensor:
+    def read(self, backend: Backend, samples: Sequence[Sample], site: str) -> torch.Tensor:
         acts = backend.capture_batch([s.ids for s in samples], [site], positions=[[s.position] for s in samples])
         return acts[site].float().reshape(len(samples), -1)
 
 
-def locate(backend: Any, ids: list[int], word: str, sample_id: str, labels: dict[str, str] | None = None,
+def locate(backend: Backend, ids: list[int], word: str, sample_id: str, labels: dict[str, str] | None = None,
            prompt_tokens: int = 0, where: str = "any") -> Sample | None:
     """The sample of `ids` read at the target word, or None when the word is not there.
 
@@ -326,14 +327,14 @@ class Representations:
         return out
 
 
-def harvest(backend: Any, source: Any, layer: int, store: Any = None, batch_size: int = 16,
+def harvest(backend: Backend, source: Any, layer: int, store: Any = None, batch_size: int = 16,
             on_progress: Progress | None = None) -> Representations:
     """Z at `resid_post.<layer>` for every sample of `source`; rows reused from and added to `store`.
 
     Checks the layer before any model work and the rows for NaN before returning them.
     """
     info = backend.info()
-    site = check_layer(layer, info["arch"]["n_layers"])
+    site = check_layer(layer, backend.arch().n_layers)
     started = time.perf_counter()
     samples = source.samples(backend, store, on_progress)
     sample_s = time.perf_counter() - started

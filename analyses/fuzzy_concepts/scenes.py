@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from analyses.fuzzy_concepts.harvest import Sample
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]
@@ -51,7 +52,7 @@ class SceneSource:
         if not isinstance(self.n, int) or self.n < 1:
             raise BadInputError(f"the number of scenes must be a positive integer, got {self.n!r}")
 
-    def samples(self, backend: Any, store: Any = None, on_progress: Progress | None = None) -> list[Sample]:
+    def samples(self, backend: Backend, store: Any = None, on_progress: Progress | None = None) -> list[Sample]:
         from probes.toys import vlm
 
         self.validate()
@@ -80,7 +81,7 @@ class SceneSource:
                 return found
         raise AssertionError("unreachable: the scene stream is endless")
 
-    def read(self, backend: Any, samples: Sequence[Sample], site: str) -> torch.Tensor:
+    def read(self, backend: Backend, samples: Sequence[Sample], site: str) -> torch.Tensor:
         rows = []
         for s in samples:
             if s.id not in self._images:

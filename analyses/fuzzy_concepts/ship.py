@@ -25,6 +25,7 @@ import torch
 from analyses.fuzzy_concepts.harvest import Representations, Sample
 from analyses.fuzzy_concepts.rules import CONFIG_FILE, WEIGHTS_FILE, FuzzyRuleLayer
 from analyses.fuzzy_concepts.study import FuzzyOptions, FuzzyStudy, run_study
+from probes.backend import Backend
 
 NAME = "fuzzy-concepts"
 DEFAULT_MODEL = "smollm2-135m"
@@ -57,7 +58,7 @@ def study_files(study: FuzzyStudy, tmp: Path) -> dict[str, Any]:
     return {"study.json": data, "rules.safetensors": tmp / "rules" / WEIGHTS_FILE, "rules.json": tmp / "rules" / CONFIG_FILE, "representations.safetensors": tmp / "representations.safetensors"}
 
 
-def build(model_id: str, command: str, root: Path | None = None, backend: Any = None,
+def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None,
           options: FuzzyOptions | None = None) -> Path:
     """Run the page's default study on `model_id` (one thread, seeded) and write it as a shipped result."""
     import tempfile
@@ -78,7 +79,7 @@ def build(model_id: str, command: str, root: Path | None = None, backend: Any = 
         prov = provenance(info, data=f"{options.source}:{options.word}", split="eval", seed=options.seed,
                           settings=options.to_dict(), site=study.reps.site)
         return shipped.write(NAME, model_id, info["fingerprint"], files, command=command, provenance=prov,
-                             root=root, settings=comparable(options, info["arch"]["n_layers"]))
+                             root=root, settings=comparable(options, backend.arch().n_layers))
 
 
 def _rules_layer(shipped: Any) -> FuzzyRuleLayer:

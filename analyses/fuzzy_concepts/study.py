@@ -42,6 +42,7 @@ from analyses.fuzzy_concepts.grounding import KEEP, TOP_K, ground_words, top_sam
 from analyses.fuzzy_concepts.harvest import Representations, TextSource, check_layer, default_layer, harvest
 from analyses.fuzzy_concepts.rules import FuzzyRuleLayer, Rule, check_rules_fit
 from analyses.fuzzy_concepts.scenes import SceneSource
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]
@@ -281,19 +282,18 @@ class FuzzyStudy:
         }
 
 
-def run_study(backend: Any, options: FuzzyOptions, on_progress: Progress | None = None,
+def run_study(backend: Backend, options: FuzzyOptions, on_progress: Progress | None = None,
               store: Any = None) -> FuzzyStudy:
     """The whole run (see the module docstring). `store`: an ActivationStore (default: `options.store` or the
     user cache)."""
     tick = on_progress or (lambda *_: None)
-    info = backend.info()
-    options.validate(info["arch"]["n_layers"])
+    options.validate(backend.arch().n_layers)
     if store is None:
         from cache.store import ActivationStore
 
         store = ActivationStore(options.store) if options.store else ActivationStore()
     started = time.perf_counter()
-    reps = harvest(backend, options.representation_source(), options.resolved_layer(info["arch"]["n_layers"]), store=store,
+    reps = harvest(backend, options.representation_source(), options.resolved_layer(backend.arch().n_layers), store=store,
                    batch_size=options.batch_size, on_progress=tick)
     seconds = {"harvest": time.perf_counter() - started}
     splits = split_rows(len(reps.samples), options.dev_fraction, options.eval_fraction, options.seed)

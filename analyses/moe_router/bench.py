@@ -26,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from probes.backend import Backend
 from probes.bench import sig
 
 TARGET = 1.10
 
 
-def bench_expert_sample_overhead(backend: Any, *, n_problems: int = 16, n_samples: int = 1, max_new_tokens: int = 32,
+def bench_expert_sample_overhead(backend: Backend, *, n_problems: int = 16, n_samples: int = 1, max_new_tokens: int = 32,
                                  rounds: int = 25, setting: Any = None, seed: int = 0,
                                  name: str = "expert_sample_overhead", target: float | None = TARGET,
                                  identity: bool = False) -> dict[str, Any]:
@@ -99,10 +100,10 @@ def run_moe(model_id: str = "toy-moe") -> list[dict[str, Any]]:
     torch.set_num_threads(1)  # one thread: a shared machine's other load moves both sides alike
     try:
         engine = Engine.from_id(model_id)
-        arch = engine.info()["arch"]
-        k = arch["experts_top_k"]
+        arch = engine.arch()
+        k = arch.experts_top_k
         k_h = max(1, k // 2)
-        cold = ExpertSetting(k_h, min(arch["n_experts"] - k_h, 2 * k), 1e-4)
+        cold = ExpertSetting(k_h, min(arch.n_experts - k_h, 2 * k), 1e-4)
         return [bench_expert_sample_overhead(engine),
                 bench_expert_sample_overhead(engine, identity=True, target=None, name="router_rule_overhead"),
                 bench_expert_sample_overhead(engine, setting=cold, target=None, name="expert_sample_cold_overhead"),

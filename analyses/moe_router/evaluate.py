@@ -41,6 +41,7 @@ import numpy as np
 from analyses.evaluation import (Choice, bootstrap_interval, choose_on_dev, mcnemar_exact, paired_difference_interval,
                                  pass_at_k_interval, wilcoxon_test)
 from analyses.moe_router.problems import Item, load_items, resolve_task
+from probes.arch import ArchInfo
 from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
@@ -149,13 +150,9 @@ class Method:
                 "active_experts": self.active_experts}
 
 
-def arch_of(backend: Backend) -> Any:
-    """The backend's `ArchInfo` rebuilt from `info()["arch"]` (what router rules validate against)."""
-    from probes.zoo import ArchInfo
-
-    d = backend.info()["arch"]
-    fields = ArchInfo.__dataclass_fields__
-    return ArchInfo(**{k: tuple(v) if k == "moe_layers" else v for k, v in d.items() if k in fields})
+def arch_of(backend: Backend) -> ArchInfo:
+    """The backend's `ArchInfo` (what router rules validate against)."""
+    return backend.arch()
 
 
 def require_moe(backend: Backend) -> Any:

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from analyses.moe_router.stats import HeadTail, RouterProfile, sorted_probabilities
+from probes.arch import ArchInfo
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 
@@ -68,21 +70,21 @@ class RouterMap:
                 "gates": np.where(np.isnan(self.gates), None, self.gates.round(5)).tolist()}
 
 
-def _moe_layers(arch: dict[str, Any]) -> list[int]:
-    if not arch.get("n_experts"):
-        raise BadInputError(f"{arch.get('model_type', 'this model')} is a dense model: it has no MoE router to map; "
+def _moe_layers(arch: ArchInfo) -> list[int]:
+    if not arch.n_experts:
+        raise BadInputError(f"{arch.model_type} is a dense model: it has no MoE router to map; "
                             "use an MoE model (toy-moe, tiny-random:qwen3_moe, hf: Qwen3-MoE, OLMoE, Mixtral...)")
-    return list(arch.get("moe_layers") or range(arch["n_layers"]))
+    return list(arch.moe_layers or range(arch.n_layers))
 
 
-def generation_map(backend: Any, prompt: Any, *, n_samples: int = 1, max_new_tokens: int = 32, rule: Any = None,
+def generation_map(backend: Backend, prompt: Any, *, n_samples: int = 1, max_new_tokens: int = 32, rule: Any = None,
                    sampling: Any = None, seed: int = 0, chat: bool = False, stop: Sequence[str] = ()) -> RouterMap:
     """Generate `n_samples` continuations of `prompt` (greedy unless `sampling` says otherwise) under `rule`
     (a router rule, or None for the model's own routing), capturing every MoE layer's routing per step."""
     from probes.backend import require
 
     require(backend, "generate", "router")
-    arch = backend.info()["arch"]
+    arch = backend.arch()
     layers = _moe_layers(arch)
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise BadInputError(f"n_samples must be an integer >= 1, got {n_samples!r}")
@@ -100,8 +102,8 @@ def generation_map(backend: Any, prompt: Any, *, n_samples: int = 1, max_new_tok
         per_sample[rec.batch_index].append(rec)
     steps = max(len(v) for v in per_sample.values())
     width = next((int(np.asarray(r.activations[f"experts.{layers[0]}"]).shape[-1])
-                  for v in per_sample.values() for r in v), int(arch["experts_top_k"]))
-    E, L = int(arch["n_experts"]), len(layers)
+                  for v in per_sample.values() for r in v), int(arch.experts_top_k))
+    E, L = int(arch.n_experts), len(layers)
     logits = np.full((n_samples, steps, L, E), np.nan, dtype=np.float32)
     experts = np.full((n_samples, steps, L, width), -1, dtype=np.int64)
     gates = np.full((n_samples, steps, L, width), np.nan, dtype=np.float32)
@@ -111,7 +113,7 @@ def generation_map(backend: Any, prompt: Any, *, n_samples: int = 1, max_new_tok
                 logits[b, rec.step, j] = np.asarray(rec.activations[f"router.{layer}"], dtype=np.float32).reshape(E)
                 experts[b, rec.step, j] = np.asarray(rec.activations[f"experts.{layer}"]).reshape(width)
                 gates[b, rec.step, j] = np.asarray(rec.activations[f"expert_gates.{layer}"], dtype=np.float32).reshape(width)
-    return RouterMap(layers, int(arch["experts_top_k"]), E, [[r.text for r in per_sample[b]] for b in range(n_samples)],
+    return RouterMap(layers, int(arch.experts_top_k), E, [[r.text for r in per_sample[b]] for b in range(n_samples)],
                      [[r.token_id for r in per_sample[b]] for b in range(n_samples)], logits, experts, gates,
                      rule.describe() if rule is not None else None)
 
@@ -202,7 +204,7 @@ def score_view(rmap: RouterMap, sample: int, step: int, layer_index: int, k_h: i
             "gap_head": int(HeadTail("gap").head_size(probs, rmap.k))}
 
 
-def profile_task(backend: Any, task: str = "auto", n: int = 50, *, rules: Sequence[HeadTail] | None = None,
+def profile_task(backend: Backend, task: str = "auto", n: int = 50, *, rules: Sequence[HeadTail] | None = None,
                  max_new_tokens: int = 48, seed: int = 0, batch_rows: int = 64,
                  progress: Callable[[str, int, int], None] | None = None) -> tuple[RouterProfile, str]:
     """Router statistics over `n` development problems of `task`: each prompt and its greedy answer, read
@@ -213,7 +215,7 @@ def profile_task(backend: Any, task: str = "auto", n: int = 50, *, rules: Sequen
     require_moe(backend)
     profile = RouterProfile(rules=tuple(rules)) if rules is not None else RouterProfile()
     for rule in profile.rules:
-        rule.check(int(backend.info()["arch"]["n_experts"]))
+        rule.check(int(backend.arch().n_experts))
     task = resolve_task(task, backend)
     items = load_items(task, "development", n, seed=seed, backend=backend)
     sequences = []

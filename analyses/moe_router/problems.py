@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 TOY_TASKS = ("toy-moe", "toy-moe:small")
@@ -53,7 +54,7 @@ class Item:
         return {"id": self.id, "question": self.question, "answer": self.answer}
 
 
-def resolve_task(task: str, backend: Any = None) -> str:
+def resolve_task(task: str, backend: Backend | None = None) -> str:
     """`auto` -> the model's own task (toy-moe[:small] for the toy), else `arith`; other names are checked."""
     from analyses.tasks import TASK_NAMES
 
@@ -68,7 +69,7 @@ def resolve_task(task: str, backend: Any = None) -> str:
     return task
 
 
-def load_items(task: str, split: str, n: int, seed: int = 0, backend: Any = None) -> list[Item]:
+def load_items(task: str, split: str, n: int, seed: int = 0, backend: Backend | None = None) -> list[Item]:
     """`n` problems of one split (`development` or `evaluation`) of `task` (resolved with `resolve_task`)."""
     if split not in SPLITS:
         raise BadInputError(f"split {split!r}; use one of {SPLITS}")
@@ -91,7 +92,7 @@ def _toy_items(task: str, split: str, n: int, seed: int) -> list[Item]:
             for i, p in enumerate(problems)]
 
 
-def _shared_items(task: str, split: str, n: int, seed: int, backend: Any) -> list[Item]:
+def _shared_items(task: str, split: str, n: int, seed: int, backend: Backend) -> list[Item]:
     from analyses.evaluation import split_three
     from analyses.families import family_for, task_prompt
     from analyses.tasks import extract_answer, is_correct, load_task

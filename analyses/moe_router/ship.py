@@ -25,6 +25,7 @@ import numpy as np
 
 from analyses.moe_router.evaluate import ExpertSetting, evaluate_expert_sample
 from analyses.moe_router.maps import RouterMap, generation_map, profile_task
+from probes.backend import Backend
 
 NAME = "moe-router"
 DEFAULT_MODEL = "toy-moe"  # `--model toy-moe:small` ships the small toy's too
@@ -40,7 +41,7 @@ def default_setting(k: int, n_experts: int) -> ExpertSetting:
     return ExpertSetting(k_h, max(1, min(n_experts - k_h, 2 * k)), 1.0, "displaced")
 
 
-def task_prompt(backend: Any, index: int = 0, seed: int = 0) -> tuple[Any, bool, str]:
+def task_prompt(backend: Backend, index: int = 0, seed: int = 0) -> tuple[Any, bool, str]:
     """(prompt, chat, answer) of development problem `index` of the model's own task."""
     from analyses.moe_router.problems import load_items, resolve_task
 
@@ -57,7 +58,7 @@ def map_from_dict(d: dict[str, Any]) -> RouterMap:
                      as_float(d["gates"]), d.get("rule"))
 
 
-def build(model_id: str, command: str, root: Path | None = None, backend: Any = None) -> Path:
+def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None) -> Path:
     """Profile, default map and small evaluation of `model_id` (one thread, seed 0), written as a shipped result."""
     import torch
 
@@ -68,9 +69,9 @@ def build(model_id: str, command: str, root: Path | None = None, backend: Any = 
     torch.set_num_threads(1)
     backend = backend if backend is not None else Engine.from_id(model_id)
     info = backend.info()
-    arch = info["arch"]
+    arch = backend.arch()
     profile, task = profile_task(backend, "auto", PROFILE_N, max_new_tokens=48, seed=0)
-    setting = default_setting(int(arch["experts_top_k"]), int(arch["n_experts"]))
+    setting = default_setting(int(arch.experts_top_k), int(arch.n_experts))
     prompt, chat, answer = task_prompt(backend)
     rmap = generation_map(backend, prompt, n_samples=MAP_SETTINGS["n_samples"], rule=setting.rule(0),
                           max_new_tokens=MAP_SETTINGS["max_new_tokens"], seed=0, chat=chat)

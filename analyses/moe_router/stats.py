@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 RULES = ("fixed", "cumulative", "gap")
@@ -147,7 +148,7 @@ class RouterProfile:
                                                                HeadTail("gap")))
     layers: Sequence[int] | None = None
 
-    def fit(self, backend: Any, texts: Sequence[Any], chat: bool = False,
+    def fit(self, backend: Backend, texts: Sequence[Any], chat: bool = False,
             on_progress: Callable[[int, int], None] | None = None) -> "RouterProfile":
         """Capture the router logits at every position of `texts` (teacher-forced) and aggregate them."""
         from probes.backend import require
@@ -155,9 +156,9 @@ class RouterProfile:
         require(backend, "trace", "router")
         if not texts:
             raise BadInputError("the router profile needs at least one text")
-        arch = backend.info()["arch"]
-        layers = list(self.layers) if self.layers is not None else list(arch.get("moe_layers") or range(arch["n_layers"]))
-        k, n_experts = int(arch["experts_top_k"]), int(arch["n_experts"])
+        arch = backend.arch()
+        layers = list(self.layers) if self.layers is not None else list(arch.moe_layers or range(arch.n_layers))
+        k, n_experts = int(arch.experts_top_k), int(arch.n_experts)
         for rule in self.rules:
             rule.check(n_experts)
         sites = [f"router.{layer}" for layer in layers]

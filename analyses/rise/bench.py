@@ -8,13 +8,14 @@ from typing import Any
 from analyses.rise.harvest import HarvestSettings, generate_traces, resolve_delimiter, step_residuals
 from analyses.rise.pipeline import default_layers
 from analyses.tasks import load_task
+from probes.backend import Backend
 
 
-def bench_harvest(backend: Any, n: int = 16, layers: tuple[int, ...] | None = None, batch_size: int = 16,
+def bench_harvest(backend: Backend, n: int = 16, layers: tuple[int, ...] | None = None, batch_size: int = 16,
                   max_new_tokens: int = 64) -> dict[str, Any]:
     """Reading the step vectors vs generating the traces, same traces, one process (target <= 0.25)."""
     info = backend.info()
-    layers = layers or default_layers(info["arch"]["n_layers"])
+    layers = layers or default_layers(backend.arch().n_layers)
     settings = HarvestSettings(layers=layers, batch_size=batch_size, max_new_tokens=max_new_tokens)
     delimiter = resolve_delimiter("auto", info["model_id"])
     problems = load_task("arith", n, seed=12345)

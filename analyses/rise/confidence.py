@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from analyses.rise.harvest import Harvest
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 @dataclass
@@ -39,7 +40,7 @@ class ConfidenceResult:
                 "entropy_history": self.entropy_history, "settings": self.settings}
 
 
-def confidence_vectors(backend: Any, harvest: Harvest, sae: Any, site: str, iterations: int = 30, lr: float = 0.01,
+def confidence_vectors(backend: Backend, harvest: Harvest, sae: Any, site: str, iterations: int = 30, lr: float = 0.01,
                        batch_size: int = 8, top: int = 10, seed: int = 0,
                        on_progress: Callable[[int, int], None] | None = None) -> ConfidenceResult:
     """Minimise the mean next-token entropy over the generated tokens of harvested traces when

@@ -11,6 +11,7 @@ import torch
 
 from analyses.rise.harvest import Harvest
 from analyses.rise.labels import LABELS
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 # --------------------------------------------------------------------------- feature dashboard
@@ -35,7 +36,7 @@ class FeatureDashboard:
         return asdict(self)
 
 
-def feature_dashboard(harvest: Harvest, sae: Any, site: str, latent: int, backend: Any = None, k: int = 8,
+def feature_dashboard(harvest: Harvest, sae: Any, site: str, latent: int, backend: Backend | None = None, k: int = 8,
                       bins: int = 20, latents: torch.Tensor | None = None) -> FeatureDashboard:
     """Dashboard data for `latent` of the SAE at `site`; with a `backend`, the tokens its decoder
     column promotes and suppresses through the model's unembedding (`Backend.readout`, no final norm)."""

@@ -35,6 +35,7 @@ import numpy as np
 
 from analyses.rise.pipeline import RiseOptions, RisePipeline
 from analyses.rise.steer import SteeringResult, steer
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 DEFAULT_ALPHAS = (-0.4, -0.2, -0.1, 0.0, 0.1, 0.2, 0.4)
@@ -140,7 +141,7 @@ def compare_alphas(result: SteeringResult, key: str) -> list[dict[str, Any]]:
     return out
 
 
-def evaluate_rise_organism(backend: Any, *, n_harvest: int = 400, n_steer: int = 150,
+def evaluate_rise_organism(backend: Backend, *, n_harvest: int = 400, n_steer: int = 150,
                            alphas: Sequence[float] = DEFAULT_ALPHAS, mode: str = "add", layers: Sequence[int] = (),
                            temperature: float = 1.0, heldout: float = 0.25, sae_steps: int | None = None,
                            d_sae: int | None = None, l1: float | None = None, seed: int = 0,
@@ -161,7 +162,7 @@ def evaluate_rise_organism(backend: Any, *, n_harvest: int = 400, n_steer: int =
     if 0.0 not in [float(a) for a in alphas]:
         alphas = sorted([*alphas, 0.0])  # every alpha is compared with the unsteered organism
     task = default_task(backend)
-    n_layers = backend.info()["arch"]["n_layers"]
+    n_layers = backend.arch().n_layers
     options = RiseOptions(task=task, n=n_harvest, seed=seed, layers=tuple(layers or range(n_layers)),
                           max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
                           heldout=heldout, sae_steps=sae_steps, d_sae=d_sae, l1=l1, projection="pca", saes=saes,

@@ -24,6 +24,7 @@ from analyses.families import family_for
 from analyses.rise.labels import LABELS, Judge, label_step
 from analyses.steps import NAMED, Step, compile_delimiter, locate_step_tokens, split_steps
 from analyses.tasks import SYSTEM_PROMPT, Problem, cot_prompt, is_correct, one_shot_messages
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 # --------------------------------------------------------------------------- harvest
@@ -187,7 +188,7 @@ def resolve_delimiter(delimiter: str, model_id: str = "") -> str:
     return NAMED.get(delimiter, delimiter)
 
 
-def harvest(backend: Any, problems: Sequence[Problem], settings: HarvestSettings | None = None,
+def harvest(backend: Backend, problems: Sequence[Problem], settings: HarvestSettings | None = None,
             store: Any = None, judge: Judge | None = None,
             on_progress: Callable[[int, int], None] | None = None) -> Harvest:
     """Generate, cut, label and read step vectors for `problems`; reuse and fill `store` (resumable).
@@ -202,7 +203,7 @@ def harvest(backend: Any, problems: Sequence[Problem], settings: HarvestSettings
     """
     info = backend.info()
     settings = (settings or HarvestSettings()).resolved(info["model_id"])
-    settings.validate(info["arch"]["n_layers"])
+    settings.validate(backend.arch().n_layers)
     judge = judge or judge_for(settings.labeller, info["model_id"])
     if not problems:
         raise BadInputError("no problems to harvest; ask for n >= 1")
@@ -259,7 +260,7 @@ def harvest(backend: Any, problems: Sequence[Problem], settings: HarvestSettings
     return Harvest(info["model_id"], settings, delimiter, list(traces), acts, rows, gen_s, read_s, from_cache)
 
 
-def generate_traces(backend: Any, problems: Sequence[Problem], settings: HarvestSettings, delimiter: str,
+def generate_traces(backend: Backend, problems: Sequence[Problem], settings: HarvestSettings, delimiter: str,
                     interventions: Sequence[Any] = (), seed: int = 0,
                     on_step: Callable[[int], None] | None = None) -> list[TraceRecord]:
     """One batched generation (greedy, or sampled at `settings.temperature` with `seed`); each trace
@@ -323,7 +324,7 @@ BACKTRACKING_TEMPLATES = (
 )
 
 
-def augment_trace(backend: Any, trace: TraceRecord, delimiter: str, seed: int = 0) -> TraceRecord:
+def augment_trace(backend: Backend, trace: TraceRecord, delimiter: str, seed: int = 0) -> TraceRecord:
     """Splice one templated reflection or backtracking sentence after a random step [recon].
 
     Only the embedded-model demo needs this: a 135M model never reflects on its own, so without
@@ -343,7 +344,7 @@ def augment_trace(backend: Any, trace: TraceRecord, delimiter: str, seed: int = 
                        augmented=True)
 
 
-def step_residuals(backend: Any, sequences: Sequence[list[int]], positions: Sequence[list[int]],
+def step_residuals(backend: Backend, sequences: Sequence[list[int]], positions: Sequence[list[int]],
                    layers: Sequence[int], batch_size: int = 16,
                    on_pass: Callable[[], None] | None = None) -> list[dict[str, torch.Tensor]]:
     """`resid_post.L` at `positions` of each token sequence: {site: [len(positions), d]} per sequence.

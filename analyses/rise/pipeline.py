@@ -35,6 +35,7 @@ from analyses.rise.harvest import Harvest, HarvestSettings, harvest
 from analyses.rise.labels import BEHAVIOURS
 from analyses.rise.steer import steer
 from analyses.tasks import Problem, load_task
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -146,16 +147,16 @@ class TooFewStepsError(BadInputError):
 class RisePipeline:
     """One configuration of RISE on one backend; each stage loads what is stored before computing."""
 
-    def __init__(self, backend: Any, options: RiseOptions, on_progress: Progress | None = None):
+    def __init__(self, backend: Backend, options: RiseOptions, on_progress: Progress | None = None):
         self.backend, self.options, self.on_progress = backend, options, on_progress
         self.info = backend.info()
-        layers = options.layers or default_layers(self.info["arch"]["n_layers"])
+        layers = options.layers or default_layers(backend.arch().n_layers)
         self.settings = HarvestSettings(layers=tuple(layers), max_new_tokens=options.max_new_tokens,
                                         batch_size=options.batch_size, delimiter=options.delimiter,
                                         prompt=options.prompt, augment=options.augment, seed=options.seed,
                                         temperature=options.temperature,
                                         labeller=options.labeller).resolved(self.info["model_id"])
-        self.settings.validate(self.info["arch"]["n_layers"])
+        self.settings.validate(backend.arch().n_layers)
         if not 0 <= options.heldout < 1:
             raise BadInputError(f"heldout is the share of traces kept out of SAE training, in [0, 1); got "
                                 f"{options.heldout!r}")

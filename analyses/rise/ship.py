@@ -145,7 +145,7 @@ def build(model_id: str, command: str, root: Path | None = None) -> Path:
     torch.manual_seed(0)
     engine = Engine.from_id(model_id)
     info = engine.info()
-    options = page_options(model_id, info["arch"]["n_layers"])
+    options = page_options(model_id, engine.arch().n_layers)
     work = Path(tempfile.mkdtemp(prefix="thoughtscope-ship-rise-"))
     options.saes, options.store = str(work / "saes"), str(work / "store")
     started = time.perf_counter()

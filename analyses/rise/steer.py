@@ -13,6 +13,7 @@ import torch
 from analyses.rise.harvest import HarvestSettings, TraceRecord, generate_traces, resolve_delimiter
 from analyses.rise.labels import count_behaviours
 from analyses.tasks import Problem
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 def steering_intervention(site: str, vector: torch.Tensor, alpha: float | list[float],
@@ -94,7 +95,7 @@ class SteeringResult:
                 "monotone": {k: self.monotone(k) for k in ("mean_reflection_steps", "mean_backtracking_steps")}}
 
 
-def steer(backend: Any, problems: Sequence[Problem], vector: torch.Tensor, site: str,
+def steer(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, site: str,
           alphas: Sequence[float] = (-1.5, -1.0, 0.0, 1.0, 1.5), mode: str = "projection",
           settings: HarvestSettings | None = None, behaviour: str = "reflection", seed: int = 0,
           split: str = "", on_progress: Callable[[int, int], None] | None = None,
@@ -163,7 +164,7 @@ def steer(backend: Any, problems: Sequence[Problem], vector: torch.Tensor, site:
     return SteeringResult(behaviour, site, mode, rows, [p.id for p in problems], by_alpha, settings.temperature, split)
 
 
-def _alpha_grid(backend: Any, problems: Sequence[Problem], vector: torch.Tensor, site: str, alphas: list[float],
+def _alpha_grid(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, site: str, alphas: list[float],
                 mode: str, settings: HarvestSettings, delimiter: str, seed: int,
                 on_progress: Callable[[int, int], None] | None) -> dict[float, list[TraceRecord]]:
     """Greedy traces of every (alpha, problem) pair, one row each, `settings.batch_size` problems times all

@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
+from probes.backend import Backend
+
 SPARSITY, SINK, RECENT = 0.5, 4, 32
 
 
-def bench_prompt(backend: Any, context_tokens: int = 240) -> list[int]:
+def bench_prompt(backend: Backend, context_tokens: int = 240) -> list[int]:
     """A long prompt that asks for a long answer: GSM8K questions as context (about `context_tokens` tokens),
     then a story to write, in the chat template."""
     from analyses.tasks import load_gsm8k
@@ -33,13 +35,13 @@ def bench_prompt(backend: Any, context_tokens: int = 240) -> list[int]:
     return backend.encode([{"role": "user", "content": "\n\n".join(questions) + story}], chat=True)
 
 
-def bench_kv_bytes(backend: Any, tokens: int = 160, rounds: int = 2, seed: int = 0) -> list[dict[str, Any]]:
+def bench_kv_bytes(backend: Backend, tokens: int = 160, rounds: int = 2, seed: int = 0) -> list[dict[str, Any]]:
     from analyses.rlkv.heads import kv_fraction, random_full_heads
     from probes.kv_policy import HeadBudget
     from probes.server_bench import alternate
 
-    arch = backend.info()["arch"]
-    full = random_full_heads((arch["n_layers"], arch["n_kv_heads"]), SPARSITY, seed=seed)
+    arch = backend.arch()
+    full = random_full_heads((arch.n_layers, arch.n_kv_heads), SPARSITY, seed=seed)
     policy = HeadBudget(full_heads=torch.as_tensor(full), sink=SINK, recent=RECENT)
     prompt = bench_prompt(backend)
     last: dict[str, Any] = {}

@@ -24,6 +24,7 @@ import typer
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
                              group)
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 
@@ -44,7 +45,7 @@ def parse_sparsities(values: list[str], extra: list[str]) -> list[float]:
     return sorted(dict.fromkeys(out))
 
 
-def _provenance(engine, **kw):
+def _provenance(engine: Backend, **kw):
     from thoughtscope.provenance import provenance
 
     return provenance(engine.info(), **kw)
@@ -111,24 +112,26 @@ def register(cli: typer.Typer) -> None:
         sink: int = typer.Option(4),
         recent: int = typer.Option(32),
         seed: int = typer.Option(0),
+        sparsity: Optional[float] = typer.Option(None, help="also give the heads kept full at this sparsity and "
+                                                            "their KV bytes at 4,096 tokens"),
         as_json: bool = typer.Option(False, "--json"),
     ) -> None:
         """The layer x KV-head map: learned gates (--gates), else long-range attention from attention statistics."""
-        from analyses.rlkv.heads import attention_head_scores, problem_texts
-        from analyses.rlkv.probe import read_gates
+        from analyses.rlkv.data import task_problems
+        from analyses.rlkv.head_map import HeadMap
 
+        if sparsity is not None:
+            parse_sparsities([str(sparsity)], [])  # refused before the model loads
         engine = backend(model, server, token)
         if gates is not None:
-            found = read_gates(gates, engine)
-            payload = {"kind": "learned", "scores": found["gates"].tolist(), "gates_file": found["path"],
-                       "trained_on": found["meta"].get("model")}
+            hm = HeadMap.from_gates(gates, engine, sink, recent)
         else:
-            from analyses.rlkv.data import task_problems
-
-            texts = problem_texts(engine, task_problems(task, n, seed=seed, ops=ops), max_new_tokens=48)
             with TerminalProgress() as progress:
-                scores = attention_head_scores(engine, texts, sink=sink, recent=recent, progress=progress)
-            payload = {"kind": "attention", "scores": scores.tolist(), "sink": sink, "recent": recent, "n": n}
+                hm = HeadMap.from_attention(engine, task_problems(task, n, seed=seed, ops=ops), sink, recent,
+                                            max_new_tokens=48, progress=progress)
+        payload = hm.to_dict(sparsity)
+        if sparsity is not None:
+            payload.update(kv_bytes_4096=hm.kv_bytes(sparsity, 4096), full_kv_bytes_4096=hm.kv_bytes(0.0, 4096))
         payload["provenance"] = _provenance(engine, data=task, seed=seed, settings={"sink": sink, "recent": recent},
                                             command="thoughtscope rlkv map")
         emit(payload, as_json)

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 METHODS = ("rlkv", "attention", "random", "streaming", "snapkv", "knorm")
@@ -97,7 +98,7 @@ class Run:
         return {m: int(c.get(m, 0)) for m in ERROR_MODES}
 
 
-def generate_run(backend: Any, method: str, sparsity: float | None, setting: dict[str, Any], policy: Any,
+def generate_run(backend: Backend, method: str, sparsity: float | None, setting: dict[str, Any], policy: Any,
                  prompts: list[list[int]], problems: Sequence[Any], *, max_new_tokens: int, batch_size: int,
                  progress: Callable[[str, int, int], None] | None = None, stage: str = "") -> Run:
     """Greedy generations of every prompt under `policy` (None: the full cache), scored."""
@@ -256,7 +257,7 @@ def _methods(methods: str | Sequence[str], have_gates: bool) -> list[str]:
     return chosen
 
 
-def evaluate_rlkv(backend: Any, task: str, sparsities: Sequence[float], *, gates: str | Path | None = None,
+def evaluate_rlkv(backend: Backend, task: str, sparsities: Sequence[float], *, gates: str | Path | None = None,
                   ops: str | None = None, n: int = 60, n_dev: int = 16, n_calibration: int = 8, seed: int = 1,
                   sink: int = 4, recent: int = 32, random_seeds: int = 3, snapkv_windows: Sequence[int] = (4, 16),
                   snapkv_kernel: int = 5, max_new_tokens: int = 64, batch_size: int = 16, methods: Any = "all",
@@ -274,12 +275,12 @@ def evaluate_rlkv(backend: Any, task: str, sparsities: Sequence[float], *, gates
     from thoughtscope.provenance import provenance
 
     info = backend.info()
-    arch = info["arch"]
-    shape = (arch["n_layers"], arch["n_kv_heads"])
+    arch = backend.arch()
+    shape = (arch.n_layers, arch.n_kv_heads)
     levels = sorted(dict.fromkeys(float(s) for s in sparsities))
     if not levels or any(not (0 <= s < 1) for s in levels):
         raise BadInputError(f"sparsities must lie in [0, 1) (the fraction of heads made local), got {list(sparsities)}")
-    check_window(sink, recent, arch["context_length"])
+    check_window(sink, recent, arch.context_length)
     for name, value, low in (("n", n, 1), ("n_dev", n_dev, 1), ("n_calibration", n_calibration, 1),
                              ("random_seeds", random_seeds, 0), ("max_new_tokens", max_new_tokens, 1),
                              ("batch_size", batch_size, 1)):
@@ -395,7 +396,7 @@ def report_table(report: RLKVReport) -> Any:
     return table
 
 
-def compressed_generation(backend: Any, prompt: Any, policy: Any, *, max_new_tokens: int = 64, chat: bool = False,
+def compressed_generation(backend: Backend, prompt: Any, policy: Any, *, max_new_tokens: int = 64, chat: bool = False,
                           sampling: Any = None, seed: int = 0, answer: str | None = None) -> dict[str, Any]:
     """One prompt with the full cache and under `policy`: both texts, KV bytes per token, and the compressed
     generation's error mode (with a known `answer`; without one, correct/wrong cannot be told apart and a

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 
@@ -64,7 +65,7 @@ def kv_fraction(full_heads: Any, length: int, sink: int, recent: int) -> float:
     return float(kept / (full.size * length))
 
 
-def problem_texts(backend: Any, problems: Sequence[Any], max_new_tokens: int = 48,
+def problem_texts(backend: Backend, problems: Sequence[Any], max_new_tokens: int = 48,
                   batch_size: int = 16) -> list[list[int]]:
     """Token ids of prompt + greedy full-cache completion for each problem (the traces statistics are read from)."""
     from analyses.families import family_for, task_prompt
@@ -94,14 +95,14 @@ def long_range_mass(pattern: torch.Tensor, sink: int, recent: int) -> tuple[torc
     return mass[rows].sum(0), int(rows.sum())
 
 
-def attention_head_scores(backend: Any, sequences: Sequence[Sequence[int]], sink: int, recent: int,
+def attention_head_scores(backend: Backend, sequences: Sequence[Sequence[int]], sink: int, recent: int,
                           progress: Callable[[str, int, int], None] | None = None) -> np.ndarray:
     """[layers, kv_heads]: mean attention mass outside the sink + recent window (see the module docstring)."""
     from probes.backend import require
 
     require(backend, "attention")
-    arch = backend.info()["arch"]
-    layers, heads, kv_heads = arch["n_layers"], arch["n_heads"], arch["n_kv_heads"]
+    arch = backend.arch()
+    layers, heads, kv_heads = arch.n_layers, arch.n_heads, arch.n_kv_heads
     if not sequences:
         raise BadInputError("attention statistics need at least one trace")
     sites = [f"attn_pattern.{layer}" for layer in range(layers)]

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from analyses.rlkv.grpo import adaptive_l1_weight, group_advantages, policy_loss
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 GATES_FILE = "gates.safetensors"
@@ -55,7 +56,7 @@ FORMAT = "thoughtscope-rlkv-gates/1"
 RESUMABLE = ("steps", "micro_batch")  # settings a resumed run may change
 
 
-def default_prompt_fn(backend: Any) -> Callable[[Any], tuple[Any, bool]]:
+def default_prompt_fn(backend: Backend) -> Callable[[Any], tuple[Any, bool]]:
     """problem -> (prompt, chat) in the model family's prompt style (`analyses.families`)."""
     from analyses.families import family_for, task_prompt
 
@@ -122,24 +123,24 @@ class HeadGateProbe:
 
     # ----- training -----
 
-    def fit(self, backend: Any, problems: Sequence[Any], on_step: Callable[[int, int, dict], None] | None = None,
+    def fit(self, backend: Backend, problems: Sequence[Any], on_step: Callable[[int, int, dict], None] | None = None,
             checkpoint_dir: str | Path | None = None) -> "HeadGateProbe":
         """Train the gates on `problems` (each with an `answer`); `on_step(done, total, row)` after each step.
 
-        Runs in the process that holds the model (`backend.head_gates`); a model server is refused.
+        Runs in the process that holds the model (capability "head_gates"); a model server is refused.
         With `checkpoint_dir`, resumes a run of the same settings found there and saves as it goes.
         """
         from probes.backend import require
         from probes.engine import Sampling
 
         self._check(problems)
-        if not callable(getattr(backend, "head_gates", None)):
+        if not backend.capabilities().get("head_gates", False):
             raise BadInputError("RLKV gate training runs in the process that holds the model (the issue's design); "
                                 "pass --model, not --server, to `thoughtscope rlkv train`")
         require(backend, "generate", "grad")
         info = backend.info()
-        arch = info["arch"]
-        shape = (arch["n_layers"], arch["n_kv_heads"])
+        arch = backend.arch()
+        shape = (arch.n_layers, arch.n_kv_heads)
         prompt_fn = self.prompt_fn or default_prompt_fn(backend)
         reward_fn = self.reward_fn or default_reward
         problems = list(problems)
@@ -246,7 +247,7 @@ class HeadGateProbe:
         return save_checkpoint(directory, self._fitted(), None, getattr(self, "log_", []), meta)
 
     @classmethod
-    def load(cls, path: str | Path, backend: Any = None) -> "HeadGateProbe":
+    def load(cls, path: str | Path, backend: Backend | None = None) -> "HeadGateProbe":
         """A fitted probe from a gates file (or its folder). With `backend`, the gates must fit its model."""
         found = read_gates(path, backend)
         probe = cls(**{k: v for k, v in found["meta"].get("settings", {}).items() if k in cls.__dataclass_fields__})
@@ -304,7 +305,7 @@ def save_checkpoint(directory: str | Path, gates: np.ndarray, optimizer: dict | 
     return gates_path
 
 
-def read_gates(path: str | Path, backend: Any = None) -> dict[str, Any]:
+def read_gates(path: str | Path, backend: Backend | None = None) -> dict[str, Any]:
     """{gates (numpy [layers, kv_heads]), meta, log} of a gates file or folder; with `backend`, checked against
     its model's shape before any model work (a file for another model is refused)."""
     from safetensors import SafetensorError
@@ -331,8 +332,8 @@ def read_gates(path: str | Path, backend: Any = None) -> dict[str, Any]:
             raise BadInputError(f"{log_path} is not valid JSON: {err}") from err
     gates = tensors["gates"]
     if backend is not None:
-        arch = backend.info()["arch"]
-        shape = (arch["n_layers"], arch["n_kv_heads"])
+        arch = backend.arch()
+        shape = (arch.n_layers, arch.n_kv_heads)
         origin = f" (learned on {meta['model']})" if meta.get("model") else ""
         if tuple(gates.shape) != shape:
             raise BadInputError(f"the gates in {gates_path} have shape {tuple(gates.shape)}{origin}; "

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from analyses.visual_attribution.regions import Region, positions
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[int, int], None] | None
@@ -58,7 +59,7 @@ def check_spans(spans: Sequence[Sequence[int]], n_tokens: int, image_end: int) -
     return out
 
 
-def _spec_and_trace(backend: Any, text: Any, image: Any, capture: Sequence[str] = ()):
+def _spec_and_trace(backend: Backend, text: Any, image: Any, capture: Sequence[str] = ()):
     from probes.backend import require
     from probes.vision import spec_of
 
@@ -72,7 +73,7 @@ def span_logprobs(logprobs: torch.Tensor, spans: Sequence[tuple[int, int]]) -> n
     return np.array([float(lp[s:e].sum()) for s, e in spans])
 
 
-def exhaustive_effects(backend: Any, text: Any, image: Any, spans: Sequence[Sequence[int]],
+def exhaustive_effects(backend: Backend, text: Any, image: Any, spans: Sequence[Sequence[int]],
                        regions: Sequence[Region], on_progress: Progress = None, batch_size: int = 32) -> np.ndarray:
     """[n_spans, n_regions]: the span's log-prob drop (nats) with attention to the region masked in
     every layer.
@@ -94,7 +95,7 @@ def exhaustive_effects(backend: Any, text: Any, image: Any, spans: Sequence[Sequ
                         on_progress, batch_size).T
 
 
-def masked_drops(backend: Any, text: Any, image: Any, spans: Sequence[tuple[int, int]],
+def masked_drops(backend: Backend, text: Any, image: Any, spans: Sequence[tuple[int, int]],
                  position_sets: Sequence[Sequence[int]], on_progress: Progress = None,
                  batch_size: int = 32) -> np.ndarray:
     """[n_sets, n_spans]: each span's log-prob drop (nats) with attention to one set of token positions
@@ -136,7 +137,7 @@ def masked_drops(backend: Any, text: Any, image: Any, spans: Sequence[tuple[int,
     return out
 
 
-def attention_features(backend: Any, text: Any, image: Any, spans: Sequence[Sequence[int]],
+def attention_features(backend: Backend, text: Any, image: Any, spans: Sequence[Sequence[int]],
                        regions: Sequence[Region], trace: Any = None) -> np.ndarray:
     """[n_spans, n_regions, n_layers * n_heads]: attention from the span's tokens to the region's
     tokens, per layer and head (mean over the span's queries, sum over the region's keys). Pass a
@@ -144,7 +145,7 @@ def attention_features(backend: Any, text: Any, image: Any, spans: Sequence[Sequ
     from probes.vision import spec_of
 
     spec = spec_of(backend)
-    n_layers = backend.info()["arch"]["n_layers"]
+    n_layers = backend.arch().n_layers
     sites = [f"attn_pattern.{layer}" for layer in range(n_layers)]
     if trace is None:
         _, trace = _spec_and_trace(backend, text, image, capture=sites)
@@ -169,7 +170,7 @@ def raw_attention(features: np.ndarray) -> np.ndarray:
     return np.asarray(features).mean(-1)
 
 
-def gradient_scores(backend: Any, text: Any, image: Any, spans: Sequence[Sequence[int]],
+def gradient_scores(backend: Backend, text: Any, image: Any, spans: Sequence[Sequence[int]],
                     regions: Sequence[Region]) -> np.ndarray:
     """The input x gradient baseline [n_spans, n_regions]: activation x gradient of the span's log-prob
     at the language model's input (`resid_pre.0`, where the image tokens hold the projected patch

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from analyses.visual_attribution.evaluate import toy_scene
+from probes.backend import Backend
 
 
-def _scene(backend: Any, example: Any, grid: int) -> tuple[str, Any, list[tuple[int, int]], list[Any]]:
+def _scene(backend: Backend, example: Any, grid: int) -> tuple[str, Any, list[tuple[int, int]], list[Any]]:
     """(text, image, description spans, grid regions) of a toy example on a model with grid x grid tokens."""
     from analyses.visual_attribution.regions import grid_regions
     from probes.toys import vlm
@@ -38,7 +39,7 @@ def _scene(backend: Any, example: Any, grid: int) -> tuple[str, Any, list[tuple[
     return text, example.image, spans, grid_regions(spec_of(backend), grid, grid)
 
 
-def _fit(backend: Any, scenes: list[tuple], seed: int) -> Any:
+def _fit(backend: Backend, scenes: list[tuple], seed: int) -> Any:
     from analyses.visual_attribution.attribution import attention_features, exhaustive_effects
     from analyses.visual_attribution.estimator import AmortizedAttribution
 
@@ -50,7 +51,7 @@ def _fit(backend: Any, scenes: list[tuple], seed: int) -> Any:
     return AmortizedAttribution(epochs=50, seed=seed).fit(np.concatenate(X), np.concatenate(y))
 
 
-def bench_speedup(backend: Any, grid: int, n_scenes: int = 6, seed: int = 0, name: str = "vis_attr_speedup",
+def bench_speedup(backend: Backend, grid: int, n_scenes: int = 6, seed: int = 0, name: str = "vis_attr_speedup",
                   note: str = "") -> dict[str, Any]:
     """Seconds per span of exhaustive ablation (batched over regions, and unbatched) / of the amortized
     estimate, over `n_scenes` toy eval scenes on a model with grid x grid visual tokens."""
@@ -64,7 +65,7 @@ def bench_speedup(backend: Any, grid: int, n_scenes: int = 6, seed: int = 0, nam
         exhaustive_effects(backend, text, image, spans, regions, batch_size=batch_size)
     attention_features(backend, text, image, spans, regions)
     seconds = {"exhaustive": 0.0, "exhaustive_unbatched": 0.0, "amortized": 0.0, "in_stream": 0.0}
-    sites = [f"attn_pattern.{layer}" for layer in range(backend.info()["arch"]["n_layers"])]
+    sites = [f"attn_pattern.{layer}" for layer in range(backend.arch().n_layers)]
     n_spans = 0
     for text, image, spans, regions in scenes:
         t = time.perf_counter()
@@ -111,7 +112,7 @@ def random_toy_vlm(grid: int = 4) -> Any:
                               arch_from_config(model.config), "random", torch.device("cpu"), torch.float32))
 
 
-def bench_stream_overhead(backend: Any, n_scenes: int = 4, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+def bench_stream_overhead(backend: Backend, n_scenes: int = 4, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
     """vis_attr_stream_overhead: seconds per token of streaming attribution (attention captured in every
     layer, per-span features and amortized predictions) / of plain greedy generation (target <= 1.3);
     the two alternate on the same scenes."""

@@ -39,6 +39,7 @@ import numpy as np
 from analyses.visual_attribution.attribution import attention_features, exhaustive_effects, raw_attention
 from analyses.visual_attribution.estimator import AmortizedAttribution
 from analyses.visual_attribution.regions import grid_regions
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 
@@ -71,7 +72,7 @@ class StudyResult:
                 "comparison": self.comparison, "example": self.example}
 
 
-def toy_scene(backend: Any, example: Any, k: int | None = None) -> SceneResult:
+def toy_scene(backend: Backend, example: Any, k: int | None = None) -> SceneResult:
     """Exhaustive effects and attention features of one toy-vlm example's description spans, over the
     9 cells or, with `k`, over k Ward clusters of the visual tokens' features (`resid_pre.0`, the
     projected patch features); a span's true region is the one holding its cell."""
@@ -102,7 +103,7 @@ def toy_scene(backend: Any, example: Any, k: int | None = None) -> SceneResult:
     return SceneResult(true, effects, feats, mid - start, end - mid, text, example.image, spans, list(regions))
 
 
-def masked_drops(backend: Any, scene: SceneResult, region_sets: list[tuple[int, ...]]) -> np.ndarray:
+def masked_drops(backend: Backend, scene: SceneResult, region_sets: list[tuple[int, ...]]) -> np.ndarray:
     """[sets, spans]: each span's log-prob drop (nats) with attention to a set of the scene's regions
     masked in every layer, all of them at once (the sets batched as rows of few forwards, every span
     read from them)."""
@@ -117,7 +118,7 @@ def masked_drops(backend: Any, scene: SceneResult, region_sets: list[tuple[int, 
     return drops(backend, scene.text, scene.image, scene.spans, sets)
 
 
-def faithfulness(backend: Any, scene: SceneResult, scores: dict[str, np.ndarray], n_subsets: int = 8,
+def faithfulness(backend: Backend, scene: SceneResult, scores: dict[str, np.ndarray], n_subsets: int = 8,
                  deletion_k: tuple[int, ...] = (1, 2), seed: int = 0) -> dict[str, list[float]]:
     """Per span and method: the linear datamodeling score (Spearman, over `n_subsets` random half-size
     sets of regions, between the sum of the method's scores over the set and the span's actual drop
@@ -208,7 +209,7 @@ def _pearson(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(a, b)[0, 1])
 
 
-def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, epochs: int = 300,
+def run_study(backend: Backend, n_train: int = 40, n_eval: int = 40, seed: int = 0, epochs: int = 300,
               n_subsets: int = 8, deletion_k: tuple[int, ...] = (1, 2), k: int | None = None,
               progress: Callable[[str, int, int], None] | None = None, n_dev: int = 0) -> StudyResult:
     """Train the estimator on `n_train` training scenes, score every method on `n_eval` eval scenes
@@ -328,7 +329,7 @@ def run_study(backend: Any, n_train: int = 40, n_eval: int = 40, seed: int = 0, 
     return StudyResult(settings, metrics, costs, comparison, example, est)
 
 
-def fit_estimator(backend: Any, n_train: int = 10, seed: int = 0, epochs: int = 300,
+def fit_estimator(backend: Backend, n_train: int = 10, seed: int = 0, epochs: int = 300,
                   progress: Callable[[str, int, int], None] | None = None) -> AmortizedAttribution:
     """The amortized estimator fitted on `n_train` toy-vlm training scenes with exhaustive effects as targets:
     the same scenes, pairs and settings as `run_study(n_train=..., epochs=..., seed=...)` without a development

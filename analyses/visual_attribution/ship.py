@@ -20,13 +20,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from probes.backend import Backend
+
 NAME = "visual-attribution"
 DEFAULT_MODEL = "toy-vlm"
 STUDY_SETTINGS = {"n_train": 10, "n_eval": 10, "subsets": 8, "seed": 0}
 EPOCHS = 300
 
 
-def build(model_id: str, command: str, root: Path | None = None, backend: Any = None) -> Path:
+def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None) -> Path:
     """The page's default study on `model_id` (one thread, seed 0), with its estimator, as a shipped result."""
     import tempfile
 

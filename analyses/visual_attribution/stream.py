@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from analyses.visual_attribution.regions import Region, positions
+from probes.backend import Backend
 
 DELIMITERS = (",", ".", ":")
 
@@ -62,7 +63,7 @@ class StreamEvent:
     span: SpanAttribution | None = None
 
 
-def stream_attribution(backend: Any, prompt: Any, image: Any, regions: Sequence[Region], estimator: Any = None,
+def stream_attribution(backend: Backend, prompt: Any, image: Any, regions: Sequence[Region], estimator: Any = None,
                        max_new_tokens: int = 64, delimiters: Sequence[str] = DELIMITERS) -> Iterator[StreamEvent]:
     """Generate greedily from `prompt` (with `<image>`) and `image`, yielding one event per token; a
     span's attribution arrives with the token that ends it."""
@@ -73,7 +74,7 @@ def stream_attribution(backend: Any, prompt: Any, image: Any, regions: Sequence[
     spec = spec_of(backend)
     ids, _ = expand(spec, backend.encode(prompt), 1)
     pos = [positions(spec, ids, r) for r in regions]  # checks regions before any model work
-    n_layers = backend.info()["arch"]["n_layers"]
+    n_layers = backend.arch().n_layers
     sites = [f"attn_pattern.{layer}" for layer in range(n_layers)]
     eos = set(backend.eos_ids())
     rows: list[np.ndarray] = []  # per generated token: [regions, L*H]

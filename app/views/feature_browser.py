@@ -200,12 +200,12 @@ def direction_section(ctx, site: str, d_model: int) -> Any | None:
 
 def render(ctx) -> None:
     st.title("Feature browser")
-    arch = ctx.backend.info()["arch"]
+    arch = ctx.backend.arch()
     st.subheader("1. Corpus and site")
     corpus = corpus_section()
     cols = st.columns(3)
     kind = cols[0].selectbox("Site", RESIDUAL_KINDS, index=RESIDUAL_KINDS.index("resid_post"), key="fb_site_kind")
-    layer = cols[1].selectbox("Layer", range(arch["n_layers"]), index=arch["n_layers"] // 2, key="fb_layer")
+    layer = cols[1].selectbox("Layer", range(arch.n_layers), index=arch.n_layers // 2, key="fb_layer")
     max_tokens = cols[2].select_slider("Tokens per context", [16, 32, 64, 128, 256], 64, key="fb_max_tokens")
     site = f"{kind}.{layer}"
     if corpus is None:
@@ -215,7 +215,7 @@ def render(ctx) -> None:
     if index is None:
         return
     st.subheader("2. Direction")
-    direction = direction_section(ctx, site, arch["d_model"])
+    direction = direction_section(ctx, site, arch.d_model)
     if direction is None:
         return
     k = st.slider("Top contexts", 5, 50, 20, 5, key="fb_k")

@@ -46,7 +46,7 @@ def results() -> FinishedGenerations:
 
 def settings_section(ctx) -> FuzzyOptions:
     st.subheader("1. Target word, samples and layer")
-    n_layers = ctx.backend.info()["arch"]["n_layers"]
+    n_layers = ctx.backend.arch().n_layers
     c1, c2, c3, c4 = st.columns(4)
     word = c1.text_input("Target word", "water", key="fz_word", help="the token whose hidden states are decomposed")
     vision = bool(ctx.backend.capabilities().get("vision"))
@@ -113,7 +113,7 @@ def run_section(ctx, store, options: FuzzyOptions) -> dict[str, Any] | None:
 
 
 def n_layers(ctx) -> int:
-    return int(ctx.backend.info()["arch"]["n_layers"])
+    return int(ctx.backend.arch().n_layers)
 
 
 def shipped_study(ctx, options: FuzzyOptions) -> dict[str, Any]:

@@ -49,15 +49,15 @@ def render(ctx) -> None:
     st.markdown("Look inside a language model while it reasons: generate, record what happens inside it "
                 "token by token, steer the next generation, and export every figure with its data.")
     info = ctx.backend.info()
-    arch = info.get("arch", {})
+    arch = ctx.backend.arch()
     # The model id is text of any length: a metric would cut it ("smollm2-13..."), so it gets its own line.
     with st.container(border=True, key="home-model"):
         st.markdown(f"**Model** `{ctx.model_id}`  \nfingerprint `{info.get('fingerprint', '?')}`"
                     + (f", served by {ctx.server_url}" if ctx.server_url else ", in this process"))
         cols = st.columns(4)
-        cols[0].metric("Layers", arch.get("n_layers", "?"))
-        cols[1].metric("Heads", arch.get("n_heads", "?"))
-        cols[2].metric("Width", arch.get("d_model", "?"))
+        cols[0].metric("Layers", arch.n_layers)
+        cols[1].metric("Heads", arch.n_heads)
+        cols[2].metric("Width", arch.d_model)
         cols[3].metric("Device", info.get("device", "?"))
     st.subheader("Pages")
     for spec, module in discover_pages():

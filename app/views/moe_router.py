@@ -83,8 +83,8 @@ def profile_section(ctx, store, stored: Any) -> None:
 
 def generation_section(ctx, store, stored: Any) -> tuple[RouterMap, dict[str, Any]] | None:
     st.subheader("1. A generation, routed")
-    arch = ctx.backend.info()["arch"]
-    k, n_experts = int(arch["experts_top_k"]), int(arch["n_experts"])
+    arch = ctx.backend.arch()
+    k, n_experts = int(arch.experts_top_k), int(arch.n_experts)
     c1, c2, c3 = st.columns(3)
     source = c1.radio("Prompt", [TASK_PROMPT, SIDEBAR_PROMPT], key="moe_prompt_source",
                       help="a development problem of the model's own task (toy-moe: chained arithmetic; other "

@@ -74,7 +74,7 @@ def shipped_run(ctx, options: RiseOptions) -> tuple[dict[str, Any] | None, str |
 
 def harvest_section(ctx, store) -> tuple[dict[str, Any] | None, HarvestSettings | None, str, int]:
     st.subheader("1. Harvest step vectors and train the SAEs")
-    n_layers = ctx.backend.info()["arch"]["n_layers"]
+    n_layers = ctx.backend.arch().n_layers
     own = default_task(ctx.model_id)
     defaults = rise_ship.page_options(ctx.model_id, n_layers, ctx.settings.max_new_tokens, ctx.seed)
     c1, c2, c3 = st.columns(3)

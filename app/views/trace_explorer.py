@@ -111,11 +111,11 @@ def lens_section(ctx, key: str, ids: tuple[int, ...], done: CompletionTrace) -> 
 
 def attention_section(ctx, key: str, ids: tuple[int, ...], done: CompletionTrace) -> None:
     st.subheader("Attention")
-    arch = ctx.backend.info()["arch"]
+    arch = ctx.backend.arch()
     cols = st.columns([1, 1, 1, 2])
-    layer = cols[0].selectbox("Attention layer", range(arch["n_layers"]), index=arch["n_layers"] - 1,
+    layer = cols[0].selectbox("Attention layer", range(arch.n_layers), index=arch.n_layers - 1,
                               key="attn_layer")
-    head = cols[1].selectbox("Head", [ALL_HEADS, *range(arch["n_heads"])], index=1, key="attn_head")
+    head = cols[1].selectbox("Head", [ALL_HEADS, *range(arch.n_heads)], index=1, key="attn_head")
     scale = cols[2].radio("Colour", list(SCALES), key="attn_scale",
                           help="log: every order of magnitude visible; linear: the range ends at the largest weight "
                                "on any token but the first (the attention sink), which saturates")

@@ -36,6 +36,7 @@ from app.export import show_figure
 from app.figures.visual_attribution import faithfulness_figure, heatmap_figure
 from app.jobs import run_job
 from app.registry import PageSpec
+from probes.arch import ArchInfo
 from thoughtscope import shipped
 
 # Only what every local backend has: the page opens with its title on a text-only model and says why it
@@ -108,7 +109,7 @@ def _estimator(ctx, stored: Any) -> Any:
     path = c1.text_input("Or a saved estimator (PATH of `thoughtscope eval vis-attr --save PATH`)", key="va_path")
     if c2.button("Load", key="va_load") and path.strip():
         with shows_errors():
-            st.session_state[key] = load_estimator(path.strip(), ctx.backend.info()["arch"])
+            st.session_state[key] = load_estimator(path.strip(), ctx.backend.arch())
     est = st.session_state.get(key)
     where = "ready" if est is not None else ""
     if est is None and stored:
@@ -120,16 +121,16 @@ def _estimator(ctx, stored: Any) -> Any:
     return est
 
 
-def load_estimator(path: str, arch: dict[str, Any]) -> Any:
+def load_estimator(path: str, arch: ArchInfo) -> Any:
     """A saved `AmortizedAttribution`, checked against this model: one feature per layer and head."""
     from analyses.visual_attribution.estimator import AmortizedAttribution
     from thoughtscope.errors import BadInputError
 
     est = AmortizedAttribution.load(path)
-    want = arch["n_layers"] * arch["n_heads"]
+    want = arch.n_layers * arch.n_heads
     if est.n_features_in_ != want:
         raise BadInputError(f"{path} was fitted on {est.n_features_in_} attention features; this model has "
-                            f"{arch['n_layers']} layers x {arch['n_heads']} heads = {want}: fit one on this model")
+                            f"{arch.n_layers} layers x {arch.n_heads} heads = {want}: fit one on this model")
     return est
 
 

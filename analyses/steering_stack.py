@@ -8,9 +8,12 @@ same idea over every direction the workbench makes. A `StackTerm` is one directi
 `strength x multiplier`; with `unit="norm"` the vector is `v/|v| x (mean activation norm at the site)`
 (the Steering page's unit: 0.5 adds half a typical activation), with `unit="raw"` it is `v` as given.
 
-Edit methods (`METHODS`): `add` adds `strength x multiplier x vector` (activation addition, Turner et
-al. 2023); `project_out` rescales the component along v by `1 - strength x multiplier`
-(`ProjectionRescale`, RISE: strength 1 removes the component, -1 doubles it).
+Edit methods (`METHODS`, the wire names of `probes.edits`, where each is documented and cited):
+`additive` (h + s v), `norm_scaled` (h + s |h| v/|v|), `project_out` (h - s (h.u) u), `projection_cap`
+(the component along u clamped into [low, high]), `sae_clamp` (one SAE latent set to a value, the
+reconstruction error kept). Each term becomes one edit with its own record name (`term_name`), so every
+generated token's record says which terms acted there and the norm each added (`TokenRecord.fired`);
+`StackGeneration.applied` keeps that per token and `never_acted` names a term that never did.
 
 Where a direction comes from: one adapter per source, each returning a `StackTerm` whose `source`
 says how to make it again (and is the reference a preset keeps):
@@ -25,9 +28,9 @@ is a `BadInputError` naming the term and the field.
 Example:
     >>> import torch
     >>> stack = SteeringStack([StackTerm("resid_post.0", torch.tensor([3.0, 4.0]), 2.0, unit="raw")], 0.5)
-    >>> iv = stack.interventions()[0]
-    >>> iv.vector.tolist(), iv.scale
-    ([3.0, 4.0], 1.0)
+    >>> edit = stack.interventions()[0]
+    >>> edit.kind, edit.vector.tolist(), edit.strength, edit.term
+    ('additive', [3.0, 4.0], 1.0, '1. vector at resid_post.0')
     >>> from_preset(to_preset(stack)).terms[0].direction.tolist()
     [3.0, 4.0]
 """
@@ -35,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -45,28 +49,57 @@ from typing import Any
 import torch
 
 from probes.backend import Backend
-from probes.interventions import RESIDUAL_KINDS, WHERE, AddVector, ProjectionRescale
+from probes.edits import MAX_TERMS, TOKENS, Additive, NormScaled, ProjectionCap, ProjectOut, SAEClamp
+from probes.interventions import RESIDUAL_KINDS
 from probes.sites import parse_site
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError, ThoughtscopeError
 
-MAX_TERMS = 32  # beyond this a slider per term is no longer a page, and each term is one more hook per forward
 MAX_STRENGTH = 1e4
 UNITS = ("norm", "raw")
 PRESET_FORMAT = "thoughtscope-steering-stack"
 PRESET_VERSION = 1
 
 
-def _add(term: "StackTerm", factor: float, vector: torch.Tensor) -> Any:
-    return AddVector(term.site, vector, scale=factor, where=term.where)
+def _common(term: "StackTerm", factor: float, name: str) -> dict[str, Any]:
+    return dict(strength=factor, tokens=term.tokens, start=term.start, stop=term.stop,
+                skip_special=term.skip_special, term=name)
 
 
-def _project_out(term: "StackTerm", factor: float, vector: torch.Tensor) -> Any:
-    return ProjectionRescale(term.site, vector, alpha=factor, where=term.where)
+def _additive(term: "StackTerm", factor: float, name: str, norm: float | None) -> Any:
+    return Additive(term.site, term.vector(norm), **_common(term, factor, name))
 
 
-# edit method -> how one term becomes an intervention (factor = strength x multiplier)
-METHODS = {"add": _add, "project_out": _project_out}
+def _norm_scaled(term: "StackTerm", factor: float, name: str, norm: float | None) -> Any:
+    return NormScaled(term.site, term.direction, **_common(term, factor, name))
+
+
+def _project_out(term: "StackTerm", factor: float, name: str, norm: float | None) -> Any:
+    return ProjectOut(term.site, term.direction, **_common(term, factor, name))
+
+
+def _projection_cap(term: "StackTerm", factor: float, name: str, norm: float | None) -> Any:
+    return ProjectionCap(term.site, term.direction, low=term.params.get("low"), high=term.params.get("high"),
+                         **_common(term, factor, name))
+
+
+def _sae_clamp(term: "StackTerm", factor: float, name: str, norm: float | None) -> Any:
+    sae = _load_sae(term.source["folder"], term.source.get("sha256", ""))
+    return SAEClamp.from_sae(term.site, sae, int(term.source["latent"]), float(term.params["value"]),
+                             **_common(term, factor, name))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_sae(folder: str, sha256: str) -> Any:  # the sha in the key: a changed folder is read again
+    from saes.io import load_sae
+
+    return load_sae(folder)
+
+
+# edit method (probes.edits' wire names: one spelling) -> how one term becomes an edit
+# (factor = strength x multiplier; `norm` = the site's mean activation norm, for unit="norm")
+METHODS = {"additive": _additive, "norm_scaled": _norm_scaled, "project_out": _project_out,
+           "projection_cap": _projection_cap, "sae_clamp": _sae_clamp}
 
 
 def _number(value: Any, what: str, bound: float = MAX_STRENGTH) -> float:
@@ -97,17 +130,24 @@ def sha256_file(path: str | Path) -> str:
 
 @dataclass
 class StackTerm:
-    """One direction at one site: its strength, edit method, unit, the positions it acts on (`where`),
-    a label for its slider, and `source` (what made it; a preset's reference when it names a file)."""
+    """One direction at one site: its strength, edit method (`METHODS`), unit, where it acts (`tokens`:
+    both / prompt / generated; a `start`..`stop` range of positions; special and chat-template tokens
+    skipped unless `skip_special=False`), the method's own `params` (`projection_cap`: low/high;
+    `sae_clamp`: value), a label for its slider, and `source` (what made it; a preset's reference when
+    it names a stored file)."""
 
     site: str
     direction: torch.Tensor
     strength: float = 1.0
-    method: str = "add"
+    method: str = "additive"
     unit: str = "norm"
-    where: str = "all"
+    tokens: str = "both"
+    start: int | None = None
+    stop: int | None = None
+    skip_special: bool = True
     label: str = ""
     source: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.direction = _vector(self.direction, f"the direction of {self.label or self.site!r}")
@@ -125,17 +165,37 @@ class StackTerm:
         if site.kind not in RESIDUAL_KINDS:
             raise BadInputError(f"{what} acts at {self.site!r}; a stack term acts at "
                                 f"{', '.join(k + '.L' for k in RESIDUAL_KINDS)}")
-        checks.choice(f"{what}'s edit method", self.method, sorted(METHODS))
+        checks.choice(f"{what}'s edit method", self.method, list(METHODS))
         checks.choice(f"{what}'s unit", self.unit, UNITS)
-        checks.choice(f"{what}'s positions (where)", self.where, WHERE)
+        checks.choice(f"{what}'s tokens", self.tokens, TOKENS)
+        checks.integer(f"{what}'s start", self.start, low=0, none_ok=True)
+        checks.integer(f"{what}'s stop", self.stop, low=1, none_ok=True)
+        if self.start is not None and self.stop is not None and self.stop <= self.start:
+            raise BadInputError(f"{what}: the token range {self.start}..{self.stop} is empty")
+        if not isinstance(self.skip_special, bool):
+            raise BadInputError(f"{what}: skip_special must be true or false, got {self.skip_special!r}")
         _number(self.strength, f"{what}'s strength")
+        if self.method == "projection_cap":
+            low = checks.number(f"{what}'s cap low", self.params.get("low"), none_ok=True)
+            high = checks.number(f"{what}'s cap high", self.params.get("high"), none_ok=True)
+            if low is None and high is None or (low is not None and high is not None and low > high):
+                raise BadInputError(f"{what}: a projection cap needs params low <= high (one may be omitted)")
+        if self.method == "sae_clamp":
+            if self.source.get("kind") != "sae":
+                raise BadInputError(f"{what} clamps an SAE latent but its direction is not an SAE latent: add the "
+                                    "term from an SAE (a saved SAE folder) to clamp it")
+            checks.number(f"{what}'s clamp value", self.params.get("value"))
         if d_model is not None and self.direction.numel() != d_model:
             raise BadInputError(f"{what} ({self.name}) has width {self.direction.numel()} but {self.site} has "
                                 f"width {d_model} (d_model): it was made on another model")
 
+    @property
+    def uses_norm(self) -> bool:
+        return self.unit == "norm" and self.method == "additive"
+
     def vector(self, reference_norm: float | None = None) -> torch.Tensor:
-        """The vector this term adds at strength 1 (`add`) or the axis it rescales (`project_out`)."""
-        if self.unit == "raw" or self.method != "add":
+        """The vector an `additive` term adds at strength 1 (the axis of every other method)."""
+        if not self.uses_norm:
             return self.direction
         if reference_norm is None or not reference_norm > 0:
             raise BadInputError(f"{self.name}: unit 'norm' needs the mean activation norm at {self.site} "
@@ -184,7 +244,7 @@ class SteeringStack:
 
     def norm_sites(self) -> list[str]:
         """The sites whose mean activation norm the `norm`-unit terms need."""
-        return sorted({t.site for t in self.terms if t.unit == "norm" and t.method == "add"})
+        return sorted({t.site for t in self.terms if t.uses_norm})
 
     def interventions(self, reference_norms: dict[str, float] | None = None, d_model: int | None = None,
                       skip_zero: bool = True) -> list[Any]:
@@ -193,12 +253,16 @@ class SteeringStack:
         self.check(d_model)
         norms = reference_norms or {}
         out = []
-        for term in self.terms:
+        for i, term in enumerate(self.terms):
             factor = float(term.strength) * float(self.multiplier)
             if factor == 0.0 and skip_zero:
                 continue
-            out.append(METHODS[term.method](term, factor, term.vector(norms.get(term.site))))
+            out.append(METHODS[term.method](term, factor, self.term_name(i), norms.get(term.site)))
         return out
+
+    def term_name(self, index: int) -> str:
+        """The name the engine's records use for term `index` (distinct within the stack)."""
+        return f"{index + 1}. {self.terms[index].name}"[:128]
 
     def describe(self, reference_norms: dict[str, float] | None = None) -> list[str]:
         return [iv.describe() for iv in self.interventions(reference_norms, skip_zero=False)]
@@ -270,7 +334,7 @@ def from_sae_latent(folder: str | Path, latent: int, site: str, d_model: int, *,
     return StackTerm(site, v, strength, label=label or f"SAE latent {latent}", source=source)
 
 
-def from_rise_behaviour(layer: Any, behaviour: str, *, strength: float = 1.0, method: str = "add") -> StackTerm:
+def from_rise_behaviour(layer: Any, behaviour: str, *, strength: float = 1.0, method: str = "additive") -> StackTerm:
     """A RISE behaviour vector (`LayerAnalysis.vectors[behaviour]`, unit length) at the layer's site."""
     vectors = getattr(layer, "vectors", None) or {}
     if behaviour not in vectors:
@@ -350,14 +414,16 @@ def to_preset(stack: SteeringStack, inline: bool = False, model_id: str = "") ->
         else:
             ref = {"inline": _encode_vector(term.direction)}
         terms.append({"site": term.site, "strength": float(term.strength), "method": term.method, "unit": term.unit,
-                      "where": term.where, "label": term.label, "source": term.source, "direction": ref})
+                      "tokens": term.tokens, "start": term.start, "stop": term.stop, "skip_special": term.skip_special,
+                      "label": term.label, "source": term.source, "params": term.params, "direction": ref})
     out = {"format": PRESET_FORMAT, "version": PRESET_VERSION, "multiplier": float(stack.multiplier), "terms": terms}
     if model_id:
         out["model_id"] = model_id
     return out
 
 
-TERM_FIELDS = {"site", "strength", "method", "unit", "where", "label", "source", "direction"}
+TERM_FIELDS = {"site", "strength", "method", "unit", "tokens", "start", "stop", "skip_special", "label", "source",
+               "params", "direction"}
 
 
 def _resolve(ref: Any, site: str, what: str, d_model: int | None) -> torch.Tensor:
@@ -411,16 +477,18 @@ def from_preset(data: Any, d_model: int | None = None) -> SteeringStack:
         if unknown or missing:
             raise BadInputError(f"{what}: " + "; ".join(
                 ([f"unknown field(s) {unknown}"] if unknown else []) + ([f"missing {missing}"] if missing else [])))
-        for name in ("site", "method", "unit", "where", "label"):
+        for name in ("site", "method", "unit", "tokens", "label"):
             if name in raw and not isinstance(raw[name], str):
                 raise BadInputError(f"{what}: '{name}' must be text, got {raw[name]!r}")
-        if not isinstance(raw.get("source", {}), dict):
-            raise BadInputError(f"{what}: 'source' must be a JSON object")
+        for name in ("source", "params"):
+            if not isinstance(raw.get(name, {}), dict):
+                raise BadInputError(f"{what}: '{name}' must be a JSON object")
         vector = _resolve(raw["direction"], raw["site"], what, d_model)
         try:
             term = StackTerm(raw["site"], vector, _number(raw.get("strength", 1.0), f"{what}'s strength"),
-                             raw.get("method", "add"), raw.get("unit", "norm"), raw.get("where", "all"),
-                             raw.get("label", ""), dict(raw.get("source", {})))
+                             raw.get("method", "additive"), raw.get("unit", "norm"), raw.get("tokens", "both"),
+                             raw.get("start"), raw.get("stop"), raw.get("skip_special", True), raw.get("label", ""),
+                             dict(raw.get("source", {})), dict(raw.get("params", {})))
         except BadInputError as err:
             raise BadInputError(f"{what}: {err}") from err
         term.check(d_model, what)
@@ -454,47 +522,53 @@ def load_preset(path: str | Path, d_model: int | None = None) -> SteeringStack:
 
 @dataclass
 class StackGeneration:
-    """The unsteered and the stack-steered text of one prompt and seed; `interventions` says what the stack
-    applied (one description per active term), `reused_tokens` how many greedy tokens a draft supplied."""
+    """The unsteered and the stack-steered text of one prompt and seed. `interventions` says what the stack
+    applied (one description per active term); `applied[t]` is the engine's record of steered token t:
+    {term name: L2 norm it added at the position that chose the token} (`TokenRecord.fired`)."""
 
     stack_key: str
     multiplier: float
+    term_names: list[str]
     interventions: list[str]
     unsteered: Any  # analyses.steering.GeneratedText
     steered: Any
+    applied: list[dict[str, float]] = field(default_factory=list)
     reference_norms: dict[str, float] = field(default_factory=dict)
-    reused_tokens: int = 0
+    active: list[str] = field(default_factory=list)  # the terms whose strength x multiplier is not 0
+
+    def acted(self, name: str) -> list[bool]:
+        return [name in a for a in self.applied]
+
+    def never_acted(self) -> list[str]:
+        """Active terms that acted at no generated token (a mask that excluded every position, say)."""
+        return [n for n in self.active if not any(self.acted(n))]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stack_key": self.stack_key, "multiplier": self.multiplier, "interventions": list(self.interventions),
-                "reference_norms": dict(self.reference_norms), "reused_tokens": self.reused_tokens,
+        return {"stack_key": self.stack_key, "multiplier": self.multiplier, "terms": list(self.term_names),
+                "interventions": list(self.interventions), "reference_norms": dict(self.reference_norms),
+                "applied": [dict(a) for a in self.applied], "never_acted": self.never_acted(),
                 "unsteered": self.unsteered.to_dict(), "steered": self.steered.to_dict()}
 
 
 def stack_generation(backend: Any, prompt: Any, stack: SteeringStack, *, max_new_tokens: int = 32, seed: int = 0,
-                     chat: bool = False, sampling: Any = None, unsteered: Any = None, draft: Any = None,
+                     chat: bool = False, sampling: Any = None, unsteered: Any = None,
                      norms: dict[str, float] | None = None) -> StackGeneration:
-    """Generate with the whole stack (its interventions in order) beside the unsteered text of the same seed.
-
-    Greedy decoding checks a draft first (`draft`, else the unsteered text: `generate_from_draft`, the
-    accept rule of speculative decoding), so a slider move regenerates only the tokens after the first
-    change; sampled decoding generates from the seed. A stack whose every strength is 0 is the unsteered
-    text. Everything is checked before any model work."""
-    from analyses.steering import generate_from_draft, generate_text
+    """Generate with the whole stack (its edits in order) beside the unsteered text of the same seed; every
+    steered token keeps the engine's record of which terms acted at it. A stack whose every strength is 0
+    is the unsteered text. Everything is checked before any model work."""
+    from analyses.steering import GeneratedText, generate_text
 
     d_model = backend.arch().d_model
     stack.check(d_model)
     norms = dict(norms) if norms is not None else reference_norms(backend, prompt, stack, chat)
-    ivs = stack.interventions(norms, d_model)
+    edits = stack.interventions(norms, d_model)
     kwargs = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat)
     base = unsteered if unsteered is not None else generate_text(backend, prompt, **kwargs)
-    reused = 0
-    if not ivs:
-        steered, reused = base, len(base.token_ids)
-    elif (sampling is None or sampling.greedy) and (draft or base).token_ids:
-        steered, reused = generate_from_draft(backend, prompt, draft or base, interventions=ivs,
-                                              max_new_tokens=max_new_tokens, chat=chat)
-    else:
-        steered = generate_text(backend, prompt, interventions=ivs, **kwargs)
-    return StackGeneration(stack.key(), float(stack.multiplier), [iv.describe() for iv in ivs], base, steered,
-                           norms, reused)
+    names = [stack.term_name(i) for i in range(len(stack.terms))]
+    if not edits:
+        return StackGeneration(stack.key(), float(stack.multiplier), names, [], base, base,
+                               [{} for _ in base.token_ids], norms)
+    records = list(backend.generate(prompt, interventions=edits, **kwargs))
+    return StackGeneration(stack.key(), float(stack.multiplier), names, [e.describe() for e in edits], base,
+                           GeneratedText.from_records(records), [dict(r.fired) for r in records], norms,
+                           [e.term for e in edits])

@@ -13,7 +13,6 @@ from analyses.steering_stack import (MAX_TERMS, SteeringStack, StackTerm, from_d
                                      from_fuzzy_concept, from_preset, from_rise_behaviour, from_rise_confidence,
                                      from_sae_latent, from_vector_bytes, from_vector_file, load_preset,
                                      preset_from_bytes, reference_norms, save_preset, to_preset)
-from probes.interventions import AddVector, ProjectionRescale
 from thoughtscope.errors import BadInputError
 
 D = 64  # tiny-random:llama's d_model
@@ -36,18 +35,23 @@ def sae_folder(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- compiling and applying
 
-def test_a_stack_compiles_to_one_intervention_per_term_with_strength_times_multiplier():
+def test_a_stack_compiles_to_one_edit_per_term_with_strength_times_multiplier():
     v1, v2 = _v(1), _v(2)
-    stack = SteeringStack([StackTerm("resid_post.0", v1, 2.0, unit="raw"),
-                           StackTerm("resid_post.1", v2, -1.0, unit="norm"),
-                           StackTerm("resid_post.1", v2, 0.5, method="project_out"),
-                           StackTerm("resid_post.0", v1, 0.0, unit="raw")], multiplier=0.5)
+    stack = SteeringStack([StackTerm("resid_post.0", v1, 2.0, unit="raw", label="up"),
+                           StackTerm("resid_post.1", v2, -1.0, unit="norm", tokens="generated", start=2, stop=9),
+                           StackTerm("resid_post.1", v2, 0.5, method="project_out", skip_special=False),
+                           StackTerm("resid_post.0", v1, 0.0, unit="raw"),
+                           StackTerm("resid_post.1", v1, 1.0, method="projection_cap", params={"high": 0.5}),
+                           StackTerm("resid_post.1", v1, 1.0, method="norm_scaled")], multiplier=0.5)
     ivs = stack.interventions({"resid_post.1": 10.0}, d_model=D)
-    assert [type(iv) for iv in ivs] == [AddVector, AddVector, ProjectionRescale]  # the zero-strength term is left out
-    assert ivs[0].scale == 1.0 and torch.equal(ivs[0].vector, v1)
-    assert ivs[1].scale == -0.5 and torch.allclose(ivs[1].vector, v2 / v2.norm() * 10.0)
-    assert ivs[2].alpha == 0.25 and torch.equal(ivs[2].direction, v2)
-    assert len(stack.interventions({"resid_post.1": 10.0}, skip_zero=False)) == 4
+    # the zero-strength term is left out
+    assert [iv.kind for iv in ivs] == ["additive", "additive", "project_out", "projection_cap", "norm_scaled"]
+    assert ivs[0].strength == 1.0 and torch.equal(ivs[0].vector, v1) and ivs[0].term == "1. up"
+    assert ivs[1].strength == -0.5 and torch.allclose(ivs[1].vector, v2 / v2.norm() * 10.0)
+    assert (ivs[1].tokens, ivs[1].start, ivs[1].stop, ivs[1].skip_special) == ("generated", 2, 9, True)
+    assert ivs[2].strength == 0.25 and torch.equal(ivs[2].vector, v2) and ivs[2].skip_special is False
+    assert (ivs[3].low, ivs[3].high) == (None, 0.5)
+    assert len({iv.term for iv in stack.interventions({"resid_post.1": 10.0}, skip_zero=False)}) == 6
 
 
 def test_additive_terms_add_up_to_the_hand_computed_sum(llama):
@@ -102,6 +106,14 @@ def test_bound_width_strength_and_site_are_checked():
         StackTerm("resid_post.0", _v(1), method="multiply").check(D)
     with pytest.raises(BadInputError, match="term index"):
         full.with_strength(MAX_TERMS, 1.0)
+    with pytest.raises(BadInputError, match="not an SAE latent"):
+        StackTerm("resid_post.0", _v(1), method="sae_clamp", params={"value": 1.0}).check(D)
+    with pytest.raises(BadInputError, match="projection cap needs"):
+        StackTerm("resid_post.0", _v(1), method="projection_cap", params={"low": 2.0, "high": 1.0}).check(D)
+    with pytest.raises(BadInputError, match="tokens"):
+        StackTerm("resid_post.0", _v(1), tokens="some").check(D)
+    with pytest.raises(BadInputError, match="empty"):
+        StackTerm("resid_post.0", _v(1), start=4, stop=4).check(D)
 
 
 def test_unknown_sae_and_latent_are_clear_errors(sae_folder, tmp_path):
@@ -194,17 +206,20 @@ def _stack(sae_folder, tmp_path) -> SteeringStack:
     from safetensors.torch import save_file
 
     save_file({"vector": _v(8)}, str(tmp_path / "v.safetensors"))
-    return SteeringStack([StackTerm("resid_post.0", _v(7), 0.75, unit="raw", label="inline one", where="generated"),
+    return SteeringStack([StackTerm("resid_post.0", _v(7), 0.75, unit="raw", label="inline one", tokens="generated",
+                                    start=1, stop=5, skip_special=False),
                           from_sae_latent(sae_folder, 4, "resid_post.1", D, strength=-1.25),
                           from_vector_file(tmp_path / "v.safetensors", "resid_post.1", strength=0.5),
-                          StackTerm("resid_post.1", _v(9), 1.0, method="project_out")], multiplier=1.5)
+                          StackTerm("resid_post.1", _v(9), 1.0, method="projection_cap", params={"low": -1.0})],
+                         multiplier=1.5)
 
 
 def _same(a: SteeringStack, b: SteeringStack) -> None:
     assert a.multiplier == b.multiplier and len(a.terms) == len(b.terms)
     for x, y in zip(a.terms, b.terms):
-        assert (x.site, x.strength, x.method, x.unit, x.where, x.label, x.source) == \
-            (y.site, y.strength, y.method, y.unit, y.where, y.label, y.source)
+        assert (x.site, x.strength, x.method, x.unit, x.tokens, x.start, x.stop, x.skip_special, x.label, x.source,
+                x.params) == (y.site, y.strength, y.method, y.unit, y.tokens, y.start, y.stop, y.skip_special, y.label,
+                              y.source, y.params)
         assert torch.equal(x.direction, y.direction)
 
 
@@ -261,3 +276,23 @@ def test_preset_bytes_that_are_not_json_are_a_clear_error(tmp_path):
     width = to_preset(SteeringStack([StackTerm("resid_post.0", torch.ones(3))]))
     with pytest.raises(BadInputError, match="width 3"):
         from_preset(width, D)
+
+
+def test_every_steered_token_records_which_terms_acted(llama):
+    from analyses.steering import generate_text
+    from analyses.steering_stack import stack_generation
+    from probes.edits import Additive
+
+    v1, v2 = _v(1), _v(2)
+    stack = SteeringStack([StackTerm("resid_post.0", v1, 4.0, unit="raw", label="a"),
+                           StackTerm("resid_post.1", v2, 1.0, unit="raw", label="b", start=1000)], multiplier=0.5)
+    gen = stack_generation(llama, "Today I feel", stack, max_new_tokens=4)
+    assert len(gen.applied) == len(gen.steered.token_ids) == 4
+    assert all(a["1. a"] == pytest.approx(2.0 * float(v1.norm()), rel=1e-5) for a in gen.applied)
+    assert all("2. b" not in a for a in gen.applied) and gen.never_acted() == ["2. b"]  # its range is past the text
+    plain = generate_text(llama, "Today I feel", max_new_tokens=4,
+                          interventions=[Additive("resid_post.0", v1, 2.0, term="x")])
+    assert gen.steered.token_ids == plain.token_ids
+    assert gen.unsteered.token_ids == generate_text(llama, "Today I feel", max_new_tokens=4).token_ids
+    off = stack_generation(llama, "Today I feel", SteeringStack(stack.terms, 0.0), max_new_tokens=4)
+    assert off.steered.token_ids == off.unsteered.token_ids and off.never_acted() == []

@@ -15,35 +15,16 @@ the machine hits both sides.
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-STORY = "Write a long, detailed story about a dragon who learns to count. Begin with the dragon's childhood."
-
-
-def sig(x: float, digits: int = 4) -> float:
-    """`x` rounded to `digits` significant digits: a millisecond forward on a fast machine keeps its precision,
-    so a ratio recomputed from the printed times matches the printed ratio (fixed decimals would not)."""
-    return float(f"{x:.{digits}g}")
-
-
-def _alternate(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
-    """Time a and b in alternation after one warm-up each; return both lists of seconds."""
-    a(), b()
-    ta, tb = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a()
-        ta.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        b()
-        tb.append(time.perf_counter() - t0)
-    return ta, tb
+from probes.engine import Engine
+from probes.interventions import AddVector
+from probes.server_bench import bench_server, bench_server_fork_probe
+from probes.timing import STORY, alternate_pair, sig
+from probes.validate_bench import run_validation as run_validation_group
 
 
 def bench_capture_forward(engine: Any, repeats: int = 15, tokens: int = 128) -> dict[str, Any]:
@@ -59,7 +40,7 @@ def bench_capture_forward(engine: Any, repeats: int = 15, tokens: int = 128) -> 
     def captured() -> None:
         engine.capture(ids, sites)
 
-    tp, tc = _alternate(plain, captured, repeats)
+    tp, tc = alternate_pair(plain, captured, repeats)
     ratio = statistics.median(tc) / statistics.median(tp)
     return {"bench": "capture_forward", "ratio": round(ratio, 3), "target": 1.05, "sites": sites,
             "tokens": tokens, "plain_s": sig(statistics.median(tp)), "capture_s": sig(statistics.median(tc))}
@@ -80,8 +61,6 @@ def _engine_generate(engine: Any, ids: list[int], new: int, interventions: list[
 
 def bench_generate(engine: Any, steer: bool = False, tokens: int = 128, repeats: int = 3) -> dict[str, Any]:
     """HF generate vs the engine's stream, tokens/s each (the engine may stop at EOS: per-token rates)."""
-    from probes.interventions import AddVector
-
     ids = engine.encode(STORY, chat=engine.handle.has_chat_template)
     interventions = []
     if steer:
@@ -95,7 +74,7 @@ def bench_generate(engine: Any, steer: bool = False, tokens: int = 128, repeats:
     def ours() -> None:
         counts["engine"].append(_engine_generate(engine, ids, tokens, interventions))
 
-    th, te = _alternate(hf, ours, repeats)
+    th, te = alternate_pair(hf, ours, repeats)
     hf_tps = statistics.median([c / t for c, t in zip(counts["hf"][1:], th)])
     en_tps = statistics.median([c / t for c, t in zip(counts["engine"][1:], te)])
     return {"bench": "steer_generate" if steer else "stream_generate", "ratio": round(hf_tps / en_tps, 3),
@@ -118,7 +97,7 @@ def bench_fork_probe(engine: Any, prefix_tokens: int = 512, probe_tokens: int = 
     def scratch() -> None:
         engine.model(input_ids=x, use_cache=False)
 
-    tf, ts = _alternate(forked, scratch, repeats)
+    tf, ts = alternate_pair(forked, scratch, repeats)
     ratio = statistics.median(tf) / statistics.median(ts)
     return {"bench": "fork_probe", "ratio": round(ratio, 3), "target": 2.0, "prefix_tokens": prefix_tokens,
             "probe_tokens": probe_tokens, "fork_s": sig(statistics.median(tf)),
@@ -127,8 +106,6 @@ def bench_fork_probe(engine: Any, prefix_tokens: int = 512, probe_tokens: int = 
 
 
 def run_hooks(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
-    from probes.engine import Engine
-
     engine = Engine.from_id(model_id)
     torch.manual_seed(0)
     return [bench_capture_forward(engine), bench_generate(engine, steer=False), bench_generate(engine, steer=True),
@@ -136,15 +113,11 @@ def run_hooks(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
 
 
 def run_server(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
-    from probes.server_bench import bench_server, bench_server_fork_probe
-
     return [bench_server(model_id), bench_server_fork_probe(model_id)]
 
 
 def run_validation(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
-    from probes.validate_bench import run_validation as run
-
-    return run(model_id)
+    return run_validation_group(model_id)
 
 
 # Groups for `thoughtscope bench GROUP` (discovered by the entry point, as each method's bench.py is).

@@ -39,6 +39,7 @@ from probes.attention_masks import (  # importing registers RowMask's wire kind
     RowMask, check_generation_masks, rows_needed)
 from probes.interventions import Intervention, MaskAttention
 from probes.records import Readout, TokenRecord, Trace
+from probes.sampling import Sampling  # noqa: F401  (re-exported: probes.Sampling, probes.engine.Sampling)
 from probes.sites import FAMILIES, Site, get_module, list_sites, validate_site
 from probes.tokens import MAX_PROMPT_CHARS, Prompt, TokenizerOps  # noqa: F401  (MAX_PROMPT_CHARS re-exported)
 from probes.zoo import ArchInfo, ModelHandle, load_model
@@ -50,30 +51,6 @@ MAX_READOUT_ROWS = 65_536
 # What a backend can do (`capabilities()`): a page declares what it needs from this list.
 CAPABILITIES = ("generate", "trace", "interventions", "fork", "capture_batch", "readout", "grad", "attention",
                 "kv_policy", "router", "vision", "head_gates")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Decoding settings. temperature 0 is greedy; otherwise top-k then top-p filtering."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise BadInputError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise BadInputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise BadInputError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def describe(self) -> str:
-        return "greedy" if self.greedy else f"T={self.temperature:g}, top_p={self.top_p:g}, top_k={self.top_k}"
 
 
 @dataclass

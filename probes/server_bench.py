@@ -13,19 +13,27 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from probes.bench import sig
+import httpx
+import torch
+import uvicorn
+
+from probes.client import RemoteBackend
+from probes.engine import Engine
+from probes.timing import alternate, sig
 from probes.wire import ServerError
 
 BENCH_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -54,8 +62,6 @@ def start_server(model_id: str, port: int, extra: str = "", device: str = "auto"
 
 def wait_ready(proc: subprocess.Popen, url: str, token: str | None = None, timeout: float = 300.0) -> None:
     """Poll GET /ready until the model is loaded; a dead child raises with the tail of its log."""
-    import httpx
-
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -110,11 +116,6 @@ def bench_server(model_id: str = "smollm2-135m", tokens: int = 128, rounds: int 
     shared CPU an idle intra-op thread spinning beside the model slowed one side up to 10x,
     which is a fact about the machine, not about HTTP.
     """
-    import torch
-
-    from probes.client import RemoteBackend
-    from probes.engine import Engine
-
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(model_id, port, device=device, torch_threads=torch_threads)
@@ -159,11 +160,6 @@ def served(model_id: str, device: str = "cpu", torch_threads: int | None = 1) ->
 
     Both sides run torch with `torch_threads` intra-op threads, so neither gets the other's cores.
     """
-    import torch
-
-    from probes.client import RemoteBackend
-    from probes.engine import Engine
-
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(model_id, port, device=device, torch_threads=torch_threads)
@@ -184,10 +180,6 @@ def served(model_id: str, device: str = "cpu", torch_threads: int | None = 1) ->
 def serving_in_thread(app: Any) -> Iterator[str]:
     """An ASGI app (`probes.server.create_app(engine)`) served by uvicorn in a thread of this process on a
     free loopback port; yields its URL. Tests use it to watch the engine the server drives."""
-    import threading
-
-    import uvicorn
-
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name=f"server-{port}", daemon=True)
@@ -202,24 +194,6 @@ def serving_in_thread(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-
-
-def alternate(sides: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """Seconds of each side per round, run in alternation in a worker thread (as the server runs them)."""
-    times: dict[str, list[float]] = {name: [] for name in sides}
-
-    def run() -> None:
-        for fn in sides.values():  # warm-up
-            fn()
-        for _ in range(rounds):
-            for name, fn in sides.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(run).result()
-    return times
 
 
 def bench_server_fork_probe(model_id: str = "smollm2-135m", prefix_tokens: int = 512, probe_tokens: int = 16,
@@ -239,6 +213,4 @@ def bench_server_fork_probe(model_id: str = "smollm2-135m", prefix_tokens: int =
 
 
 if __name__ == "__main__":
-    import json
-
     print(json.dumps(bench_server(*sys.argv[1:2])))

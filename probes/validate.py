@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from probes.paths import user_cache_dir
+from probes.sampling import Sampling
 from probes.sites import SITE_KINDS, Site, list_sites, validate_site
 from thoughtscope.errors import BadInputError, UnknownSiteError
 
@@ -264,8 +266,6 @@ def validation_key(handle: Any) -> dict[str, str]:
 
 
 def validation_dir() -> Path:
-    from probes.zoo import user_cache_dir
-
     return user_cache_dir() / "validation"
 
 
@@ -681,8 +681,6 @@ def check_generation(engine: Any, tol: Tolerance, n_new: int = 12, n_checked: in
     Top-k is compared tie-robustly: the reference's probability of each of the record's top ids, and the
     reference's own j-th largest probability against the record's j-th (a different, truly larger token
     would show there)."""
-    from probes.engine import Sampling
-
     handle = engine.handle
     prompt = engine.encode(GENERATION_PROMPT)
     records = list(engine.generate(prompt, max_new_tokens=n_new, sampling=Sampling(temperature=1.0), seed=seed,
@@ -739,16 +737,6 @@ def remote_message(model_id: str) -> str:
             "same weights here and no float32 copy to measure drift against. What can be checked remotely is "
             "what nnsight's remote trace returns (the engine's traces of an ndif: model are exactly those reads). "
             "To validate the sites, load the same weights locally with hf:<repo id>.")
-
-
-def validate_model_id(model_id: str, **kwargs: Any) -> Report:
-    """`thoughtscope validate`: refuse ndif: before anything loads, then load and validate."""
-    from probes.engine import Engine
-
-    if model_id.strip().startswith("ndif:"):
-        raise BadInputError(remote_message(model_id.strip()))
-    load = {k: kwargs.pop(k) for k in ("device", "dtype", "trust_remote_code") if k in kwargs}
-    return validate(Engine.from_id(model_id, **load), **kwargs)
 
 
 # ----- printing -----

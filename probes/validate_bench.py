@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from probes.bench import STORY, _alternate, sig
+import torch
+
+from probes import validate as V
+from probes.engine import Engine
+from probes.timing import STORY, alternate_pair, sig
 
 
 def bench_validate_s(engine: Any) -> dict[str, Any]:
-    from probes import validate as V
-
     start = time.perf_counter()
     report = V.validate(engine, save=False)
     seconds = time.perf_counter() - start
@@ -33,8 +35,6 @@ def bench_validate_s(engine: Any) -> dict[str, Any]:
 
 
 def bench_badge_overhead(engine: Any, repeats: int = 15, first_repeats: int = 3) -> dict[str, Any]:
-    from probes import validate as V
-
     ids = (engine.encode(STORY) * 4)[:96]
     n = engine.handle.arch.n_layers
     sites = [f"resid_post.{layer}" for layer in range(n)]
@@ -67,7 +67,7 @@ def bench_badge_overhead(engine: Any, repeats: int = 15, first_repeats: int = 3)
                 trace()
                 during.append(time.perf_counter() - t0)
             background.append(time.perf_counter() - started)  # until the badge is cached
-        tb, tc = _alternate(trace, with_badge, repeats)  # the last cache holds the badge now
+        tb, tc = alternate_pair(trace, with_badge, repeats)  # the last cache holds the badge now
     finally:
         V.validation_dir = own_dir
         for tmp in tmps:
@@ -84,10 +84,6 @@ def bench_badge_overhead(engine: Any, repeats: int = 15, first_repeats: int = 3)
 
 
 def run_validation(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
-    import torch
-
-    from probes.engine import Engine
-
     engine = Engine.from_id(model_id)
     torch.manual_seed(0)
     return [bench_validate_s(engine), bench_badge_overhead(engine)]

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Any, Optional
 
 import typer
+
+from thoughtscope.errors import BadInputError
 
 
 def register(cli: typer.Typer) -> None:
@@ -31,7 +33,7 @@ def validate(
 
     Exit status 1 when a site fails its dtype's tolerance (docs/validation.md), so CI can gate on it.
     A full run (no --sites) is cached as the model's correctness badge."""
-    from probes.validate import format_table, validate_model_id
+    from probes.validate import format_table  # torch: imported when the command runs, not for --help
 
     kwargs = {"device": device, "dtype": dtype, "sites": [s for part in sites for s in part.split(",") if s.strip()],
               "generation": not no_generation}
@@ -44,3 +46,14 @@ def validate(
         print(format_table(report, per_site=per_site))
     if report.verdict == "fail":
         raise typer.Exit(1)
+
+
+def validate_model_id(model_id: str, **kwargs: Any) -> Any:
+    """`thoughtscope validate`: refuse ndif: before anything loads, then load and validate."""
+    from probes import validate as V  # torch and transformers: loaded when the command runs, not for --help
+    from probes.engine import Engine
+
+    if model_id.strip().startswith("ndif:"):
+        raise BadInputError(V.remote_message(model_id.strip()))
+    load = {k: kwargs.pop(k) for k in ("device", "dtype", "trust_remote_code") if k in kwargs}
+    return V.validate(Engine.from_id(model_id, **load), **kwargs)

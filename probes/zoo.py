@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from probes.arch import ArchInfo, arch_from_config  # noqa: F401  (re-exported; the type lives in a leaf module)
+from probes.paths import user_cache_dir  # noqa: F401  (re-exported; a leaf the toys use without the zoo)
 from thoughtscope.errors import BadInputError, ModelLoadError, UnknownModelError
 
 log = logging.getLogger(__name__)
@@ -112,16 +113,6 @@ def toy_status(model_id: str) -> str:
     if shipped_folder(name, size, recipe) is not None:
         return "shipped"
     return "cached" if is_trained(toy_folder(name, size, recipe)) else "trained on first use"
-
-
-def user_cache_dir() -> Path:
-    """Root of everything thoughtscope caches: `$THOUGHTSCOPE_CACHE_DIR` or the platform cache dir."""
-    env = os.environ.get("THOUGHTSCOPE_CACHE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("thoughtscope"))
 
 
 @dataclass

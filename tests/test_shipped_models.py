@@ -20,7 +20,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from probes.toys import moe, reasoner, shipped, vlm  # noqa: E402
+from probes.toys import moe, reasoner, shipped, verify, vlm  # noqa: E402
 from probes.toys.common import recipe_hash  # noqa: E402
 from probes.zoo import list_models, toy_model_ids  # noqa: E402
 
@@ -34,7 +34,7 @@ def private(tmp_path, monkeypatch):
     """A private shipped root and user cache, and a fresh record of reported problems."""
     monkeypatch.setenv(shipped.ENV, str(tmp_path / "shipped"))
     monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(shipped, "_reported", set())
+    monkeypatch.setattr(verify, "_reported", set())  # the warn-once memory lives with the verification
     return tmp_path
 
 

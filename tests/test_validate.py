@@ -12,6 +12,7 @@ import torch
 
 from probes import Engine
 from probes import validate as V
+from probes.validate_cli import validate_model_id
 from probes.sites import SITE_KINDS, Site
 from probes.zoo import TINY_ARCHS
 from thoughtscope.errors import BadInputError, UnknownSiteError
@@ -112,7 +113,7 @@ def test_sites_a_model_lacks_are_refused(llama):
 
 def test_ndif_models_are_refused_before_loading_with_what_can_be_checked():
     with pytest.raises(BadInputError, match="load the same weights locally with hf:"):
-        V.validate_model_id("ndif:meta-llama/Llama-3.1-8B")
+        validate_model_id("ndif:meta-llama/Llama-3.1-8B")
 
 
 def test_readers_that_cannot_read_a_family_are_named_with_the_reason():

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from probes.paths import user_cache_dir
+from probes.toys.verify import verified
 from thoughtscope.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -35,8 +37,6 @@ def recipe_hash(recipe: dict[str, Any]) -> str:
 
 
 def toy_folder(name: str, size: str, recipe: dict[str, Any]) -> Path:
-    from probes.zoo import user_cache_dir
-
     return user_cache_dir() / "models" / f"{name}-{size}-{recipe_hash(recipe)}"
 
 
@@ -114,8 +114,6 @@ def ready_folder(name: str, size: str, recipe: dict[str, Any], train: Callable[[
 
 
 def shipped_folder(name: str, size: str, recipe: dict[str, Any]) -> Path | None:
-    from probes.toys.shipped import verified
-
     return verified(name if size == "full" else f"{name}:{size}", recipe_hash(recipe))
 
 

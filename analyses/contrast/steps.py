@@ -1,0 +1,167 @@
+"""Steps to contrast: one row per reasoning step (the activations at the token that closes it), with what
+the rules split on (its kind, its trace's correctness, its index, its source, the trace's CUSUM alarm).
+
+- `organism_steps`: the `toy-reasoner` organism's planted traces, teacher-forced (ground truth known:
+  every step's planted kind, and each trace is correct by construction unless a planted wrong
+  step stays uncorrected);
+- `harvest_steps`: the step vectors of a RISE harvest (`analyses.rise.harvest.Harvest`: stored
+  traces of any model, labelled by its judge, correct or wrong by the task's scorer);
+- `StepSet.concat`: two step sets as one (each row keeps its source: two prompt files).
+
+Captures go through `Backend.capture_batch` with `positions` (a server ships only the step rows).
+
+Rules (`select`): `kind:reflection` (reflection steps against every other), `kind:reflection/compute`,
+`correct` (steps of correct traces against wrong ones), `alarm` (after the trace's CUSUM alarm step
+against before), `source:a.txt/b.txt`, `random` (two random halves of all steps, seeded: the null).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from thoughtscope.errors import BadInputError
+
+RULES = ("kind:<A>[/<B>]", "correct", "alarm", "source:<A>/<B>", "random")
+
+
+@dataclass
+class StepSet:
+    """Rows of step activations `acts[site]` [n, ...] with, per row, its trace, step index, kind, text,
+    correctness and source; `alarm` maps a trace to its CUSUM alarm step (where known)."""
+
+    acts: dict[str, torch.Tensor]
+    trace: np.ndarray
+    step: np.ndarray
+    kind: list[str]
+    text: list[str]
+    correct: np.ndarray
+    source: list[str]
+    alarm: dict[int, int] = field(default_factory=dict)
+    model_id: str = ""
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+    def describe(self) -> dict[str, Any]:
+        kinds = {k: self.kind.count(k) for k in sorted(set(self.kind))}
+        return {"n_steps": len(self), "n_traces": len(np.unique(self.trace)), "sites": sorted(self.acts),
+                "kinds": kinds, "sources": sorted(set(self.source)), "model_id": self.model_id,
+                "n_alarms": len(self.alarm)}
+
+    @classmethod
+    def concat(cls, first: "StepSet", second: "StepSet") -> "StepSet":
+        """Both sets' rows (traces renumbered apart); only the sites both hold."""
+        sites = sorted(set(first.acts) & set(second.acts))
+        offset = int(first.trace.max()) + 1 if len(first) else 0
+        return cls({s: torch.cat([first.acts[s], second.acts[s]]) for s in sites},
+                   np.concatenate([first.trace, second.trace + offset]), np.concatenate([first.step, second.step]),
+                   first.kind + second.kind, first.text + second.text,
+                   np.concatenate([first.correct, second.correct]), first.source + second.source,
+                   {**first.alarm, **{t + offset: s for t, s in second.alarm.items()}}, first.model_id)
+
+
+def select(steps: StepSet, rule: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """(in A, in B, the rule described) for one of `RULES`."""
+    if not isinstance(rule, str) or not rule.strip():
+        raise BadInputError(f"give a rule: one of {', '.join(RULES)}")
+    name, _, arg = rule.strip().partition(":")
+    n = len(steps)
+    if n == 0:
+        raise BadInputError("there are no stored steps to contrast: harvest some first")
+    kinds = np.array(steps.kind)
+    if name == "kind":
+        a_kind, _, b_kind = arg.partition("/")
+        if not a_kind:
+            raise BadInputError("kind: needs a step kind, e.g. kind:reflection or kind:reflection/compute")
+        in_a = kinds == a_kind
+        in_b = (kinds == b_kind) if b_kind else ~in_a
+        return in_a, in_b, {"rule": rule, "A": f"{a_kind} steps", "B": f"{b_kind} steps" if b_kind else "other steps"}
+    if name == "correct":
+        return steps.correct.copy(), ~steps.correct, {"rule": rule, "A": "steps of correct traces",
+                                                      "B": "steps of wrong traces"}
+    if name == "alarm":
+        if not steps.alarm:
+            raise BadInputError("these steps carry no CUSUM alarms; harvest them with the CoT-entropy detector's "
+                                "alarm steps")
+        alarm = np.array([steps.alarm.get(int(t), -1) for t in steps.trace])
+        known = alarm >= 0
+        return known & (steps.step > alarm), known & (steps.step <= alarm), {
+            "rule": rule, "A": "steps after the alarm", "B": "steps up to the alarm"}
+    if name == "source":
+        a_src, _, b_src = arg.partition("/")
+        sources = np.array(steps.source)
+        if not (a_src and b_src):
+            raise BadInputError("source: needs two sources, e.g. source:a.txt/b.txt")
+        return sources == a_src, sources == b_src, {"rule": rule, "A": a_src, "B": b_src}
+    if name == "random":
+        in_a = np.zeros(n, dtype=bool)
+        in_a[np.random.default_rng(seed).permutation(n)[: n // 2]] = True
+        return in_a, ~in_a, {"rule": rule, "A": "a random half of the steps", "B": "the other half", "seed": seed}
+    raise BadInputError(f"unknown rule {rule!r}; use one of {', '.join(RULES)}")
+
+
+def _step_rows(backend: Any, sequences: list[list[int]], positions: list[list[int]], sites: Sequence[str],
+               batch_size: int, on_progress: Callable[[int, int], None] | None) -> dict[str, torch.Tensor]:
+    parts: dict[str, list[torch.Tensor]] = {s: [] for s in sites}
+    for lo in range(0, len(sequences), batch_size):
+        hi = min(lo + batch_size, len(sequences))
+        got = backend.capture_batch(sequences[lo:hi], list(sites), positions=positions[lo:hi])
+        for s in sites:
+            parts[s].append(got[s].float().cpu())
+        if on_progress:
+            on_progress(hi, len(sequences))
+    return {s: torch.cat(v) for s, v in parts.items()}
+
+
+def organism_steps(backend: Any, problems: Sequence[Any], sites: Sequence[str], batch_size: int = 32,
+                   on_progress: Callable[[int, int], None] | None = None) -> StepSet:
+    """The planted traces of organism problems (`analyses.organism.organism_problems`), teacher-forced:
+    one row per step, read at the delimiter token closing it."""
+    from probes.toys.reasoner import PROMPT_END, PROMPT_START, STEP_DELIMITER, extract_answer
+
+    if not problems:
+        raise BadInputError("no problems: ask for at least 4 organism problems")
+    known = {row["site"] for row in backend.sites()}
+    missing = [s for s in sites if s not in known]
+    if missing:
+        raise BadInputError(f"{backend.info().get('model_id')} has no site {', '.join(missing)}")
+    (delim,) = backend.encode(STEP_DELIMITER, add_special_tokens=False)
+    sequences, positions, traces, steps, kinds, texts, correct = [], [], [], [], [], [], []
+    for t, p in enumerate(problems):
+        prompt = f"{PROMPT_START} {p.question} {PROMPT_END}"  # the organism's prompt (reasoner.prompt_text)
+        trace = p.meta["trace"]
+        ids = backend.encode(prompt + trace)
+        start = len(backend.encode(prompt))
+        ends = [i for i in range(start, len(ids)) if ids[i] == delim]
+        planted = p.meta["kinds"]
+        if len(ends) != len(planted):
+            raise BadInputError(f"trace {p.id}: {len(ends)} step ends for {len(planted)} planted steps")
+        pieces = trace.split(STEP_DELIMITER)
+        sequences.append(ids)
+        positions.append(ends)
+        traces += [t] * len(ends)
+        steps += list(range(len(ends)))
+        kinds += planted
+        texts += [piece.strip() + " " + STEP_DELIMITER for piece in pieces[:len(ends)]]
+        correct += [extract_answer(trace) == str(p.answer)] * len(ends)
+    acts = _step_rows(backend, sequences, positions, sites, batch_size, on_progress)
+    source = problems[0].source if problems else ""
+    return StepSet(acts, np.array(traces), np.array(steps), kinds, texts, np.array(correct, dtype=bool),
+                   [source] * len(kinds), model_id=backend.info().get("model_id", ""))
+
+
+def harvest_steps(harvest: Any) -> StepSet:
+    """A RISE harvest's step vectors (every layer it read) as a step set."""
+    rows = harvest.step_rows
+    if not rows:
+        raise BadInputError("the harvest has no steps")
+    traces = np.array([t for t, _ in rows])
+    return StepSet(dict(harvest.acts), traces, np.array([s for _, s in rows]), list(harvest.labels),
+                   [harvest.step(r).text for r in range(len(rows))],
+                   np.array([harvest.traces[t].correct for t, _ in rows], dtype=bool),
+                   [harvest.traces[t].problem.source for t, _ in rows], model_id=harvest.model_id)

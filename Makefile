@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest --durations=10
 
-.PHONY: setup chromium demo test test-unit test-model test-browser test-slow bench clean
+.PHONY: setup chromium demo test test-types test-unit test-model test-browser test-slow bench clean
 
 setup: $(VENV)/.installed
 
@@ -29,7 +29,20 @@ demo: setup chromium
 	HF_HUB_OFFLINE=1 $(BIN)/thoughtscope app --model smollm2-135m
 
 test: setup chromium
-	$(MAKE) test-unit test-model test-browser
+	$(MAKE) test-types test-unit test-model test-browser
+
+# The Backend is a type (pyproject.toml [tool.mypy]): analyses and pages must pass, and the check must
+# reject tests/typecheck/wrong_call.py, an "analysis" that reaches past the Backend (each wrong line named).
+WRONG_CALLS := '"Backend" has no attribute "model"' 'Unexpected keyword argument "foo" for "generate" of "Backend"' \
+	'"ArchInfo" has no attribute "n_layer"'
+test-types:
+	$(BIN)/python -m mypy
+	@out="$$($(BIN)/python -m mypy tests/typecheck/wrong_call.py 2>&1)"; status=$$?; \
+	if [ $$status -ne 1 ]; then echo "$$out"; echo "test-types: mypy did not reject tests/typecheck/wrong_call.py"; exit 1; fi; \
+	for want in $(WRONG_CALLS); do \
+		echo "$$out" | grep -qF "$$want" || { echo "$$out"; echo "test-types: mypy missed: $$want"; exit 1; }; \
+	done; \
+	echo "test-types: tests/typecheck/wrong_call.py rejected as it must be ($$(echo "$$out" | grep -c ': error:') errors)"
 
 test-unit:
 	$(PYTEST) -q -m "not model and not browser and not slow" tests
@@ -48,4 +61,4 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/thoughtscope bench hooks --json
 
 clean:
-	rm -rf $(VENV) test-artifacts .pytest_cache
+	rm -rf $(VENV) test-artifacts .pytest_cache .mypy_cache

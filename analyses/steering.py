@@ -210,7 +210,7 @@ def generate_from_draft(backend: Backend, prompt: Any, draft: GeneratedText, *, 
     draft_ids = [int(t) for t in draft.token_ids[:max_new_tokens]]
     if not draft_ids:
         return generate_text(backend, prompt_ids, interventions=interventions, max_new_tokens=max_new_tokens), 0
-    last = f"resid_post.{backend.info()['arch']['n_layers'] - 1}"
+    last = f"resid_post.{backend.arch().n_layers - 1}"
     n_prompt = len(prompt_ids)
     trace = backend.trace(prompt_ids + draft_ids, capture=[last], interventions=list(interventions))
     # the final residual read through the final norm and unembedding is the model's own logits

@@ -140,7 +140,7 @@ def target_logmass(backend: Backend, ids: Sequence[int], n_prompt: int, targets:
                    interventions: Sequence[Any] = (), n_positions: int = SCORED_POSITIONS) -> list[float]:
     """log sum_{t in targets} p(t | prefix) at the positions n_prompt - 1 .. n_prompt - 2 + n_positions
     of the teacher-forced sequence `ids` (under `interventions`)."""
-    last = f"resid_post.{backend.info()['arch']['n_layers'] - 1}"
+    last = f"resid_post.{backend.arch().n_layers - 1}"
     trace = backend.trace(list(ids), capture=[last], interventions=list(interventions))
     rows = trace.activations[last][n_prompt - 1:min(len(ids), n_prompt - 1 + n_positions)].float()
     n = rows.shape[0]

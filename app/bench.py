@@ -97,7 +97,7 @@ def bench_steer_slider(backend: Backend, moves: tuple[float, ...] = (0.75, 1.0, 
     from probes.interventions import AddVector
 
     prompt = one_shot_messages(EXAMPLE_QUESTION)
-    site = f"resid_post.{backend.info()['arch']['n_layers'] // 2}"
+    site = f"resid_post.{backend.arch().n_layers // 2}"
     direction = diff_of_means_direction(backend, SET_A.splitlines(), SET_B.splitlines(), site)
     norm = site_norm(backend, prompt, site, chat=True)
     # the page's first draw of the first direction: every stop, scale 0 (the unsteered text) one more row
@@ -106,13 +106,13 @@ def bench_steer_slider(backend: Backend, moves: tuple[float, ...] = (0.75, 1.0, 
     lookups, direct, equal = [], [], 0
     for scale in moves:
         started = time.perf_counter()
-        row = grid.comparison(grid.snap(scale))
+        looked_up = grid.comparison(grid.snap(scale))
         lookups.append(time.perf_counter() - started)
         started = time.perf_counter()
         alone = generate_text(backend, prompt, max_new_tokens=max_new_tokens, chat=True,
                               interventions=[AddVector(site, steering_vector(direction, "norm", norm), scale)])
         direct.append(time.perf_counter() - started)
-        equal += alone.token_ids == row.steered.token_ids
+        equal += alone.token_ids == looked_up.steered.token_ids
     plain = generate_text(backend, prompt, max_new_tokens=max_new_tokens, chat=True)
     row: dict[str, Any] = {
         "bench": "steer_slider_s", "target": 1.0, "goal_s": GOALS["steer_slider"], "moves": list(moves),
@@ -148,7 +148,7 @@ def bench_feature_browse(backend: Backend, n_contexts: int = 10_000, latents: in
     import torch
 
     corpus = load_corpus("arith-problems", n=n_contexts)
-    site = f"resid_post.{backend.info()['arch']['n_layers'] // 4 if layer is None else layer}"
+    site = f"resid_post.{backend.arch().n_layers // 4 if layer is None else layer}"
     bar = tqdm(total=n_contexts, desc=f"indexing {corpus.name} at {site}", unit="context")
 
     def progress(done: int, total: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
+from types import ModuleType
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class PageSpec:
     requires: tuple[str, ...] = ()
 
 
-def discover_pages() -> list[tuple[PageSpec, object]]:
+def discover_pages() -> list[tuple[PageSpec, ModuleType]]:
     """(spec, module) for every module in app.views that defines PAGE and render, in `order`."""
     import app.views as views
 

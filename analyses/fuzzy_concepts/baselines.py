@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ class _Standardised:
     def get_params(self) -> dict[str, Any]:
         return {"n_concepts": self.n_concepts, "seed": self.seed}
 
-    def fit(self, Z: Any) -> "_Standardised":
+    def fit(self, Z: Any) -> Self:
         z = as_matrix(Z)
         check_rules_fit(self.n_concepts, z.shape[0], z)
         self.mean_, self.scale_ = standardiser(z)

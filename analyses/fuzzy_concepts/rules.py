@@ -425,7 +425,7 @@ class FuzzyRuleLayer:
         layer.widths_, layer.consequents_ = tensors["widths"], tensors["consequents"]
         layer.feature_mean_, layer.feature_std_ = tensors["feature_mean"], tensors["feature_std"]
         layer.n_iter_, layer.loss_history_ = config.get("n_iter", 0), []
-        layer.metadata_ = config.get("metadata", {})
+        layer.metadata_ = config.get("metadata", {})  # type: ignore[attr-defined]  # only a loaded layer has one
         return layer
 
 

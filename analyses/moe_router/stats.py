@@ -182,8 +182,8 @@ class RouterProfile:
         stats = [[token_statistics(x, self.k_, rule) for rule in self.rules] for x in logits]
         first = [s[0] for s in stats]
         self.mean_sorted_probs_ = np.stack([s["sorted_probs"].mean(0).numpy() for s in first])
-        for name in ("entropy", "gap_k", "top1", "topk_mass"):
-            setattr(self, f"{name}_", np.array([float(s[name].mean()) for s in first]))
+        self.entropy_, self.gap_k_, self.top1_, self.topk_mass_ = (
+            np.array([float(s[name].mean()) for s in first]) for name in ("entropy", "gap_k", "top1", "topk_mass"))
         self.head_sizes_, self.head_mass_ = {}, {}
         for r, rule in enumerate(self.rules):
             width = max(rule.limit(self.k_, self.n_experts_), *(int(s[r]["head_size"].max()) for s in stats)) + 1

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from analyses.rise.harvest import Harvest
 from analyses.rise.labels import BEHAVIOURS, LABELS
 from thoughtscope.errors import BadInputError
 

@@ -51,8 +51,8 @@ def grid_regions(spec: VisionSpec, rows: int, cols: int) -> list[Region]:
     out = []
     for i in range(rows):
         for j in range(cols):
-            rows, cols_ = range(r_edges[i], r_edges[i + 1]), range(c_edges[j], c_edges[j + 1])
-            cells = tuple(r * g + c for r in rows for c in cols_)
+            in_rows, in_cols = range(r_edges[i], r_edges[i + 1]), range(c_edges[j], c_edges[j + 1])
+            cells = tuple(r * g + c for r in in_rows for c in in_cols)
             out.append(Region(f"block {i},{j}", tuple(sorted(cells))))
     return out
 

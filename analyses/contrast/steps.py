@@ -165,3 +165,54 @@ def harvest_steps(harvest: Any) -> StepSet:
                    [harvest.step(r).text for r in range(len(rows))],
                    np.array([harvest.traces[t].correct for t, _ in rows], dtype=bool),
                    [harvest.traces[t].problem.source for t, _ in rows], model_id=harvest.model_id)
+
+
+def traces_steps(backend: Any, traces: Sequence[Any], sites: Sequence[str], source: str, batch_size: int = 16,
+                 on_progress: Callable[[int, int], None] | None = None) -> StepSet:
+    """Stored or generated traces (`analyses.rise.harvest.TraceRecord`: tokens, labelled steps, correctness)
+    as a step set: one row per closed step, read at its closing token."""
+    sequences, positions, rows = [], [], []
+    for t, trace in enumerate(traces):
+        closed = [s for s in trace.steps if s.closed and s.token >= 0]
+        if not closed:
+            continue
+        sequences.append(list(trace.prompt_ids) + list(trace.gen_ids))
+        positions.append([len(trace.prompt_ids) + s.token for s in closed])
+        rows += [(t, s, trace.correct) for s in closed]
+    if not rows:
+        raise BadInputError(f"no trace of {source} has a closed step: generate longer traces or pick another "
+                            "step delimiter")
+    acts = _step_rows(backend, sequences, positions, sites, batch_size, on_progress)
+    return StepSet(acts, np.array([t for t, _, _ in rows]), np.array([s.index for _, s, _ in rows]),
+                   [s.label for _, s, _ in rows], [s.text for _, s, _ in rows],
+                   np.array([c for _, _, c in rows], dtype=bool), [source] * len(rows),
+                   model_id=backend.info().get("model_id", ""))
+
+
+def prompt_file_steps(backend: Any, path: str, sites: Sequence[str], max_new_tokens: int = 96, n: int | None = None,
+                      on_progress: Callable[[int, int], None] | None = None) -> StepSet:
+    """Generate a greedy trace for every line of a prompt file (its questions), cut it into the model
+    family's steps, label them with its judge, and read the step rows: the `source` of each is the file name."""
+    from pathlib import Path
+
+    from analyses.problem import Problem
+    from analyses.rise.harvest import HarvestSettings, generate_traces, judge_for, resolve_delimiter
+    from analyses.rise.labels import label_step
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise BadInputError(f"prompt file {path} does not exist (one question a line)")
+    lines = [line.strip() for line in file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    lines = lines[:n] if n else lines
+    if not lines:
+        raise BadInputError(f"prompt file {path} holds no question (one a line)")
+    model_id = backend.info()["model_id"]
+    settings = HarvestSettings(max_new_tokens=max_new_tokens, prompt="auto", labeller="auto").resolved(model_id)
+    delimiter = resolve_delimiter("auto", model_id)
+    judge = judge_for(settings.labeller, model_id)
+    problems = [Problem(f"{file.name}-{i}", q, "", file.name, 0) for i, q in enumerate(lines)]
+    traces = generate_traces(backend, problems, settings, delimiter)
+    for trace in traces:
+        for step in trace.steps:
+            step.label = label_step(step.text, judge)
+    return traces_steps(backend, traces, sites, file.name, on_progress=on_progress)

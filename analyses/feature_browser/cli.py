@@ -52,6 +52,9 @@ def _direction(site: str, sae: Optional[str], latent: int, neuron: Optional[int]
 
 def register(cli: typer.Typer) -> None:
     app = group(cli, "features", "Corpus feature browser: where a direction fires over a stored corpus.")
+    from analyses.feature_browser.search_cli import register_search
+
+    register_search(app)  # labels, search, tokens
 
     @app.command("index")
     def index_cmd(corpus: str = CORPUS_OPTION, site: str = SITE_OPTION,

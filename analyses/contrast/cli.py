@@ -1,0 +1,66 @@
+"""`thoughtscope contrast run`: which features separate two sets of reasoning steps, and do they hold out.
+
+    thoughtscope contrast run --model toy-reasoner:small --rule kind:reflection \
+        --site direction:resid_post.1 --site heads:1 --site sae:FOLDER@resid_post.1 --json
+    thoughtscope contrast run --prompts-a easy.txt --prompts-b hard.txt --rule source --site direction:resid_post.15
+    thoughtscope contrast run ... --export reflection.safetensors   # the top direction, for the Steering page
+
+Rules: kind:<A>[/<B>], correct, alarm, source (two prompt files), random (the null). Output (JSON
+with --json) carries the provenance record.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, group
+
+
+def register(cli: typer.Typer) -> None:
+    app = group(cli, "contrast", "Contrast two sets of reasoning steps: effect sizes, FDR, held-out AUROC.")
+
+    @app.command("run")
+    def run_cmd(rule: str = typer.Option("kind:reflection", "--rule", help="kind:<A>[/<B>], correct, alarm, "
+                                                                           "source, random"),
+                site: list[str] = typer.Option(["direction:resid_post.1"], "--site",
+                                               help="direction:<site>, heads:<layer>, sae:<folder>[@<site>]"),
+                organism: int = typer.Option(60, "--organism", help="planted toy-reasoner traces to read"),
+                split: str = typer.Option("dev", "--split", help="the organism split the traces come from"),
+                prompts_a: Optional[str] = typer.Option(None, "--prompts-a", help="a prompt file (one a line)"),
+                prompts_b: Optional[str] = typer.Option(None, "--prompts-b"),
+                top_k: int = typer.Option(20, "--top-k"), n_resamples: int = typer.Option(1000, "--resamples"),
+                seed: int = typer.Option(0, "--seed"),
+                export: Optional[Path] = typer.Option(None, "--export", help="write the top exportable direction "
+                                                                             "here (.safetensors)"),
+                model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION, token: Optional[str] = TOKEN_OPTION,
+                as_json: bool = typer.Option(False, "--json")) -> None:
+        """Contrast the steps of set A against set B at the chosen sites."""
+        from analyses.contrast.core import ContrastSettings, export_direction, save_direction
+        from analyses.contrast.run import run_contrast
+        from thoughtscope.provenance import provenance, with_provenance
+
+        b = backend(model, server, token)
+        settings = ContrastSettings(top_k=top_k, n_resamples=n_resamples, seed=seed)
+        with TerminalProgress() as progress:
+            result, steps, sites = run_contrast(b, site, rule, settings, organism, split, prompts_a, prompts_b,
+                                                on_progress=progress)
+        out = result.to_dict()
+        out.pop("features")  # every feature's numbers: the page's volcano plot; the CLI prints the top
+        out["steps"] = steps.describe()
+        if export is not None:
+            row = next((r for r in result.top if r["kind"] != "heads"), None)
+            if row is None:
+                from thoughtscope.errors import BadInputError
+
+                raise BadInputError("no exportable direction among the top results (head norms are not directions)")
+            vector, at = export_direction(result, row, sites)
+            save_direction(vector, at, export, meta={"rule": result.rule, "row": row["site"], "feature": row["feature"]})
+            out["exported"] = {"path": str(export), "site": at, "from": row["site"], "feature": row["feature"]}
+        data = f"toy-reasoner {split} x{organism}" if not prompts_a else f"{prompts_a} | {prompts_b}"
+        record = provenance(b.info(), data=data, split=split if not prompts_a else None, seed=seed,
+                            command="thoughtscope contrast run",
+                            settings={"rule": rule, "sites": list(site), **settings.__dict__})
+        emit(with_provenance(out, record), as_json)

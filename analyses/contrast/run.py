@@ -1,0 +1,94 @@
+"""One contrast from plain settings (what the CLI, the page and the benchmark share): site specs parsed,
+steps gathered (organism traces or two prompt files), split by the rule, contrasted.
+
+Site specs: `direction:resid_post.1`, `heads:1` (the head output norms of layer 1, read at `z.1`),
+`sae:FOLDER` (its site from the SAE's `hook_name`) or `sae:FOLDER@resid_post.1`.
+
+Example:
+    >>> from probes import Engine
+    >>> engine = Engine.from_id("toy-reasoner:small")
+    >>> sites = parse_sites(["direction:resid_post.1", "heads:1"], engine)
+    >>> [s.site for s in sites]
+    ['resid_post.1', 'z.1']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from analyses.contrast.core import ContrastResult, ContrastSettings, ContrastSite, contrast
+from analyses.contrast.steps import StepSet, organism_steps, prompt_file_steps, select
+from thoughtscope.errors import BadInputError
+
+Progress = Callable[..., None]
+
+
+def parse_sites(specs: Sequence[str], backend: Any) -> list[ContrastSite]:
+    """ContrastSites from `kind:where` specs, checked against the backend's sites (SAEs against the model)."""
+    from analyses.feature_browser.token_latents import check_sae
+
+    if not specs:
+        raise BadInputError("choose at least one site, e.g. direction:resid_post.1, heads:1 or sae:FOLDER")
+    known = {row["site"] for row in backend.sites()}
+    out = []
+    for spec in specs:
+        kind, _, where = str(spec).strip().partition(":")
+        if kind == "heads":
+            site = where if where.startswith("z.") else f"z.{where}"
+            out.append(ContrastSite("heads", site))
+        elif kind == "direction":
+            out.append(ContrastSite("direction", where))
+        elif kind == "sae":
+            from saes.io import load_sae
+
+            folder, _, site = where.partition("@")
+            sae = load_sae(folder)
+            site = site or str(getattr(getattr(sae.cfg, "metadata", None), "hook_name", "") or "")
+            if not site:
+                raise BadInputError(f"say the site of the SAE in {folder}: sae:{folder}@resid_post.<layer>")
+            check_sae(sae, backend, site)
+            out.append(ContrastSite("sae", site, sae, folder))
+        else:
+            raise BadInputError(f"site {spec!r}: use direction:<site>, heads:<layer> or sae:<folder>[@<site>]")
+        if out[-1].site not in known:
+            raise BadInputError(f"{backend.info().get('model_id')} has no site {out[-1].site}")
+    return out
+
+
+def gather_steps(backend: Any, sites: Sequence[ContrastSite], organism: int = 0, split: str = "dev",
+                 prompts_a: str | None = None, prompts_b: str | None = None, max_new_tokens: int = 96,
+                 on_progress: Progress | None = None) -> StepSet:
+    """Steps at every captured site: `organism` planted traces of toy-reasoner's `split`, or two prompt files."""
+    captured = sorted({s.site for s in sites})
+    tick = (lambda done, total: on_progress("steps", done, total)) if on_progress else None
+    if prompts_a or prompts_b:
+        if not (prompts_a and prompts_b):
+            raise BadInputError("give two prompt files (--prompts-a and --prompts-b) to contrast them")
+        first = prompt_file_steps(backend, prompts_a, captured, max_new_tokens, on_progress=tick)
+        second = prompt_file_steps(backend, prompts_b, captured, max_new_tokens, on_progress=tick)
+        return StepSet.concat(first, second)
+    from analyses.organism import is_organism, organism_problems, size_of
+
+    if not is_organism(backend):
+        raise BadInputError("planted traces come from the toy-reasoner organism; for another model give two "
+                            "prompt files")
+    if organism < 4:
+        raise BadInputError(f"ask for at least 4 organism traces, got {organism}")
+    problems = organism_problems(organism, split=split, size=size_of(backend.info()["model_id"]))
+    return organism_steps(backend, problems, captured, on_progress=tick)
+
+
+def run_contrast(backend: Any, site_specs: Sequence[str], rule: str, settings: ContrastSettings | None = None,
+                 organism: int = 60, split: str = "dev", prompts_a: str | None = None, prompts_b: str | None = None,
+                 on_progress: Progress | None = None) -> tuple[ContrastResult, StepSet, list[ContrastSite]]:
+    settings = settings or ContrastSettings()
+    sites = parse_sites(site_specs, backend)
+    steps = gather_steps(backend, sites, organism, split, prompts_a, prompts_b, on_progress=on_progress)
+    if prompts_a and prompts_b and rule == "source":
+        from pathlib import Path
+
+        rule = f"source:{Path(prompts_a).name}/{Path(prompts_b).name}"
+    in_a, in_b, described = select(steps, rule, seed=settings.seed)
+    result = contrast(steps.acts, steps.trace, in_a, in_b, sites, settings, rule=described, contexts=steps.text)
+    return result, steps, sites

@@ -1,0 +1,104 @@
+"""`thoughtscope features labels|search|tokens`: label an SAE's latents, search them by text, list a text's latents.
+
+    thoughtscope features labels --site resid_post.15 --sae FOLDER --json
+    thoughtscope features search "Wait" --site resid_post.15 --sae FOLDER --k 10 --json
+    thoughtscope features tokens "Wait , let me check" --site resid_post.1 --sae FOLDER --model toy-reasoner:small
+
+Labels are built over a corpus index (the same `--corpus` options as `features top`) and kept beside
+the SAE (`labels.thoughtscope.json`); a search reads them back. Every hit names the latent and the
+feature browser link that opens it (`?latent=J`); output (JSON with --json) carries the provenance record.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import typer
+
+from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit
+
+SAE_OPTION = typer.Option(..., "--sae", help="SAELens folder (cfg.json + sae_weights.safetensors)")
+SITE_OPTION = typer.Option(..., "--site", help="the SAE's hook site, e.g. resid_post.15")
+CORPUS_OPTION = typer.Option("gsm8k-questions", "--corpus", help="a corpus name or a UTF-8 text file")
+
+
+def latent_link(latent: int, site: str) -> str:
+    """The feature browser's address of one latent (the page reads `latent` and `site` from the URL)."""
+    return f"/feature_browser?site={site}&latent={latent}"
+
+
+def _labels(b: Any, corpus: str, n: Optional[int], site: str, sae_folder: str, max_tokens: int) -> tuple[Any, Any]:
+    from analyses.feature_browser import IndexSettings, build_index
+    from analyses.feature_browser.cli import _corpus
+    from analyses.feature_browser.labels import labels_for
+    from analyses.feature_browser.token_latents import check_sae
+    from saes.io import load_sae
+
+    sae = load_sae(sae_folder)
+    check_sae(sae, b, site)
+    c = _corpus(corpus, n, "paragraph")
+    with TerminalProgress() as progress:
+        index = build_index(b, c, site, IndexSettings(max_tokens=max_tokens),
+                            on_progress=lambda done, total: progress("index", done, total))
+        labels = labels_for(sae_folder, sae, index, b, on_progress=progress)
+    return index, labels
+
+
+def register_search(app: typer.Typer) -> None:
+    @app.command("labels")
+    def labels_cmd(site: str = SITE_OPTION, sae: str = SAE_OPTION, corpus: str = CORPUS_OPTION,
+                   n: Optional[int] = typer.Option(None, "--n", help="keep the first n texts"),
+                   max_tokens: int = typer.Option(64, "--max-tokens"), k: int = typer.Option(20, "--k"),
+                   model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION,
+                   token: Optional[str] = TOKEN_OPTION, as_json: bool = typer.Option(False, "--json")) -> None:
+        """Label every latent (tokens it fires on, top contexts, decoder words); kept beside the SAE."""
+        from thoughtscope.provenance import provenance, with_provenance
+
+        b = backend(model, server, token)
+        index, labels = _labels(b, corpus, n, site, sae, max_tokens)
+        out = {"key": labels.key, "counts": labels.counts(),
+               "labels": [{"latent": lab.latent, "summary": lab.summary, "quality": lab.quality,
+                           "n_active": lab.n_active} for lab in labels.labels[:k]]}
+        record = provenance(b.info(), data=index.corpus.get("name"), split=index.corpus.get("split"),
+                            command="thoughtscope features labels", settings={"site": site, "sae": sae})
+        emit(with_provenance(out, record), as_json)
+
+    @app.command("search")
+    def search_cmd(query: str = typer.Argument(..., help="words to look for in the labels and top contexts"),
+                   site: str = SITE_OPTION, sae: str = SAE_OPTION, corpus: str = CORPUS_OPTION,
+                   n: Optional[int] = typer.Option(None, "--n", help="keep the first n texts"),
+                   max_tokens: int = typer.Option(64, "--max-tokens"), k: int = typer.Option(10, "--k"),
+                   model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION,
+                   token: Optional[str] = TOKEN_OPTION, as_json: bool = typer.Option(False, "--json")) -> None:
+        """Latents whose labels match the query best (TF-IDF), each with its feature browser link."""
+        from analyses.feature_browser.search import LabelSearch, check_query
+        from thoughtscope.provenance import provenance, with_provenance
+
+        check_query(query)
+        b = backend(model, server, token)
+        index, labels = _labels(b, corpus, n, site, sae, max_tokens)
+        hits = [{**hit.to_dict(), "link": latent_link(hit.latent, site)}
+                for hit in LabelSearch(labels).search(query, k=k)]
+        record = provenance(b.info(), data=index.corpus.get("name"), split=index.corpus.get("split"),
+                            command="thoughtscope features search",
+                            settings={"site": site, "sae": sae, "query": query, "k": k,
+                                      "sae_sha256": labels.key["sae_sha256"]})
+        emit(with_provenance({"query": query, "hits": hits}, record), as_json)
+
+    @app.command("tokens")
+    def tokens_cmd(text: str = typer.Argument(..., help="the text whose tokens to read"),
+                   site: str = SITE_OPTION, sae: str = SAE_OPTION, k: int = typer.Option(10, "--k"),
+                   model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION,
+                   token: Optional[str] = TOKEN_OPTION, as_json: bool = typer.Option(False, "--json")) -> None:
+        """The top latents of a text and the latents active at each of its tokens."""
+        from analyses.feature_browser.token_latents import trace_latents
+        from saes.io import load_sae
+        from thoughtscope.provenance import provenance, with_provenance
+
+        b = backend(model, server, token)
+        found = trace_latents(b, b.encode(text), load_sae(sae), site)
+        out = {"tokens": found.tokens, "top": found.top_of_trace(k),
+               "per_token": [found.at_token(p, k) for p in range(len(found.tokens))]}
+        record = provenance(b.info(), data="text", command="thoughtscope features tokens",
+                            settings={"site": site, "sae": sae, "k": k})
+        emit(with_provenance(out, record), as_json)

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -42,10 +43,10 @@ from typing import Any, ClassVar
 import torch
 
 from probes.interventions import RESIDUAL_KINDS, Intervention, _as_vector, _scales
+from probes.token_masks import MAX_TERMS, SteerRun  # noqa: F401  (MAX_TERMS re-exported)
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
-MAX_TERMS = 32  # terms of one steering stack (one generate/trace call); more is a BadInputError
 TOKENS = ("both", "prompt", "generated")
 
 
@@ -94,6 +95,38 @@ class SteerEdit(Intervention):
 
     def _check_edit(self, arch: Any) -> None:
         """Subclasses check their own tensors and values here."""
+
+    # ----- one engine call (probes.calls): the call's shared steering run, a hook at the site -----
+
+    def bind(self, call: Any) -> "SteerEdit":
+        bound = super().bind(call)
+        rows = call.batch_rows
+        if bound.rows is not None and rows is not None and max(bound.rows) >= rows:
+            raise BadInputError(f"{bound.name()} names rows {bound.rows} but the batch has {rows} rows "
+                                "(prompts x n_samples)")
+        lengths = [n for n in call.lengths if n] if call.lengths else []
+        if bound.start is not None and lengths:
+            # a range starts inside the prompt (or, for generated tokens, inside the generation)
+            limit = min(lengths) + (call.max_new_tokens if bound.tokens == "generated" else 0)
+            if bound.start >= limit:
+                raise BadInputError(f"{bound.name()}'s token range starts at {bound.start}, outside the prompt of "
+                                    f"{min(lengths)} tokens{' and its generation' if bound.tokens == 'generated' else ''}"
+                                    f"; positions are token indices 0..{limit - 1}")
+        call.part(SteerRun.KEY, lambda: SteerRun(call)).members.append(bound)
+        return bound
+
+    def install(self, call: Any) -> Any:
+        stack = contextlib.ExitStack()
+        self.run_ = stack.enter_context(call.part(SteerRun.KEY, lambda: SteerRun(call)))
+        stack.enter_context(call.runner.editing(self.site_, self))
+        return stack
+
+    def apply(self, view: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """The edit where this term's mask holds; the norm it added is reported to the records (`ctx.fire`)."""
+        out, report = self.run_.apply(self, view)
+        if report is not None:
+            ctx.fire(self.name(), report)
+        return out
 
     def name(self) -> str:
         return self.term or f"{self.kind}@{self.site}"
@@ -344,16 +377,3 @@ class Swap(SteerEdit):
 
 
 EDITS: tuple[type[SteerEdit], ...] = (Additive, NormScaled, ProjectOut, ProjectionCap, SAEClamp, Swap)
-
-
-def check_stack(interventions: Sequence[Any]) -> list[SteerEdit]:
-    """The steering edits among `interventions`, at most `MAX_TERMS`, with distinct names (a record keys
-    them by name). Runs before any model work."""
-    edits = [iv for iv in interventions if isinstance(iv, SteerEdit)]
-    if len(edits) > MAX_TERMS:
-        raise BadInputError(f"the steering stack has {len(edits)} terms; at most {MAX_TERMS} are allowed")
-    names = [e.name() for e in edits]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise BadInputError(f"steering terms need distinct names (term=); {dupes} name more than one term")
-    return edits

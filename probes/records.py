@@ -34,6 +34,8 @@ class TokenRecord:
     interventions: list[str] = field(default_factory=list)  # descriptions of what was applied
     finished: bool = False  # True on the token that ends this sequence (EOS or max_new_tokens)
     kv_bytes: int | None = None  # bytes of keys + values the KV cache held for this sequence when the token was chosen
+    # steering terms (probes.edits) that acted at the position that chose this token: {term: L2 norm added}
+    fired: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self, with_activations: bool = False) -> dict[str, Any]:
         out = {
@@ -49,6 +51,7 @@ class TokenRecord:
             "interventions": list(self.interventions),
             "finished": self.finished,
             "kv_bytes": self.kv_bytes,
+            "fired": dict(self.fired),
         }
         if with_activations:
             out["activations"] = {k: v.tolist() for k, v in self.activations.items()}
@@ -69,6 +72,8 @@ class Trace:
     activations: dict[str, torch.Tensor]
     logprobs: torch.Tensor
     entropies: torch.Tensor  # entropy of the next-token distribution at each position
+    # steering terms (probes.edits): {term: [seq] L2 norm added at each position, NaN where it did not act}
+    fired: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {

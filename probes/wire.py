@@ -337,14 +337,16 @@ def trace_to_json(trace: Trace) -> dict[str, Any]:
         "tokens": list(trace.tokens),
         "scores": tensors_to_b64({"logprobs": trace.logprobs, "entropies": trace.entropies}),
         "activations": tensors_to_b64(trace.activations) if trace.activations else None,
+        "fired": tensors_to_b64(trace.fired) if trace.fired else None,  # steering terms' norms (probes.edits)
     }
 
 
 def trace_from_json(body: dict[str, Any]) -> Trace:
     scores = b64_to_tensors(body["scores"], "the trace's scores")
     acts = b64_to_tensors(body["activations"], "the trace's activations") if body.get("activations") else {}
+    fired = b64_to_tensors(body["fired"], "the trace's steering records") if body.get("fired") else {}
     return Trace(text=body["text"], token_ids=list(body["token_ids"]), tokens=list(body["tokens"]),
-                 activations=acts, logprobs=scores["logprobs"], entropies=scores["entropies"])
+                 activations=acts, logprobs=scores["logprobs"], entropies=scores["entropies"], fired=fired)
 
 
 # ----- Server-Sent Events -----

@@ -440,13 +440,11 @@ def test_pages_run_against_the_model_server(model_server, monkeypatch):
 
 def test_the_method_pages_run_against_the_model_server(model_server, monkeypatch, tmp_path):
     """CoT entropy and RISE through `thoughtscope serve`: no page refuses the server backend."""
-    import app.views.cot_entropy as cot_page
-    import app.views.rise as rise_page
+    from app import jobs
 
     monkeypatch.setenv("THOUGHTSCOPE_SERVER", model_server)
     monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
-    cot_page.results.clear()
-    rise_page.results.clear()
+    jobs.registry.clear()  # no finished result of an earlier test
     cot = open_page("cot_entropy", max_new_tokens=8)
     cot.slider(key="cot_n_cal").set_value(2).run()
     cot.button(key="cot_calibrate").click().run()

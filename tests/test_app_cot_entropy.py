@@ -27,13 +27,11 @@ MODEL = "tiny-random:llama"
 @pytest.fixture(autouse=True)
 def _tiny_model(monkeypatch):
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", MODEL)
-    page.results.clear()  # fitted detectors and traces of earlier tests must not leak in
-    jobs.registry.clear()  # nor their finished jobs
+    jobs.registry.clear()  # no finished result (detectors, traces, jobs) of an earlier test leaks in
     yield
     for job in jobs.registry().running():  # a job a page started on opening (RISE's steering): end it here
         job.stop("the test ended")
         job.thread.join(120)
-    page.results.clear()
     jobs.registry.clear()
 
 

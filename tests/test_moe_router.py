@@ -335,10 +335,8 @@ def page_on_tiny_moe(monkeypatch):
     from app import jobs
 
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:qwen3_moe")
-    page.results.clear()
     jobs.registry.clear()
     yield page
-    page.results.clear()
     jobs.registry.clear()
 
 

@@ -471,10 +471,10 @@ def test_the_page_maps_binarises_generates_and_loads_gates(tmp_path, monkeypatch
     generation is tagged; then a gates file with its log draws the learned map and the training curves."""
     from tests import apptest_helpers as helpers
 
-    import app.views.rlkv as page
+    from app import jobs
 
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
-    page.results.clear()
+    jobs.registry.clear()
     at = helpers.open_page("rlkv", 6)
     helpers.assert_clean(at)
     at.radio(key="rlkv_source").set_value("attention statistics (no training)").run()
@@ -510,7 +510,7 @@ def test_the_page_maps_binarises_generates_and_loads_gates(tmp_path, monkeypatch
     table = at.dataframe[-1].value
     assert list(table["method"]) == ["full cache", "random", "streaming"]
     assert list(table["correct"]) == [row["error_modes"]["correct"] for row in report.rows()]
-    page.results.clear()
+    jobs.registry.clear()
 
 
 def test_the_page_trains_gates_as_a_job_and_offers_them_to_the_head_map(tmp_path, monkeypatch):
@@ -524,7 +524,6 @@ def test_the_page_trains_gates_as_a_job_and_offers_them_to_the_head_map(tmp_path
 
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
     monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path))
-    page.results.clear()
     jobs.registry.clear()
     at = helpers.open_page("rlkv", 6)
     assert page.TRAINED not in at.radio(key="rlkv_source").options
@@ -549,7 +548,6 @@ def test_the_page_trains_gates_as_a_job_and_offers_them_to_the_head_map(tmp_path
     helpers.finish_jobs(at.button(key="rlkv_eval_run").click().run())
     helpers.assert_clean(at)
     assert "Accuracy vs sparsity, 95% intervals (evaluation split, n = 2)" in helpers.chart_titles(at)
-    page.results.clear()
     jobs.registry.clear()
 
 
@@ -567,14 +565,14 @@ def test_the_shipped_run_is_offered_only_for_its_own_model():
 def test_the_page_opens_on_the_shipped_run_for_the_embedded_model(monkeypatch):
     from tests import apptest_helpers as helpers
 
-    import app.views.rlkv as page
+    from app import jobs
 
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", "smollm2-135m")
-    page.results.clear()
+    jobs.registry.clear()
     at = helpers.open_page("rlkv", 8)
     helpers.assert_clean(at)
     titles = helpers.chart_titles(at)
     assert titles[0].startswith("Learned head gates") and "Gate training" in titles
     assert "Accuracy vs sparsity, 95% intervals (evaluation split, n = 120)" in titles
     assert helpers.metric(at, "Heads with the full cache") == "45 of 90"  # the default sparsity 0.5
-    page.results.clear()
+    jobs.registry.clear()

@@ -32,15 +32,11 @@ def _fresh(monkeypatch, tmp_path, request):
         from probes.zoo import smollm2_files
 
         smollm2_files.cache_clear()
-    import app.views.cot_entropy as cot_page
-
-    cot_page.results.clear()
-    jobs.registry.clear()
+    jobs.registry.clear()  # no finished result of an earlier test (every page keeps its results there)
     yield
     for job in jobs.registry().running():  # a job a page started on opening (RISE's steering): end it here
         job.stop("the test ended")
         job.thread.join(120)
-    cot_page.results.clear()
     jobs.registry.clear()
 
 

@@ -32,10 +32,10 @@ def _fresh(monkeypatch, tmp_path):
     from app import jobs
 
     monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
-    for clear in (fz.results.clear, fz._shipped_found.clear, moe.results.clear, jobs.registry.clear):
+    for clear in (fz.results.clear, fz._shipped_found.clear, jobs.registry.clear):
         clear()
     yield
-    for clear in (fz.results.clear, fz._shipped_found.clear, moe.results.clear, jobs.registry.clear):
+    for clear in (fz.results.clear, fz._shipped_found.clear, jobs.registry.clear):
         clear()
 
 

@@ -156,3 +156,15 @@ def training_table(data: Any) -> list[dict[str, Any]]:
 FIGURES = {"rlkv_head_map": head_map_figure, "rlkv_memory": memory_figure, "rlkv_accuracy": accuracy_figure,
            "rlkv_training": training_figure, "rlkv_generation": generation_figure}
 TABLES = {"rlkv_accuracy": accuracy_table, "rlkv_training": training_table}
+
+
+def page_tables(data: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The page's two tables of an evaluation: accuracy, test and costs per run; error modes per run. Two
+    tables, each narrower than the page: in one table of 13 columns the last ones (the error modes) lay past
+    the box's right edge, so the page ended in a box of empty-looking cells (issue 20)."""
+    rows = _data(data)["rows"]
+    run_of = [{"method": r["method"], "sparsity": r["sparsity"], "seed": r["setting"].get("seed")} for r in rows]
+    accuracy = [{**run, "accuracy": r["accuracy"]["estimate"], "95% low": r["accuracy"]["low"],
+                 "95% high": r["accuracy"]["high"], "McNemar p": (r.get("vs_full") or {}).get("p_value"),
+                 "KV / full": r["kv_fraction"], "tokens/s / full": r["tps_ratio"]} for run, r in zip(run_of, rows)]
+    return accuracy, [{**run, **r["error_modes"]} for run, r in zip(run_of, rows)]

@@ -28,19 +28,78 @@ no mask names run unmasked), which is how visual attribution masks K regions in 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
-from dataclasses import dataclass, field
-from typing import ClassVar
-
-from probes.interventions import MaskAttention
+from probes.registered import Part, Registered
 from probes.sites import FAMILIES, get_module
 from thoughtscope.errors import BadInputError
 
 # Implementations whose masks are 4D tensors a hook can edit (flash kernels take 2D padding masks only).
 MASKABLE_IMPLEMENTATIONS = ("eager", "sdpa", "thoughtscope_kv_policy")
+
+
+def _indices(values: Any, what: str) -> None:
+    if not isinstance(values, list) or not values:
+        raise BadInputError(f"MaskAttention needs a non-empty list of {what}")
+    if any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in values):
+        raise BadInputError(f"MaskAttention {what} must be non-negative token indices")
+
+
+@dataclass
+class MaskAttention(Registered):
+    """Queries may not attend to the key `positions`, in every layer or in the chosen `layers`.
+
+    In `generate`, the queries are the generated tokens (and the last prompt token, which predicts
+    the first of them) and `positions` index the prompt; without `layers` this goes through the
+    2D attention mask, so it works with any attention implementation. In a teacher-forced
+    `trace`/`capture`/`capture_batch`, `queries` names the query positions (default: every
+    position that is not itself masked), and a pre-hook on each chosen layer's attention edits the
+    4D mask (eager or sdpa attention; see `AttentionMasker`). Positions are token indices
+    of the whole sequence. The masks of one call share one `AttentionMasks` part (joint checks: no
+    query left with nothing to read).
+    """
+
+    kind: ClassVar[str] = "mask_attention"
+    positions: list[int]
+    queries: list[int] | None = None
+    layers: list[int] | None = None
+    site: ClassVar[str] = "attention_mask"
+    where: ClassVar[str] = "generated"
+    per_row: ClassVar[bool] = False  # True for masks of chosen batch rows (RowMask)
+
+    def _check(self, arch: Any) -> None:
+        _indices(self.positions, "positions")
+        if self.queries is not None:
+            _indices(self.queries, "queries")
+        if self.layers is not None:
+            if not isinstance(self.layers, list) or not self.layers:
+                raise BadInputError("MaskAttention layers must be a non-empty list (or None for every layer)")
+            bad = [x for x in self.layers if isinstance(x, bool) or not isinstance(x, int)
+                   or not 0 <= x < arch.n_layers]
+            if bad:
+                raise BadInputError(f"MaskAttention layers {bad} out of range; this model has layers 0..{arch.n_layers - 1}")
+
+    def bind(self, call: Any) -> "MaskAttention":
+        bound = self.validate(call.arch)
+        call.part(AttentionMasks, lambda: AttentionMasks(call)).masks.append(bound)
+        return bound
+
+    def install(self, call: Any) -> Any:
+        return call.parts[AttentionMasks]
+
+    def describe(self) -> str:
+        def show(xs: list[int]) -> str:
+            return str(xs) if len(xs) <= 8 else f"{xs[:8]}..."
+
+        text = f"mask attention to {len(self.positions)} positions {show(self.positions)}"
+        if self.queries is not None:
+            text += f" from {len(self.queries)} queries {show(self.queries)}"
+        if self.layers is not None:
+            text += f" in layers {show(self.layers)}"
+        return text
 
 
 @dataclass
@@ -52,28 +111,74 @@ class RowMask(MaskAttention):
     Generation refuses it."""
 
     kind: ClassVar[str] = "mask_attention_rows"
+    modes: ClassVar[tuple[str, ...]] = ("trace", "capture", "capture_batch", "gradient")
+    elsewhere: ClassVar[str] = ("RowMask masks batch rows of a teacher-forced pass (trace, capture, capture_batch); "
+                                "in generate use MaskAttention")
     rows: list[int] = field(default_factory=list)
+    per_row: ClassVar[bool] = True
 
-    def validate(self, arch: Any) -> None:
-        super().validate(arch)
+    def _check(self, arch: Any) -> None:
+        super()._check(arch)
+        self.batch_rows()
+
+    def batch_rows(self) -> int:
         if not isinstance(self.rows, list) or not self.rows or any(
                 isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.rows):
             raise BadInputError(f"RowMask rows must be a non-empty list of batch row indices, got {self.rows!r}")
+        return max(self.rows) + 1
 
     def describe(self) -> str:
         return f"{super().describe()} in rows {self.rows[:8]}{'...' if len(self.rows) > 8 else ''}"
 
 
-def rows_needed(masks: Sequence[Any]) -> int:
-    """Batch rows a teacher-forced pass needs for these masks: max row + 1 with row masks, else 1."""
-    return max((r + 1 for m in masks if isinstance(m, RowMask) for r in m.rows), default=1)
+class AttentionMasks(Part):
+    """The attention masks of one engine call: their joint checks, the call's mask settings, one masker.
+
+    In a generation, masks without `layers` hide prompt columns through the 2D mask (`call.hidden_columns`,
+    with the last prompt token fed alone so that it sees them too) and masks with `layers` hook those
+    layers from the last prompt token on; in a teacher-forced pass every mask goes through the masker."""
+
+    def __init__(self, call: Any):
+        super().__init__()
+        self.call = call
+        self.masks: list[MaskAttention] = []
+        self._masker: AttentionMasker | None = None
+
+    def checked(self, call: Any) -> None:
+        if not call.teacher_forced:
+            check_generation_masks(self.masks, call.lengths)
+            call.hidden_columns = sorted({p for m in self.masks if m.layers is None for p in m.positions})
+            call.feed_last_alone = True
+            return
+        impl = call.handle.model.config._attn_implementation
+        if impl not in MASKABLE_IMPLEMENTATIONS:
+            raise BadInputError(f"MaskAttention in a teacher-forced pass edits 4D attention masks, which {impl!r} "
+                                "attention does not take; load the model with attn_implementation 'sdpa' or 'eager'")
+        n_rows = call.batch_rows if call.batch_rows is not None else call.rows
+        # a position past a shorter sequence's end reads padding: the longest one bounds them
+        check_rows(self.masks, max(call.lengths), call.arch.n_layers, n_rows)
+
+    def open(self) -> None:
+        generation = not self.call.teacher_forced
+        masks = [m for m in self.masks if m.layers is not None] if generation else self.masks
+        self._masker = AttentionMasker(self.call.handle, masks,
+                                       first_query=self.call.first_query if generation else None).__enter__()
+
+    def close(self) -> None:
+        if self._masker is not None:
+            self._masker.__exit__(None, None, None)
+            self._masker = None
+
+
+def rows_needed(interventions: Sequence[Any]) -> int:
+    """Batch rows a teacher-forced pass needs for these interventions: max row + 1 with row masks, else 1."""
+    return max((iv.batch_rows() for iv in interventions), default=1)
 
 
 def check_generation_masks(masks: Sequence[Any], lengths: Sequence[int]) -> None:
     """MaskAttention in `generate`, checked when the call is made (before a stream starts, so a server answers
     a 4xx): no `queries=` (the queries are the generated tokens), positions inside every prompt of the batch
     (`lengths`), prompts of one length."""
-    masks = [m for m in masks if isinstance(m, MaskAttention)]
     if not masks:
         return
     if any(m.queries is not None for m in masks):
@@ -89,7 +194,7 @@ def check_generation_masks(masks: Sequence[Any], lengths: Sequence[int]) -> None
 
 def _applies(m: Any, row: int | None) -> bool:
     """Whether mask `m` acts on batch `row` (None: the whole batch, no row masks given)."""
-    return row is None or not isinstance(m, RowMask) or row in m.rows
+    return row is None or not m.per_row or row in m.rows
 
 
 def check_rows(masks: Sequence[Any], length: int, n_layers: int, n_rows: int | None = None) -> None:
@@ -100,7 +205,7 @@ def check_rows(masks: Sequence[Any], length: int, n_layers: int, n_rows: int | N
         if bad:
             raise BadInputError(f"MaskAttention positions {bad[:5]} are beyond the text's {length} tokens "
                                 f"(positions 0..{length - 1})")
-    row_masks = [m for m in masks if isinstance(m, RowMask)]
+    row_masks = [m for m in masks if m.per_row]
     if not row_masks:
         _check_keys_left(masks, n_layers)
         return
@@ -108,7 +213,7 @@ def check_rows(masks: Sequence[Any], length: int, n_layers: int, n_rows: int | N
         bad = sorted({r for m in row_masks for r in m.rows if r >= n_rows})
         if bad:
             raise BadInputError(f"RowMask rows {bad[:5]} are beyond the batch's {n_rows} rows")
-    _check_keys_left([m for m in masks if not isinstance(m, RowMask)], n_layers)  # rows no row mask names
+    _check_keys_left([m for m in masks if not m.per_row], n_layers)  # rows no row mask names
     for row in sorted({r for m in row_masks for r in m.rows}):
         _check_keys_left([m for m in masks if _applies(m, row)], n_layers)
 
@@ -192,7 +297,7 @@ class AttentionMasker:
                 raise BadInputError(f"MaskAttention expected a 4D attention mask over {width} keys in layer {layer}, "
                                     f"got shape {tuple(mask.shape)} (sliding-window caches are not supported)")
             query_cols = torch.arange(offset, width, device=hidden.device)
-            if any(isinstance(m, RowMask) for m in self.masks):  # one mask per batch row: [batch, 1, q, k]
+            if any(m.per_row for m in self.masks):  # one mask per batch row: [batch, 1, q, k]
                 pairs = torch.stack([self.pairs(layer, query_cols, width, row=b)
                                      for b in range(hidden.shape[0])]).unsqueeze(1)
             else:

@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 
-from probes.hooks import HookRunner
-from probes.attention_masks import (  # importing registers RowMask's wire kind
-    RowMask, check_generation_masks, rows_needed)
-from probes.interventions import Intervention, MaskAttention
+from probes import attention_masks, interventions, kv_policies, routing  # noqa: F401  (importing registers every wire kind)
+from probes.calls import Call
+from probes.kv_cache import kv_bytes_per_sequence
 from probes.records import Readout, TokenRecord, Trace
 from probes.sampling import Sampling  # noqa: F401  (re-exported: probes.Sampling, probes.engine.Sampling)
 from probes.sites import FAMILIES, Site, get_module, list_sites, validate_site
@@ -50,7 +49,7 @@ MAX_READOUT_ROWS = 65_536
 
 # What a backend can do (`capabilities()`): a page declares what it needs from this list.
 CAPABILITIES = ("generate", "trace", "interventions", "fork", "capture_batch", "readout", "grad", "attention",
-                "kv_policy", "router", "vision", "head_gates")
+                "kv_policy", "router", "vision", "head_gates", "frozen_attention")
 
 
 @dataclass
@@ -289,6 +288,7 @@ class Engine:
         have["trace"] = True
         have["router"] = local and self.handle.arch.is_moe
         have["vision"] = local and bool(getattr(self.handle, "is_vlm", False))
+        have["frozen_attention"] = local and not self.handle.arch.is_moe  # probes.frozen_attention (dense only)
         return have
 
     # ----- tokenizer operations (probes.tokens; the same code runs in RemoteBackend) -----
@@ -314,33 +314,12 @@ class Engine:
     def _check_sites(self, capture: Sequence[str]) -> list[Site]:
         return [validate_site(name, self.handle.arch) for name in capture]
 
-    def _split_interventions(self, interventions: Sequence[Any],
-                             rows: int | None = None) -> tuple[list[Intervention], list[MaskAttention]]:
-        """(hooks on sites, everything else: attention masks and at most one KV policy), all validated;
-        with `rows`, per-row values (a steering scale per row) must be one per batch row."""
-        from probes.kv_policy import KVPolicy, check_model
-
-        hooks, masks = [], []
-        for iv in interventions:
-            if isinstance(iv, MaskAttention):
-                iv.validate(self.handle.arch)
-                masks.append(iv)
-            elif isinstance(iv, KVPolicy):
-                if any(isinstance(m, KVPolicy) for m in masks):
-                    raise BadInputError("pass at most one KV policy; combine rules in one KVPolicy subclass")
-                check_model(self.handle)
-                iv.validate(self.handle.arch)
-                masks.append(iv)
-            elif isinstance(iv, Intervention):
-                iv.validate(self.handle.arch)
-                count = iv.per_row_count()
-                if rows is not None and count is not None and count != rows:
-                    raise BadInputError(f"{type(iv).__name__} at {iv.site} has {count} per-row scales but the batch "
-                                        f"has {rows} rows; give one per sequence (prompts x n_samples)")
-                hooks.append(iv)
-            else:
-                raise BadInputError(f"{iv!r} is not an intervention (see probes.interventions)")
-        return hooks, masks
+    def _bind(self, mode: str, interventions: Sequence[Any], *, lengths: Sequence[int], batch_rows: int | None = None,
+              capture: Sequence[Site] = (), max_new_tokens: int = 0) -> Call:
+        """The per-call context with every intervention bound: each checked once, before any model work
+        (`probes.calls`); the kinds install themselves when the call is entered."""
+        return Call(self.handle, mode, lengths=lengths, batch_rows=batch_rows, capture=capture,
+                    max_new_tokens=max_new_tokens).bind(interventions)
 
     # ----- generation -----
 
@@ -383,14 +362,11 @@ class Engine:
             raise BadInputError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, got {max_new_tokens}")
         max_new_tokens = min(max_new_tokens, self.handle.arch.context_length - max(map(len, ids)))
         sites = self._check_sites(capture)
-        hooks, masks = self._split_interventions(interventions, rows=len(ids))
-        if any(isinstance(m, RowMask) for m in masks):
-            raise BadInputError("RowMask masks batch rows of a teacher-forced pass (trace, capture, capture_batch); "
-                                "in generate use MaskAttention")
-        check_generation_masks(masks, [len(row) for row in ids])  # here, not at the first token: before any stream
+        # every intervention checked here, not at the first token: before any stream
+        call = self._bind("generate", interventions, lengths=[len(row) for row in ids], batch_rows=len(ids),
+                          capture=sites, max_new_tokens=max_new_tokens)
         live = _Live()
-        run = self._generate(live, ids, max_new_tokens, sampling or Sampling(), seed, sites, hooks, masks,
-                             top_k, tuple(stop), vision)
+        run = self._generate(live, ids, max_new_tokens, sampling or Sampling(), seed, call, top_k, tuple(stop), vision)
         return GenerationStream(self, run, live)
 
     def _generate(self, *args):
@@ -412,27 +388,14 @@ class Engine:
                 self.lock.release(owner)
 
     @torch.no_grad()
-    def _generate_unlocked(self, live, ids, max_new, sampling, seed, sites, hooks, masks, top_k, stop, vision=None):
-        import contextlib
-
-        from probes.attention_masks import AttentionMasker
-        from probes.kv_policy import KVPolicy, compressed_attention, kv_bytes_per_sequence
-
+    def _generate_unlocked(self, live, ids, max_new, sampling, seed, call, top_k, stop, vision=None):
         device = self.handle.device
         gen = torch.Generator(device="cpu").manual_seed(int(seed))
-        described = [iv.describe() for iv in [*hooks, *masks]]
-        policy = next((m for m in masks if isinstance(m, KVPolicy)), None)
-        masks = [m for m in masks if isinstance(m, MaskAttention)]
-        if any(m.queries is not None for m in masks):
-            raise BadInputError("in generate() MaskAttention masks the generated tokens; queries= applies to "
-                                "teacher-forced trace/capture")
-        input_ids, mask, masked_cols = self._left_pad(ids, masks)
-        if policy is not None and policy.max_entries() is not None and policy.max_entries() >= input_ids.shape[1] + max_new:
-            import warnings
-
-            warnings.warn(f"{policy.describe()} keeps up to {policy.max_entries()} entries per head, more than this "
-                          f"generation's {input_ids.shape[1] + max_new} tokens: nothing will be dropped", stacklevel=2)
+        described = call.described()
+        input_ids, mask = self._left_pad(ids)
+        masked_cols = call.hidden_columns  # prompt columns no generated token reads (attention masks)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        flat = positions  # 2-D token positions (what an installed edit reads), also under Qwen2-VL's 3-D ones
         if vision and "image_grid_thw" in vision:  # Qwen2-VL: 3-D rotary positions [3, batch, seq] (probes.vision)
             from probes.vision import mrope_positions
 
@@ -441,21 +404,19 @@ class Engine:
         pads = [input_ids.shape[1] - len(row) for row in ids]
         step = _Step([list(x) for x in ids], mask, positions, [False] * len(ids), [""] * len(ids))
         live.step = step
-        cache = self._new_cache(policy)
-        with contextlib.ExitStack() as scope:
-            runner = scope.enter_context(HookRunner(self.handle, sites, hooks))
-            if policy is not None:
-                scope.enter_context(compressed_attention(self.model, cache, want_weights=runner.needs_eager))
-            # MaskAttention in chosen layers: hooks on those layers (queries from the last prompt token on).
-            scope.enter_context(AttentionMasker(self.handle, [m for m in masks if m.layers is not None],
-                                                first_query=input_ids.shape[1] - 1))
+        cache = call.new_cache(self._new_cache)
+        call.first_query = input_ids.shape[1] - 1  # queries a layer's attention masker hides keys from
+        with call:
+            runner = call.runner
             runner.ctx.batch, runner.ctx.last_only = len(ids), True
+            runner.ctx.prompt_lengths = [len(row) for row in ids]
             # With attention masking, the last prompt token is fed as a decode step so that it,
             # too, sees the mask (it predicts the first generated token).
-            split = 1 if masks else 0
+            split = 1 if call.feed_last_alone else 0
             runner.ctx.phase, runner.ctx.seq = ("context" if split else "prefill"), input_ids.shape[1] - split
             pixels = dict(vision or {})  # image inputs go with the first forward only (it holds the image tokens)
             if split and input_ids.shape[1] > 1:
+                runner.ctx.positions = flat[:, :-1]
                 self._forward(input_ids[:, :-1], mask[:, :-1], positions[..., :-1], cache, pixels)
                 feed, pixels = input_ids[:, -1:], {}
             else:
@@ -464,6 +425,7 @@ class Engine:
             if split:
                 feed_mask[:, masked_cols] = 0
                 runner.ctx.phase = "decode"
+            runner.ctx.positions = flat[:, -feed.shape[1]:]
             logits = self._forward(feed, feed_mask, positions[..., -feed.shape[1]:], cache, pixels)
             live.cache = cache
             for t in range(max_new):
@@ -484,10 +446,11 @@ class Engine:
                 new_col = torch.ones(len(ids), 1, dtype=step.mask.dtype, device=device)
                 step.mask = torch.cat([step.mask, new_col], dim=1)
                 step.positions = step.positions[..., -1:] + 1
+                flat = flat[:, -1:] + 1
                 feed_mask = step.mask.clone()
-                if masks:
+                if split:
                     feed_mask[:, masked_cols] = 0
-                runner.ctx.phase, runner.ctx.seq = "decode", 1
+                runner.ctx.phase, runner.ctx.seq, runner.ctx.positions = "decode", 1, flat
                 logits = self._forward(next_ids.view(-1, 1), feed_mask, step.positions, cache)
 
     def _step_records(self, logits, sampling, gen, top_k, step, t, runner, described):
@@ -504,6 +467,8 @@ class Engine:
         ent, lp, nid = entropy.tolist(), chosen_lp.tolist(), next_ids.tolist()
         tops, top_p = top_ix.tolist(), top_lp.exp().tolist()
         acts = {name: v[:, -1] for name, v in runner.captured.items()}
+        # what installed interventions reported of this forward: each row's value at its last position
+        fired = {name: v[:, -1].tolist() for name, v in runner.ctx.take_fired().items()}
         records = []
         for b in range(len(nid)):
             if step.finished[b]:
@@ -513,6 +478,7 @@ class Engine:
                 logprob=lp[b], entropy=ent[b], top_ids=tops[b],
                 top_tokens=[self.tok.decode([i]) for i in tops[b]], top_probs=top_p[b],
                 activations={name: v[b] for name, v in acts.items()}, interventions=described,
+                fired={name: per_row[b] for name, per_row in fired.items() if not math.isnan(per_row[b])},
             ))
         return next_ids, records
 
@@ -549,10 +515,10 @@ class Engine:
         ids = self.encode(text, chat=chat)
         (ids,), vision = self._vision_inputs([ids], None if images is None else [images])
         sites = self._check_sites(capture)
-        hooks, masks = self._split_interventions(interventions)
-        n_rows = rows_needed(masks)
-        self._check_teacher_forced(masks, [len(ids)] * n_rows)
-        acts, logits = self._capture_forward(ids, sites, hooks, masks, vision, n_rows)
+        call = self._bind("trace", interventions, lengths=[len(ids)], capture=sites)
+        n_rows = call.rows
+        acts, logits = self._capture_forward(ids, sites, call, vision)
+        fired = call.runner.ctx.take_fired()
         logits = logits if n_rows > 1 else logits.unsqueeze(0)
         input_ids = torch.tensor([ids], device=logits.device)
         logp = torch.log_softmax(logits.float(), dim=-1)
@@ -567,6 +533,7 @@ class Engine:
             text=text if isinstance(text, str) else self.tok.decode(ids), token_ids=ids,
             tokens=[self.tok.decode([i]) for i in ids], activations=acts,
             logprobs=token_lp, entropies=entropies.cpu(),
+            fired={name: v if n_rows > 1 else v[0] for name, v in fired.items()},
         )
 
     @torch.no_grad()
@@ -589,8 +556,8 @@ class Engine:
             raise BadInputError("capture_batch needs at least one sequence")
         sequences = [self.encode(list(seq)) for seq in sequences]
         sites = self._check_sites(capture)
-        hooks, masks = self._split_interventions(interventions, rows=len(sequences))
-        self._check_teacher_forced(masks, [len(seq) for seq in sequences])
+        call = self._bind("capture_batch", interventions, lengths=[len(seq) for seq in sequences],
+                          batch_rows=len(sequences), capture=sites)
         if prefix is not None:
             self._check_state(prefix)
         shared = len(prefix.ids) if prefix is not None else 0
@@ -627,10 +594,10 @@ class Engine:
             kwargs["use_cache"] = False
         deepest = max((s.layer for s in sites if s.layer is not None), default=None)
         stop_early = stop_after_last_site and deepest is not None and all(s.layer is not None for s in sites)
-        from probes.attention_masks import AttentionMasker
-
-        with self.lock, HookRunner(self.handle, sites, hooks) as runner, AttentionMasker(self.handle, masks):
+        with self.lock, call:
+            runner = call.runner
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = len(sequences), width, "trace"
+            runner.ctx.positions = kwargs["position_ids"]
             stopper = None
             if stop_early:
                 last = get_module(self.model, Site("resid_post", deepest).module_path(self.handle.family))
@@ -660,10 +627,8 @@ class Engine:
         ids = self.encode(text, chat=chat)
         (ids,), vision = self._vision_inputs([ids], None if images is None else [images])
         sites = self._check_sites(capture)
-        hooks, masks = self._split_interventions(interventions)
-        n_rows = rows_needed(masks)
-        self._check_teacher_forced(masks, [len(ids)] * n_rows)
-        return self._capture_forward(ids, sites, hooks, masks, vision, n_rows)[0]
+        call = self._bind("capture", interventions, lengths=[len(ids)], capture=sites)
+        return self._capture_forward(ids, sites, call, vision)[0]
 
     def _vision_inputs(self, rows: list[list[int]], images: Any, n_samples: int = 1):
         """(rows with each `<image>` expanded into image tokens, pixel inputs), checked before model work."""
@@ -673,32 +638,28 @@ class Engine:
             images = [im for im in images for _ in range(n_samples)]
         return prepare(self.handle.vision, self.handle.model_id, rows, images, self.handle.dtype, self.handle.device)
 
-    def _capture_forward(self, ids: list[int], sites: list[Site], hooks: list[Intervention],
-                         masks: Sequence[MaskAttention] = (), vision: dict[str, Any] | None = None,
-                         n_rows: int = 1):
+    def _capture_forward(self, ids: list[int], sites: list[Site], call: Call, vision: dict[str, Any] | None = None):
         """(activations {site: [seq, ...]}, logits [seq, vocab]) of one teacher-forced forward; with
-        `n_rows` > 1 (row masks) the same ids run as that many batch rows: [rows, seq, ...] out."""
-        from probes.attention_masks import AttentionMasker
-
-        if self.handle.remote:
-            return self._remote_trace(ids, sites, [*hooks, *masks])
+        `call.rows` > 1 (row masks) the same ids run as that many batch rows: [rows, seq, ...] out."""
+        if self.handle.remote:  # the call refused every intervention already
+            return self._remote_trace(ids, sites)
+        n_rows = call.rows
         input_ids = torch.tensor([ids] * n_rows, device=self.handle.device)
         if n_rows > 1 and vision:  # every row sees the same image(s)
             vision = {k: v.repeat(n_rows, *[1] * (v.ndim - 1)) if torch.is_tensor(v) else v for k, v in vision.items()}
-        with self.lock, HookRunner(self.handle, sites, hooks) as runner, AttentionMasker(self.handle, masks):
+        with self.lock, call:
+            runner = call.runner
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = n_rows, len(ids), "trace"
+            runner.ctx.positions = torch.arange(len(ids), device=self.handle.device).expand(n_rows, -1)
             logits = self.model(input_ids=input_ids, use_cache=False, **(vision or {})).logits
         if n_rows > 1:
             return dict(runner.captured), logits
         return {name: v[0] for name, v in runner.captured.items()}, logits[0]
 
-    def _remote_trace(self, ids: list[int], sites: list[Site], hooks: list[Intervention]):
+    def _remote_trace(self, ids: list[int], sites: list[Site]):
         """A trace of an `ndif:` model: the same sites read through nnsight's remote execution."""
         from probes.remote import nnsight_capture
 
-        if hooks:
-            raise BadInputError("interventions on ndif: models are not supported; trace without them, "
-                                "or load the model locally with hf:")
         acts = nnsight_capture(self.handle, ids, sites, remote=True)
         logits = acts["logits"] if any(s.name == "logits" for s in sites) else acts.pop("logits")
         return acts, logits
@@ -800,7 +761,8 @@ class Engine:
         seq = prefix_ids + list(suffix_ids)
         step = _Step([seq], torch.ones(1, len(seq), dtype=torch.long, device=dev), None, [False], [""])
         records: list[TokenRecord] = []
-        with self.lock, HookRunner(self.handle, sites, []) as runner:
+        with self.lock, Call(self.handle, "fork", capture=sites) as call:
+            runner = call.runner
             runner.ctx.last_only, runner.ctx.phase = True, "decode"
             feed = torch.tensor([todo], device=dev)
             pos = torch.arange(cached, len(seq), device=dev).view(1, -1)
@@ -830,7 +792,7 @@ class Engine:
             raise BadInputError(f"prefix state {state.id} was made by another model ({state.fingerprint}); "
                                 f"this engine runs {self.handle.model_id} ({self.handle.fingerprint})")
         state.cache_len  # raises when freed
-        if type(state.cache).__name__ == "CompressedCache":
+        if not getattr(state.cache, "forkable", True):
             raise BadInputError("this state holds a compressed KV cache (a KV-cache policy dropped entries); forks "
                                 "need the full cache: prefill the same tokens without a policy")
 
@@ -910,12 +872,8 @@ class Engine:
 
     # ----- plumbing -----
 
-    def _new_cache(self, policy: Any = None) -> Any:
-        """A plain transformers cache, or with a KV policy a `CompressedCache` that keeps only what it says."""
-        if policy is not None:
-            from probes.kv_policy import new_cache
-
-            return new_cache(self.handle, policy)
+    def _new_cache(self) -> Any:
+        """A plain transformers cache (a KV policy brings its own through the call: `Call.new_cache`)."""
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
@@ -925,8 +883,8 @@ class Engine:
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **(extra or {}))
         return out.logits[:, -1]
 
-    def _left_pad(self, ids: list[list[int]], masks: list[MaskAttention]):
-        """Left-pad a batch; return ids, attention mask and the masked columns (MaskAttention)."""
+    def _left_pad(self, ids: list[list[int]]):
+        """Left-pad a batch; return ids and attention mask."""
         width = max(map(len, ids))
         pad = self.tok.pad_token_id
         dev = self.handle.device
@@ -935,36 +893,9 @@ class Engine:
         for b, row in enumerate(ids):
             input_ids[b, width - len(row):] = torch.tensor(row, device=dev)
             mask[b, width - len(row):] = 1
-        cols: list[int] = []
-        for m in masks:
-            for p in m.positions:
-                if any(p >= len(row) for row in ids):
-                    raise BadInputError(f"MaskAttention position {p} is beyond a prompt of {min(map(len, ids))} tokens")
-        if masks:
-            if len({len(r) for r in ids}) != 1:
-                raise BadInputError("MaskAttention needs prompts of equal length in a batch")
-            cols = sorted({p for m in masks if m.layers is None for p in m.positions})  # others: AttentionMasker
-        return input_ids, mask, cols
+        return input_ids, mask
 
-    # ----- slots: masked traces, KV policies, gradients -----
-
-    def _check_teacher_forced(self, masks: Sequence[Any], lengths: Sequence[int]) -> None:
-        """Attention masks in a teacher-forced pass: positions inside the longest sequence, no query left with
-        nothing to read; KV policies belong to generation. Runs before any model work."""
-        from probes.attention_masks import MASKABLE_IMPLEMENTATIONS, check_rows
-        from probes.kv_policy import KVPolicy
-
-        if any(isinstance(m, KVPolicy) for m in masks):
-            raise BadInputError("a KV policy shapes the cache during generation; pass it to generate()")
-        if not masks:
-            return
-        if self.handle.remote:
-            raise BadInputError("MaskAttention on ndif: models is not supported; load the model locally with hf:")
-        impl = self.model.config._attn_implementation
-        if impl not in MASKABLE_IMPLEMENTATIONS:
-            raise BadInputError(f"MaskAttention in a teacher-forced pass edits 4D attention masks, which {impl!r} "
-                                "attention does not take; load the model with attn_implementation 'sdpa' or 'eager'")
-        check_rows(masks, max(lengths), self.handle.arch.n_layers, len(lengths))  # past a shorter one's end: padding
+    # ----- slots: gradients, head gates -----
 
     def input_x_gradient(self, text: Prompt, *, target: str = "logprob", positions: Sequence[int] | None = None,
                          token: int | None = None, foil: int | None = None, sites: Sequence[str] = (),
@@ -978,7 +909,6 @@ class Engine:
         >>> att.positions, att.scores.shape
         ([3], torch.Size([3]))
         """
-        from probes.attention_masks import AttentionMasker
         from probes.gradients import check_sites, check_target, input_x_gradient
 
         self._local_only("input_x_gradient")
@@ -993,10 +923,11 @@ class Engine:
             row = torch.tensor([ids], device=self.handle.device)
             vision = {**vision, "position_ids": mrope_positions(self.model, row, torch.ones_like(row), vision,
                                                                 self.handle.vision)}
-        hooks, masks = self._split_interventions(interventions)
-        self._check_teacher_forced(masks, [len(ids)])
-        with self.lock, HookRunner(self.handle, [], hooks) as runner, AttentionMasker(self.handle, masks):
+        call = self._bind("gradient", interventions, lengths=[len(ids)], batch_rows=1)
+        with self.lock, call:
+            runner = call.runner
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = 1, len(ids), "trace"
+            runner.ctx.positions = torch.arange(len(ids), device=self.handle.device).view(1, -1)
             return input_x_gradient(self.handle, ids, target=target, positions=positions, token=token, foil=foil,
                                     sites=site_list, model_inputs=vision)
 

@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +53,8 @@ GATES_NAME = "thoughtscope_head_gates"
 # (checked on tiny random models of llama, qwen2, qwen3 and gemma3 by the tests).
 GATE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmoe", "mixtral", "gemma",
                     "gemma2", "gemma3", "gemma3_text")
-_LINK = "_thoughtscope_head_gates"
+# attention module -> the session whose gates it runs: kept here, not stamped on the model's modules
+_SESSIONS: "weakref.WeakKeyDictionary[Any, GateSession]" = weakref.WeakKeyDictionary()
 
 
 def check_gate_model(handle: Any) -> None:
@@ -145,7 +147,7 @@ def _bool_allowed(mask: Any, batch: int, t: int, n: int, device: torch.device) -
 def _gated_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                      dropout: float = 0.0, scaling: float | None = None, softcap: float | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    session = getattr(module, _LINK, None)
+    session = _SESSIONS.get(module)
     if session is None:  # a module outside any session (should not happen while the name is set): plain attention
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -210,7 +212,7 @@ class GateSession:
             self._modules = [get_module(model, f"{paths['layers']}.{i}.{paths['attn']}")
                              for i in range(self.handle.arch.n_layers)]
             for module in self._modules:
-                module.__dict__[_LINK] = self  # a plain attribute, not a registered submodule
+                _SESSIONS[module] = self
             self._saved = model.config._attn_implementation
             model.set_attn_implementation(GATES_NAME)
             self.active = True
@@ -223,7 +225,7 @@ class GateSession:
         try:
             self.active = False
             for module in self._modules:
-                module.__dict__.pop(_LINK, None)
+                _SESSIONS.pop(module, None)
             if self._saved is not None:
                 self.handle.model.set_attn_implementation(self._saved)
         finally:
@@ -243,9 +245,7 @@ class GateSession:
 
         KV policies and attention-pattern captures are refused: both would switch the attention away."""
         self._check_active()
-        from probes.kv_policy import KVPolicy
-
-        if any(isinstance(iv, KVPolicy) for iv in kwargs.get("interventions", ())):
+        if any(getattr(iv, "replaces_attention", False) for iv in kwargs.get("interventions", ())):
             raise BadInputError("a KV policy replaces the attention; generate with it outside the gate session")
         if any(str(site).startswith("attn_pattern") for site in kwargs.get("capture", ())):
             raise BadInputError("attn_pattern captures switch to eager attention; capture them outside the gate session")

@@ -1,4 +1,4 @@
-"""The hook runner: registers PyTorch hooks for one engine call, applies interventions, captures sites.
+"""The hook runner: registers PyTorch hooks for one engine call, applies site edits, captures sites.
 
 Why plain `torch` hooks rather than an nnsight trace per token: streaming generation yields a
 record after every forward, and the engine's own KV-cached loop must run between tokens;
@@ -6,20 +6,21 @@ nnsight's `generate` runs the whole generation inside one trace. nnsight stays t
 ad-hoc traces and remote NDIF execution (`ModelHandle.nnsight`), and a test checks that both
 read the same activations.
 
-One hook per (module, input/output): interventions on that module's sites run first, in the
-order given, then captures read the edited value, so a capture shows what the model computed on.
+One hook per (module, input/output): edits on that module's sites run first, in the order they
+were installed, then captures read the edited value, so a capture shows what the model computed on.
+The runner knows no intervention kind: a site edit installs itself (`Intervention.install` ->
+`runner.editing(site, edit)`) and the runner calls its `apply(view, ctx)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from probes.interventions import Intervention
-from probes.routing import RouterRule
 from probes.sites import Site, get_module
 
 
@@ -38,79 +39,107 @@ def to_canonical(site: Site, x: torch.Tensor, arch: Any, batch: int) -> torch.Te
 
 @dataclass
 class ForwardContext:
-    """What the hooks need to know about the forward in flight."""
+    """What the hooks need to know about the forward in flight, and what installed edits report of it.
+
+    `positions` [batch, seq] are the token positions of this forward's columns (0 = a sequence's first
+    real token, whatever its left padding; None where the engine gives none); `prompt_lengths` the
+    prompt tokens of each row in a generation (None in a teacher-forced pass). `fired` collects what
+    installed interventions report (`fire`): a [batch, seq] tensor under a name (one number per row and
+    position of this forward, NaN where nothing acted), read into the records: `TokenRecord.fired[name]`
+    is its row's value at the last position (the one that chose the token), `Trace.fired[name]` the
+    [seq] values of its one row ([rows, seq] when row masks ran several)."""
 
     batch: int = 1
     seq: int = 1
     phase: str = "trace"  # "trace", "prefill", "context" (prompt part that predicts nothing) or "decode"
     last_only: bool = False  # capture only the last position (generation)
+    positions: torch.Tensor | None = None
+    prompt_lengths: list[int] | None = None
+    fired: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def fire(self, name: str, values: torch.Tensor) -> None:
+        """Report `values` [batch, seq] (this forward's rows and positions) under `name`; a later report
+        under the same name in the same forward replaces it."""
+        self.fired[name] = values.detach().float().cpu()
+
+    def take_fired(self) -> dict[str, torch.Tensor]:
+        fired, self.fired = self.fired, {}
+        return fired
 
 
 @dataclass
 class _Handler:
     site: Site
-    interventions: list[Intervention] = field(default_factory=list)
+    edits: list[Any] = field(default_factory=list)  # installed site edits: objects with apply(view, ctx)
     capture: bool = False
-    rules: list[RouterRule] = field(default_factory=list)  # replace the router's whole output tuple
 
 
 class HookRunner:
-    """Context manager: hooks in on enter, out on exit; `captured` holds the latest forward's values."""
+    """Context manager: hooks in on enter, out on exit; `captured` holds the latest forward's values.
 
-    def __init__(self, handle: Any, capture: list[Site], interventions: list[Intervention]):
+    Edits join with `editing(site, edit)` before or while the runner is entered (a hook is registered
+    for a module the first time something needs it)."""
+
+    def __init__(self, handle: Any, capture: list[Site]):
         self.handle = handle
         self.ctx = ForwardContext()
         self.captured: dict[str, torch.Tensor] = {}
         self._groups: dict[tuple[str, str], list[_Handler]] = defaultdict(list)
-        by_site: dict[str, _Handler] = {}
-        for iv in interventions:
-            if isinstance(iv, RouterRule):  # one rule may cover every MoE layer (`router.*`)
-                iv.validate(handle.arch)
-                for site in iv.sites(handle.arch):
-                    by_site.setdefault(site.name, _Handler(site)).rules.append(iv)
-                continue
-            site = iv.validate(handle.arch)
-            by_site.setdefault(site.name, _Handler(site)).interventions.append(iv)
+        self._by_site: dict[str, _Handler] = {}
         for site in capture:
-            by_site.setdefault(site.name, _Handler(site)).capture = True
-        family = handle.family
-        for handler in by_site.values():
-            key = (handler.site.module_path(family), handler.site.spec.read)
-            self._groups[key].append(handler)
-        self._removers: list[Any] = []
-        self._replaced: list[Any] = []  # router modules whose forward a rule replaces during this call
-        self._columns: dict[str, int] = defaultdict(int)  # tokens each router has seen: the noise's column
-        self.needs_eager = any(h.site.spec.needs_eager_attention for h in by_site.values())
+            self._handler(site).capture = True
+        self._removers: dict[tuple[str, str], Any] = {}
+        self._entered = False
+        self.needs_eager = any(h.site.spec.needs_eager_attention for h in self._by_site.values())
+        self._saved_attn: str | None = None
+
+    def _handler(self, site: Site) -> _Handler:
+        if site.name not in self._by_site:
+            handler = self._by_site[site.name] = _Handler(site)
+            self._groups[(site.module_path(self.handle.family), site.spec.read)].append(handler)
+        return self._by_site[site.name]
+
+    @contextlib.contextmanager
+    def editing(self, site: Site, edit: Any) -> Iterator[None]:
+        """`edit.apply(view, ctx)` runs at `site` (after the edits installed before it) until the block ends."""
+        handler = self._handler(site)
+        handler.edits.append(edit)
+        if self._entered:
+            self._hook(site.module_path(self.handle.family), site.spec.read)
+        try:
+            yield
+        finally:
+            handler.edits.remove(edit)
 
     def __enter__(self) -> "HookRunner":
         model = self.handle.model
-        self._saved_attn = None
         if self.needs_eager and model.config._attn_implementation != "eager":
             self._saved_attn = model.config._attn_implementation
             model.set_attn_implementation("eager")
-        for (path, read), handlers in self._groups.items():
-            module = get_module(model, path)
-            for h in handlers:
-                if h.rules:
-                    self._replace_forward(h, module)
-            if not any(h.interventions or h.capture for h in handlers):
-                continue  # a router with a rule and nothing to capture or edit: a hook would only cost time
-            if read == "input":
-                hook = module.register_forward_pre_hook(self._pre_hook(handlers), with_kwargs=True)
-            else:
-                hook = module.register_forward_hook(self._post_hook(handlers))
-            self._removers.append(hook)
+        self._entered = True
+        for path, read in list(self._groups):
+            self._hook(path, read)
         return self
 
+    def _hook(self, path: str, read: str) -> None:
+        key = (path, read)
+        handlers = self._groups[key]
+        if key in self._removers or not any(h.edits or h.capture for h in handlers):
+            return
+        module = get_module(self.handle.model, path)
+        if read == "input":
+            self._removers[key] = module.register_forward_pre_hook(self._pre_hook(handlers), with_kwargs=True)
+        else:
+            self._removers[key] = module.register_forward_hook(self._post_hook(handlers))
+
     def __exit__(self, *exc: Any) -> None:
-        for hook in self._removers:
+        for hook in self._removers.values():
             hook.remove()
         self._removers.clear()
-        for module in self._replaced:
-            del module.forward  # the instance attribute goes; the class's forward is back
-        self._replaced.clear()
+        self._entered = False
         if self._saved_attn is not None:
             self.handle.model.set_attn_implementation(self._saved_attn)
+            self._saved_attn = None
 
     # --- shape conventions: every site is seen as [batch, seq, ...] inside the handlers ---
 
@@ -124,27 +153,17 @@ class HookRunner:
 
     def _run(self, handlers: list[_Handler], x: torch.Tensor) -> torch.Tensor:
         for h in handlers:
-            if not h.interventions and not h.capture:
+            if not h.edits and not h.capture:
                 continue
             view = self._to_canonical(h.site, x)
-            if h.interventions:
-                view = self._apply(h.interventions, view)
+            if h.edits:
+                for edit in h.edits:
+                    view = edit.apply(view, self.ctx)
                 x = self._from_canonical(h.site, view, x)
             if h.capture:
                 kept = view[:, -1:] if self.ctx.last_only else view
                 self.captured[h.site.name] = kept.detach().clone()
         return x
-
-    def _apply(self, interventions: list[Intervention], view: torch.Tensor) -> torch.Tensor:
-        for iv in interventions:
-            if iv.where == "generated" and self.ctx.phase == "context":
-                continue
-            if iv.where == "generated" and self.ctx.phase == "prefill":
-                # only the last prompt position predicts a generated token
-                view = torch.cat([view[:, :-1], iv.edit(view[:, -1:])], dim=1)
-            else:
-                view = iv.edit(view)
-        return view
 
     def _post_hook(self, handlers: list[_Handler]):
         def hook(module: Any, args: Any, output: Any) -> Any:
@@ -160,32 +179,6 @@ class HookRunner:
             return self._run(by_index[0], output)
 
         return hook
-
-    def _replace_forward(self, h: _Handler, module: Any) -> None:
-        """Router rules replace the router's forward for this call: the router computes its logits and the
-        rule its (gates, indices), which the MoE block uses. Replacing the forward, rather than rewriting
-        the router's output in a hook, spares the router's own softmax and top-k, which the rule would
-        discard (about 10% of a toy MoE's decode step). Hooks on the router still run around it."""
-        own_forward = module.forward
-        model_type = self.handle.arch.model_type
-
-        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
-            batch = self.ctx.batch
-            seq = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0] // batch
-            start = self._columns[h.site.name]
-            self._columns[h.site.name] = start + seq
-            if len(h.rules) == 1:
-                output = h.rules[0].routed_forward(module, hidden_states, model_type, h.site.layer, batch,
-                                                   start, self.ctx.phase)
-                if output is not None:
-                    return output
-            output = own_forward(hidden_states, *args, **kwargs)
-            for rule in h.rules:  # each rule replaces the choice before it (where it applies)
-                output = rule.route(module, output, model_type, h.site.layer, batch, start, self.ctx.phase)
-            return output
-
-        module.forward = forward
-        self._replaced.append(module)
 
     def _pre_hook(self, handlers: list[_Handler]):
         def hook(module: Any, args: Any, kwargs: Any) -> Any:

@@ -1,15 +1,18 @@
 """Interventions: small dataclasses the engine applies at every forward (the basis of every slider).
 
-Each one names its site, checks itself against the model before any work starts (`validate`),
-edits the activation in its `edit` method (a few lines), and says what it did (`describe`), so a
-record and a figure can report it. They compose: the engine applies them in the order given.
+Each one names its site, checks itself against the model before any work starts (`validate`,
+which returns a per-call copy holding the derived values and leaves the object as given), edits the
+activation in its `edit` method (a few lines), and says what it did (`describe`), so a record and a
+figure can report it. Each installs itself into an engine call (`install(call)`: a hook on the
+call's runner at its site; see `probes.registered`). They compose: the engine applies them in the
+order given.
 
 - `AddVector`: h + scale * v (activation addition; Turner et al. 2023).
 - `ProjectionRescale`: h - alpha * w (w.h) with unit w; alpha = 1 removes the component along w,
   alpha = -1 doubles it (RISE, Zhang et al. 2025).
 - `HeadAblation`: zero- or mean-ablate chosen heads at the per-head attention output `z.L`.
-- `MaskAttention`: chosen queries (by default the generated tokens) may not attend to the given
-  key positions, in every layer or chosen layers.
+- `MaskAttention` (defined in `probes.attention_masks`, re-exported here): chosen queries (by default
+  the generated tokens) may not attend to the given key positions, in every layer or chosen layers.
 
 Example:
     >>> import torch
@@ -20,67 +23,21 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from thoughtscope.errors import BadInputError
+from probes.attention_masks import MaskAttention, RowMask  # noqa: F401  (re-exported: the masks live with their masker)
+from probes.registered import KINDS, MODES, Registered, kind_of  # noqa: F401  (re-exported)
 from probes.sites import Site, validate_site
+from thoughtscope.errors import BadInputError
 
 RESIDUAL_KINDS = ("resid_pre", "resid_post", "attn_out", "mlp_out")
 WHERE = ("all", "generated")
-
-# Every kind the engine applies (interventions, attention masks, router rules, KV-cache policies),
-# by its wire name. A class registers itself by defining `kind`; nothing else changes to add one.
-KINDS: dict[str, type["Registered"]] = {}
-
-
-class Registered:
-    """Base of everything that travels in `interventions=`: it has a wire name (`kind`), its spec is
-    its constructor's arguments (read back from attributes of the same names), and `tensor_fields`
-    name the arguments that are tensors (sent as safetensors bytes, never pickle)."""
-
-    kind: ClassVar[str] = ""
-    tensor_fields: ClassVar[tuple[str, ...]] = ()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        name = cls.__dict__.get("kind")
-        if name:
-            if name in KINDS and KINDS[name].__qualname__ != cls.__qualname__:
-                raise TypeError(f"two classes claim the intervention kind {name!r}: {KINDS[name]} and {cls}")
-            KINDS[name] = cls
-
-    @classmethod
-    def parameters(cls) -> list[str]:
-        """The constructor's argument names: what a spec holds besides `kind`."""
-        return [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
-
-    def spec(self) -> dict[str, Any]:
-        """{'kind': ..., <constructor argument>: value, ...}; tensors stay tensors (the wire encodes them)."""
-        return {"kind": self.kind, **{name: getattr(self, name) for name in self.parameters()}}
-
-    @classmethod
-    def from_spec(cls, fields: dict[str, Any]) -> "Registered":
-        unknown = sorted(set(fields) - set(cls.parameters()))
-        if unknown:
-            raise BadInputError(f"{cls.kind!r} takes {cls.parameters()}; unknown field(s) {unknown}")
-        try:
-            return cls(**fields)
-        except TypeError as err:  # a missing required argument
-            raise BadInputError(f"{cls.kind!r}: {err}") from err
-
-
-def kind_of(name: str) -> type[Registered]:
-    """The registered class of a wire name; an unknown name lists the known ones."""
-    if name not in KINDS:
-        raise BadInputError(f"unknown intervention kind {name!r}; known kinds: {', '.join(sorted(KINDS))}")
-    return KINDS[name]
 
 
 MAX_SCALE = 1e6  # beyond this any activation overflows float32 arithmetic downstream
@@ -109,13 +66,18 @@ def _as_vector(v: Any, width: int, what: str) -> torch.Tensor:
 
 @dataclass
 class Intervention(Registered):
-    """Base: a site, where it applies (`all` positions or only the `generated` ones), and `edit`."""
+    """Base of site edits: a site, where it applies (`all` positions or only the `generated` ones), and `edit`.
+
+    The subclass surface: `site`, `where` (keyword-only), `edit(x)` over the site's [batch, seq, ...]
+    view, `describe()`, and the check hook `_check(arch)`, which runs on the per-call copy (derived
+    values end in `_`). `apply(view, ctx)` is what the hook runner calls: it honours `where`, edits,
+    and reports `report(before, after)` (None by default) into the records (`TokenRecord.fired`)."""
 
     site: str
-    where: str = "all"
+    where: str = field(default="all", kw_only=True)
     kinds: ClassVar[tuple[str, ...]] = RESIDUAL_KINDS
 
-    def validate(self, arch: Any) -> Site:
+    def validate(self, arch: Any) -> "Intervention":
         site = validate_site(self.site, arch)
         if site.kind not in self.kinds:
             raise BadInputError(
@@ -123,11 +85,40 @@ class Intervention(Registered):
             )
         if self.where not in WHERE:
             raise BadInputError(f"where={self.where!r}; use one of {WHERE}")
-        self._check(arch)
-        return site
+        bound = super().validate(arch)
+        bound.site_ = site
+        return bound
 
-    def _check(self, arch: Any) -> None:
-        """Subclasses check their own parameters here."""
+    def bind(self, call: Any) -> "Intervention":
+        bound = self.validate(call.arch)
+        count, rows = bound.per_row_count(), call.batch_rows
+        if rows is not None and count is not None and count != rows:
+            raise BadInputError(f"{type(self).__name__} at {self.site} has {count} per-row scales but the batch "
+                                f"has {rows} rows; give one per sequence (prompts x n_samples)")
+        return bound
+
+    def install(self, call: Any) -> Any:
+        return call.runner.editing(self.site_, self)
+
+    def apply(self, view: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """The edited view for the forward in flight (`ctx`: `probes.hooks.ForwardContext`)."""
+        if self.where == "generated" and ctx.phase == "context":
+            return view
+        if self.where == "generated" and ctx.phase == "prefill":
+            # only the last prompt position predicts a generated token
+            out = torch.cat([view[:, :-1], self.edit(view[:, -1:])], dim=1)
+        else:
+            out = self.edit(view)
+        report = self.report(view, out)
+        if report:
+            for name, values in report.items():
+                ctx.fire(name, values)
+        return out
+
+    def report(self, before: torch.Tensor, after: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """What this edit reports of the forward in flight: {name: [batch, seq] tensor} (e.g. the norm it
+        added at each position; `TokenRecord.fired`, `Trace.fired`), or None (the default: nothing)."""
+        return None
 
     def edit(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -168,34 +159,33 @@ class AddVector(Intervention):
     `scale` is one number, or one number per batch row (a list or 1-D tensor as long as the batch:
     `prompts` x `n_samples` in `generate`, the sequences of `capture_batch`): row b gets
     `scale[b] * vector`, so one batched generation steers the same prompt at several scales (the
-    Steering page's slider grid). Its length is checked against the batch when it first applies.
+    Steering page's slider grid). Its length is checked against the batch when the call is made.
     """
 
     kind: ClassVar[str] = "add"
     tensor_fields: ClassVar[tuple[str, ...]] = ("vector",)
-    vector: torch.Tensor = None
-    scale: float | list[float] = 1.0
-
-    def __init__(self, site: str, vector: Any, scale: float | Sequence[float] = 1.0, where: str = "all"):
-        self.site, self.where, self.vector, self.scale = site, where, vector, scale
-
-    def per_row_count(self) -> int | None:
-        return len(self.scale) if isinstance(self.scale, list) else None
+    vector: Any
+    scale: float | Sequence[float] = 1.0
 
     def _check(self, arch: Any) -> None:
-        self.scale = _scales(self.scale, "steering scale")
-        self.vector = _as_vector(self.vector, arch.d_model, "steering vector")
+        self.scale_ = _scales(self.scale, "steering scale")
+        self.vector_ = _as_vector(self.vector, arch.d_model, "steering vector")
+
+    def per_row_count(self) -> int | None:
+        scale = _given(self, "scale")
+        return len(scale) if isinstance(scale, list) else None
 
     def edit(self, x: torch.Tensor) -> torch.Tensor:
-        v = self.vector.to(x.dtype).to(x.device)
+        v = self.vector_.to(x.dtype).to(x.device)
         # row b: x_b + scale_b * v, the same float32 product as a single-row call with that scale
-        return x + _row_factor(self.scale, x, self) * v
+        return x + _row_factor(self.scale_, x, self) * v
 
     def describe(self) -> str:
-        if isinstance(self.scale, list):
-            scales = ", ".join(f"{s:g}" for s in self.scale)
-            return f"add [{scales}] * v per row (|v|={float(self.vector.norm()):.3g}) at {self.site}"
-        return f"add {self.scale:g} * v (|v|={float(self.vector.norm()):.3g}) at {self.site}"
+        scale, norm = _given(self, "scale"), float(torch.as_tensor(_given(self, "vector"), dtype=torch.float32).norm())
+        if isinstance(scale, list):
+            scales = ", ".join(f"{s:g}" for s in scale)
+            return f"add [{scales}] * v per row (|v|={norm:.3g}) at {self.site}"
+        return f"add {scale:g} * v (|v|={norm:.3g}) at {self.site}"
 
 
 @dataclass
@@ -206,31 +196,36 @@ class ProjectionRescale(Intervention):
 
     kind: ClassVar[str] = "rescale"
     tensor_fields: ClassVar[tuple[str, ...]] = ("direction",)
-    direction: torch.Tensor = None
-    alpha: float | list[float] = 1.0
-
-    def __init__(self, site: str, direction: Any, alpha: float | Sequence[float] = 1.0, where: str = "all"):
-        self.site, self.where, self.direction, self.alpha = site, where, direction, alpha
-
-    def per_row_count(self) -> int | None:
-        return len(self.alpha) if isinstance(self.alpha, list) else None
+    direction: Any
+    alpha: float | Sequence[float] = 1.0
 
     def _check(self, arch: Any) -> None:
-        self.alpha = _scales(self.alpha, "alpha")
+        self.alpha_ = _scales(self.alpha, "alpha")
         w = _as_vector(self.direction, arch.d_model, "direction")
         norm = float(w.norm())
         if norm == 0.0:
             raise BadInputError("direction is the zero vector; it has no direction to rescale along")
-        self.direction = w / norm
+        self.direction_ = w / norm
+
+    def per_row_count(self) -> int | None:
+        alpha = _given(self, "alpha")
+        return len(alpha) if isinstance(alpha, list) else None
 
     def edit(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.direction.to(x.dtype).to(x.device)
-        return x - _row_factor(self.alpha, x, self) * (x @ w).unsqueeze(-1) * w
+        w = self.direction_.to(x.dtype).to(x.device)
+        return x - _row_factor(self.alpha_, x, self) * (x @ w).unsqueeze(-1) * w
 
     def describe(self) -> str:
-        if isinstance(self.alpha, list):
-            return f"rescale along w by alpha=[{', '.join(f'{a:g}' for a in self.alpha)}] per row at {self.site}"
-        return f"rescale along w by alpha={self.alpha:g} at {self.site}"
+        alpha = _given(self, "alpha")
+        if isinstance(alpha, list):
+            return f"rescale along w by alpha=[{', '.join(f'{a:g}' for a in alpha)}] per row at {self.site}"
+        return f"rescale along w by alpha={alpha:g} at {self.site}"
+
+
+def _given(iv: Any, name: str) -> Any:
+    """A parameter as checked when `iv` is a per-call copy (`name_`), else as given (a tensor scale as a list)."""
+    value = iv.__dict__.get(name + "_", getattr(iv, name))
+    return value.tolist() if isinstance(value, torch.Tensor) and name not in type(iv).tensor_fields else value
 
 
 @dataclass
@@ -245,93 +240,49 @@ class HeadAblation(Intervention):
     tensor_fields: ClassVar[tuple[str, ...]] = ("means",)
     heads: list[int] = field(default_factory=list)
     mode: str = "zero"
-    means: torch.Tensor | None = None
+    means: Any = None
     kinds: ClassVar[tuple[str, ...]] = ("z",)
 
-    def __init__(self, layer: int, heads: list[int], mode: str = "zero", means: Any = None, where: str = "all"):
-        self.site, self.where = f"z.{layer}", where
-        self.heads, self.mode, self.means = list(heads) if isinstance(heads, (list, tuple)) else heads, mode, means
+    # The spec names the layer (the wire format since the first server), the base holds the site `z.L`.
+    def __init__(self, layer: int, heads: list[int], mode: str = "zero", means: Any = None, *, where: str = "all"):
+        self.site, self.where, self.heads, self.mode, self.means = f"z.{layer}", where, heads, mode, means
 
     @property
     def layer(self) -> int:
         return int(self.site.split(".", 1)[1])
 
     def _check(self, arch: Any) -> None:
-        if not isinstance(self.heads, list) or not self.heads:
+        heads = list(self.heads) if isinstance(self.heads, (list, tuple)) else self.heads
+        if not isinstance(heads, list) or not heads:
             raise BadInputError("HeadAblation needs a non-empty list of heads")
-        bad = [h for h in self.heads if not (isinstance(h, int) and 0 <= h < arch.n_heads)]
+        bad = [h for h in heads if not (isinstance(h, int) and 0 <= h < arch.n_heads)]
         if bad:
             raise BadInputError(f"heads {bad} out of range; this model has heads 0..{arch.n_heads - 1}")
         if self.mode not in ("zero", "mean"):
             raise BadInputError(f"ablation mode {self.mode!r}; use 'zero' or 'mean'")
+        self.heads_, self.means_ = heads, None
         if self.mode == "mean":
             if self.means is None:
                 raise BadInputError("mean ablation needs means [n_heads, head_dim]; compute them with Engine.head_means")
-            self.means = torch.as_tensor(self.means, dtype=torch.float32)
-            if tuple(self.means.shape) != (arch.n_heads, arch.head_dim):
-                raise BadInputError(f"means has shape {tuple(self.means.shape)}, expected ({arch.n_heads}, {arch.head_dim})")
-            if not torch.isfinite(self.means).all():
+            means = torch.as_tensor(self.means, dtype=torch.float32)
+            if tuple(means.shape) != (arch.n_heads, arch.head_dim):
+                raise BadInputError(f"means has shape {tuple(means.shape)}, expected ({arch.n_heads}, {arch.head_dim})")
+            if not torch.isfinite(means).all():
                 raise BadInputError("the mean-ablation means contain NaN or infinite values")
+            self.means_ = means
 
     def edit(self, x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
-        idx = torch.tensor(self.heads, device=x.device)
+        idx = torch.tensor(self.heads_, device=x.device)
         if self.mode == "zero":
             x[..., idx, :] = 0
         else:
-            x[..., idx, :] = self.means[idx].to(x.dtype).to(x.device)
+            x[..., idx, :] = self.means_[idx].to(x.dtype).to(x.device)
         return x
 
     def describe(self) -> str:
-        return f"{self.mode}-ablate heads {self.heads} at {self.site}"
-
-
-@dataclass
-class MaskAttention(Registered):
-    """Queries may not attend to the key `positions`, in every layer or in the chosen `layers`.
-
-    In `generate`, the queries are the generated tokens (and the last prompt token, which predicts
-    the first of them) and `positions` index the prompt; without `layers` this goes through the
-    2D attention mask, so it works with any attention implementation. In a teacher-forced
-    `trace`/`capture`/`capture_batch`, `queries` names the query positions (default: every
-    position that is not itself masked), and a pre-hook on each chosen layer's attention edits the
-    4D mask (eager or sdpa attention; see `probes.attention_masks`). Positions are token indices
-    of the whole sequence.
-    """
-
-    kind: ClassVar[str] = "mask_attention"
-    positions: list[int]
-    queries: list[int] | None = None
-    layers: list[int] | None = None
-    site: ClassVar[str] = "attention_mask"
-    where: ClassVar[str] = "generated"
-
-    def validate(self, arch: Any) -> None:
-        for name, values in (("positions", self.positions), ("queries", self.queries)):
-            if values is None and name == "queries":
-                continue
-            if not isinstance(values, list) or not values:
-                raise BadInputError(f"MaskAttention needs a non-empty list of {name}")
-            if any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in values):
-                raise BadInputError(f"MaskAttention {name} must be non-negative token indices")
-        if self.layers is not None:
-            if not isinstance(self.layers, list) or not self.layers:
-                raise BadInputError("MaskAttention layers must be a non-empty list (or None for every layer)")
-            bad = [x for x in self.layers if isinstance(x, bool) or not isinstance(x, int)
-                   or not 0 <= x < arch.n_layers]
-            if bad:
-                raise BadInputError(f"MaskAttention layers {bad} out of range; this model has layers 0..{arch.n_layers - 1}")
-
-    def describe(self) -> str:
-        def show(xs: list[int]) -> str:
-            return str(xs) if len(xs) <= 8 else f"{xs[:8]}..."
-
-        text = f"mask attention to {len(self.positions)} positions {show(self.positions)}"
-        if self.queries is not None:
-            text += f" from {len(self.queries)} queries {show(self.queries)}"
-        if self.layers is not None:
-            text += f" in layers {show(self.layers)}"
-        return text
+        heads = list(self.heads) if isinstance(self.heads, (list, tuple)) else self.heads
+        return f"{self.mode}-ablate heads {heads} at {self.site}"
 
 
 def load_vector(path: str | Path, key: str | None = None) -> torch.Tensor:

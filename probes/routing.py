@@ -45,17 +45,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import torch
 
 from thoughtscope.errors import BadInputError, UnknownSiteError
 from probes.interventions import WHERE, Intervention, _finite
-from probes.sites import Site, validate_site
+from probes.registered import Part, Registered
+from probes.sites import Site, get_module, validate_site
 
 EVERY_LAYER = "router.*"
 TAIL_GATES = ("router", "displaced", "uniform")
@@ -343,14 +345,25 @@ class RouterRule(Intervention):
             raise BadInputError(f"{type(self).__name__} applies at router.L or {EVERY_LAYER!r}, not {self.site!r}")
         return [site]
 
-    def validate(self, arch: Any) -> Site:
+    def validate(self, arch: Any) -> "RouterRule":
         sites = self.sites(arch)
         style_of(arch.model_type)
         if self.where not in WHERE:
             raise BadInputError(f"where={self.where!r}; use one of {WHERE}")
-        self._check(arch)
-        self.__dict__["_specs"] = {}  # per engine call: each router module's spec, read once
-        return sites[0]
+        bound = Registered.validate(self, arch)
+        bound.sites_ = sites
+        return bound
+
+    @contextlib.contextmanager
+    def install(self, call: Any) -> Iterator[None]:
+        """Replace the forward of every router this rule covers for the call (`RoutedForward`, one per router,
+        shared by the rules at that site in the order given)."""
+        with contextlib.ExitStack() as stack:
+            for site in self.sites_:
+                part = call.part(("router", site.name), lambda site=site: RoutedForward(call, site))
+                part.rules.append(self)
+                stack.enter_context(part)
+            yield
 
     def edit(self, x: torch.Tensor) -> torch.Tensor:
         raise BadInputError(f"{type(self).__name__} replaces a router's whole output; the hook runner calls route()")
@@ -375,8 +388,8 @@ class RouterRule(Intervention):
                                 "(are the router logits finite?)")
         return gates, idx
 
-    def route(self, module: Any, output: tuple, model_type: str, layer: int, batch: int, start: int,
-              phase: str) -> tuple:
+    def route(self, output: tuple, spec: RouterSpec, layer: int, batch: int, start: int, phase: str,
+              positions: "PositionsMemo") -> tuple:
         """The router module's output with its (gates, indices) replaced by this rule's.
 
         `batch` rows of `output[0].shape[0] // batch` tokens each; `start` is the column of the first
@@ -385,9 +398,8 @@ class RouterRule(Intervention):
         logits, own_gates, own_idx = output[0], output[1], output[2]
         if self.where == "generated" and phase == "context":
             return output
-        spec = self._spec(module, model_type)
         seq = logits.shape[0] // batch
-        at = self._positions(batch, seq, start, logits.device)
+        at = positions.of(batch, seq, start, logits.device)
         if self.where == "generated" and phase == "prefill" and seq > 1:
             keep = at.cols == start + seq - 1  # a prefill's last position is all that predicts a generated token
             gates, idx = self.select(spec, logits[keep], layer, at[keep])
@@ -400,33 +412,71 @@ class RouterRule(Intervention):
             new_gates, new_idx = self.select(spec, logits, layer, at, check=phase != "decode")
         return (logits, new_gates, new_idx, *output[3:])
 
-    def routed_forward(self, module: Any, hidden_states: torch.Tensor, model_type: str, layer: int, batch: int,
-                       start: int, phase: str) -> tuple | None:
+    def routed_forward(self, module: Any, hidden_states: torch.Tensor, spec: RouterSpec, layer: int, batch: int,
+                       start: int, phase: str, positions: "PositionsMemo") -> tuple | None:
         """The router's output computed by this rule alone (logits, then this rule's gates and indices), or
         None where the rule needs the router's own choice too (`where="generated"` outside decode steps)."""
         if self.where == "generated" and phase != "decode":
             return None
-        spec = self._spec(module, model_type)
         logits = spec.logits(module, hidden_states)
-        at = self._positions(batch, logits.shape[0] // batch, start, logits.device)
+        at = positions.of(batch, logits.shape[0] // batch, start, logits.device)
         gates, idx = self.select(spec, logits, layer, at, check=phase != "decode")
         return logits, gates, idx
 
-    def _spec(self, module: Any, model_type: str) -> RouterSpec:
-        """The router's spec, read once per module and engine call (`validate` clears the memo)."""
-        memo = self.__dict__.setdefault("_specs", {})
-        key = (id(module), model_type)
-        if key not in memo:
-            memo[key] = (module, RouterSpec.of(module, model_type))  # the module is kept: ids are not reused
-        return memo[key][1]
 
-    def _positions(self, batch: int, seq: int, start: int, device: Any) -> Positions:
-        """The same positions for every layer of one forward: built once, not per layer."""
+class PositionsMemo:
+    """The positions of one forward, built once per call and forward, not once per layer (the call's state)."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._positions: Positions | None = None
+
+    def of(self, batch: int, seq: int, start: int, device: Any) -> Positions:
         key = (batch, seq, start, str(device))
-        memo = self.__dict__.get("_positions_memo")
-        if memo is None or memo[0] != key:
-            memo = self.__dict__["_positions_memo"] = (key, Positions.of_forward(batch, seq, start, device))
-        return memo[1]
+        if self._key != key:
+            self._key, self._positions = key, Positions.of_forward(batch, seq, start, device)
+        return self._positions
+
+
+class RoutedForward(Part):
+    """One router's forward, replaced for one call by the rules at its site: the router computes its logits and
+    the rules their (gates, indices), which the MoE block uses. Replacing the forward, rather than rewriting
+    the router's output in a hook, spares the router's own softmax and top-k, which a rule would discard
+    (about 10% of a toy MoE's decode step). Hooks on the router (captures) still run around it. The per-call
+    state lives here: the router's spec (read once) and the token columns it has seen (the noise's column)."""
+
+    def __init__(self, call: Any, site: Site):
+        super().__init__()
+        self.call, self.site = call, site
+        self.rules: list[RouterRule] = []
+        self.columns = 0
+        self.module: Any = None
+
+    def open(self) -> None:
+        handle, ctx = self.call.handle, self.call.runner.ctx
+        module = self.module = get_module(handle.model, self.site.module_path(handle.family))
+        own_forward, layer, rules = module.forward, self.site.layer, self.rules
+        spec = RouterSpec.of(module, handle.arch.model_type)
+        positions = self.call.part(PositionsMemo, PositionsMemo)
+
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+            batch = ctx.batch
+            seq = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0] // batch
+            start = self.columns
+            self.columns = start + seq
+            if len(rules) == 1:
+                output = rules[0].routed_forward(module, hidden_states, spec, layer, batch, start, ctx.phase, positions)
+                if output is not None:
+                    return output
+            output = own_forward(hidden_states, *args, **kwargs)
+            for rule in rules:  # each rule replaces the choice before it (where it applies)
+                output = rule.route(output, spec, layer, batch, start, ctx.phase, positions)
+            return output
+
+        module.forward = forward
+
+    def close(self) -> None:
+        del self.module.forward  # the instance attribute goes; the class's forward is back
 
 
 def _pad(gates: torch.Tensor, idx: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,10 +500,8 @@ class TopK(RouterRule):
     renormalised as the family does. Fewer experts than the model's k measure how much it needs them."""
 
     kind: ClassVar[str] = "router_topk"
+    site: str = EVERY_LAYER
     k: int | None = None
-
-    def __init__(self, site: str = EVERY_LAYER, k: int | None = None, where: str = "all"):
-        self.site, self.k, self.where = site, k, where
 
     def _check(self, arch: Any) -> None:
         if self.k is not None:
@@ -482,17 +530,13 @@ class ExpertSample(RouterRule):
     """
 
     kind: ClassVar[str] = "expert_sample"
+    site: str = EVERY_LAYER
     k_h: int = 2
     m: int = 8
     t_e: float = 1.0
     k: int | None = None
     tail_gates: str = "router"
     seed: int = 0
-
-    def __init__(self, site: str = EVERY_LAYER, k_h: int = 2, m: int = 8, t_e: float = 1.0, k: int | None = None,
-                 tail_gates: str = "router", seed: int = 0, where: str = "all"):
-        self.site, self.k_h, self.m, self.t_e, self.k = site, k_h, m, t_e, k
-        self.tail_gates, self.seed, self.where = tail_gates, seed, where
 
     def _check(self, arch: Any) -> None:
         k = self.k if self.k is not None else arch.experts_top_k
@@ -576,32 +620,32 @@ class ForceExperts(RouterRule):
     """Route every token to the fixed `experts`, with the family's gates over them, or `gates` as given."""
 
     kind: ClassVar[str] = "force_experts"
-    experts: list[int] | None = None
+    experts: list[int]
     gates: list[float] | None = None
-
-    def __init__(self, site: str, experts: list[int], gates: list[float] | None = None, where: str = "all"):
-        self.site, self.experts, self.gates, self.where = site, experts, gates, where
 
     def _check(self, arch: Any) -> None:
         if not isinstance(self.experts, (list, tuple)) or not self.experts:
             raise BadInputError("ForceExperts needs at least one expert: a token with no expert has no MoE output")
-        self.experts = list(self.experts)
-        bad = [e for e in self.experts if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < arch.n_experts]
+        experts = list(self.experts)
+        bad = [e for e in experts if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < arch.n_experts]
         if bad:
             raise BadInputError(f"experts {bad} out of range; this model has experts 0..{arch.n_experts - 1}")
-        if len(set(self.experts)) != len(self.experts):
-            raise BadInputError(f"experts {self.experts} repeat an expert; list each once")
+        if len(set(experts)) != len(experts):
+            raise BadInputError(f"experts {experts} repeat an expert; list each once")
+        self.experts_, self.gates_ = experts, None
         if self.gates is not None:
-            if not isinstance(self.gates, (list, tuple)) or len(self.gates) != len(self.experts):
-                raise BadInputError(f"gates must be a list of {len(self.experts)} numbers, one per expert")
-            self.gates = [_finite(g, "a gate (NaN or infinite gates are not allowed)") for g in self.gates]
+            if not isinstance(self.gates, (list, tuple)) or len(self.gates) != len(experts):
+                raise BadInputError(f"gates must be a list of {len(experts)} numbers, one per expert")
+            self.gates_ = [_finite(g, "a gate (NaN or infinite gates are not allowed)") for g in self.gates]
 
     def choose(self, spec, logits, layer, at):
-        idx = torch.tensor(self.experts, device=logits.device).expand(logits.shape[0], -1)
-        if self.gates is None:
+        # the checked values on a per-call copy; as given when a caller selects with the rule itself
+        experts, gates = self.__dict__.get("experts_", self.experts), self.__dict__.get("gates_", self.gates)
+        idx = torch.tensor(list(experts), device=logits.device).expand(logits.shape[0], -1)
+        if gates is None:
             return idx, None
-        return idx, torch.tensor(self.gates, dtype=torch.float32, device=logits.device).expand(logits.shape[0], -1)
+        return idx, torch.tensor(list(gates), dtype=torch.float32, device=logits.device).expand(logits.shape[0], -1)
 
     def describe(self) -> str:
-        gates = "" if self.gates is None else f" with gates {self.gates}"
-        return f"route to experts {self.experts}{gates} at {self.site}"
+        gates = "" if self.gates is None else f" with gates {list(self.gates)}"
+        return f"route to experts {list(self.experts)}{gates} at {self.site}"

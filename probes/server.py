@@ -48,7 +48,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from probes.attention_masks import RowMask, rows_needed
+from probes.attention_masks import rows_needed
 from probes.engine import Engine, Sampling
 from probes.states import DEFAULT_MAX_STATE_BYTES, DEFAULT_MAX_STATES, DEFAULT_STATE_TTL_S, PrefixStore
 from probes.tokens import tokenizer_files
@@ -423,10 +423,8 @@ class RequestBudget:
     # --- the counts ---
 
     def mask_rows(self, interventions: list[Any]) -> int:
-        """Rows a teacher-forced pass runs for these masks (max row + 1), the rows checked to be row indices."""
-        for iv in interventions:
-            if isinstance(iv, RowMask):
-                iv.validate(self.engine.handle.arch)
+        """Rows a teacher-forced pass runs for these interventions (row masks: max row + 1), their rows checked
+        to be row indices (the engine checks the rest when the call is made)."""
         return rows_needed(interventions)
 
     def images(self, images: list[Any]) -> int:

@@ -218,6 +218,10 @@ def render(ctx) -> None:
     direction = direction_section(ctx, site, arch.d_model)
     if direction is None:
         return
+    from analyses.steering_stack import from_feature_browser
+    from app.steering_stack_ui import add_button
+
+    add_button("fb_add_to_stack", lambda: from_feature_browser(direction, arch.d_model, strength=0.5))
     k = st.slider("Top contexts", 5, 50, 20, 5, key="fb_k")
     st.subheader("3. Where it fires")
     with shows_errors() as spot:

@@ -262,6 +262,10 @@ def steering_section(ctx, store, found: dict[str, Any]) -> None:
                           format_func=lambda r: f"rule {r + 1}: {', '.join(study.rules[r].words[:3])}")
     scale = right.slider("Scale", -8.0, 8.0, 0.0, 0.5, key="fz_steer_scale",
                          help="adds scale \u00d7 (u_r - mean) at every position")
+    from analyses.steering_stack import from_fuzzy_concept
+    from app.steering_stack_ui import add_button
+
+    add_button("fz_add_to_stack", lambda: from_fuzzy_concept(study.fuzzy, int(rule), study.reps.site, strength=0.5))
     if not ctx.prompt.strip():
         st.info("Type a prompt in the sidebar.")
         return

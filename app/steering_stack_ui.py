@@ -1,0 +1,159 @@
+"""The steering stack in the app: kept in one place (this session's state, `session_stack`), filled by the
+"Add to steering stack" buttons of the method pages (`add_button`), drawn and generated with on the
+Steering page (`stack_section`): one slider per term, the global multiplier, the steered text, presets.
+
+The stack itself (terms, compiling, presets) is `analyses.steering_stack`; this module only keeps it
+between runs and pages and draws it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import streamlit as st
+
+from analyses.steering_stack import (MAX_TERMS, SteeringStack, StackTerm, preset_from_bytes, reference_norms,
+                                     stack_generation, to_preset)
+from app.context import compute, shows_errors
+from app.export import show_figure
+from app.figures.trace import display_text
+
+STACK = "_ts_steering_stack"  # session key: {"stack": SteeringStack, "ids": [one id per term], "next": int}
+MULTIPLIERS = [round(-2.0 + 0.25 * i, 2) + 0.0 for i in range(17)]
+
+
+def _state() -> dict[str, Any]:
+    return st.session_state.setdefault(STACK, {"stack": SteeringStack(), "ids": [], "next": 0})
+
+
+def session_stack() -> SteeringStack:
+    """The stack of this session (every page adds to the same one; the Steering page draws it)."""
+    return _state()["stack"]
+
+
+def set_stack(stack: SteeringStack) -> None:
+    """Replace the whole stack (a preset loaded): every term gets a new slider id."""
+    state = _state()
+    n = len(stack.terms)
+    state.update(stack=stack, ids=list(range(state["next"], state["next"] + n)), next=state["next"] + n)
+
+
+def add_to_stack(term: StackTerm) -> SteeringStack:
+    state = _state()
+    state["stack"] = state["stack"].add(term)  # the bound and the term are checked before anything changes
+    state["ids"].append(state["next"])
+    state["next"] += 1
+    return state["stack"]
+
+
+def _remove(index: int) -> None:
+    state = _state()
+    state["stack"] = state["stack"].remove(index)
+    state["ids"].pop(index)
+
+
+def add_button(key: str, make_term: Callable[[], StackTerm], label: str = "Add to steering stack") -> bool:
+    """A button that adds `make_term()` to the session's stack (the Steering page shows it); errors in place."""
+    if not st.button(label, key=key, icon=":material/playlist_add:",
+                     help=f"adds this direction as one more term of the Steering page's stack (at most {MAX_TERMS})"):
+        return False
+    with shows_errors() as spot:
+        term = make_term()
+        stack = add_to_stack(term)
+    if not spot.failed:
+        st.success(f"Added **{term.name}** at `{term.site}`: the steering stack has {len(stack.terms)} term(s); "
+                   "open the Steering page to use it.", icon=":material/playlist_add_check:")
+    return not spot.failed
+
+
+def _term_row(i: int, term: StackTerm, slot: int, stops: list[float]) -> None:
+    left, mid, right = st.columns([5, 2, 1], vertical_alignment="bottom")
+    value = min(stops, key=lambda s: abs(s - term.strength))
+    unit = "\u00d7 mean \u2016site\u2016" if term.uses_norm else term.method
+    strength = left.select_slider(f"{i + 1}. {term.name} at `{term.site}` ({unit})", stops, value,
+                                  format_func=lambda v: f"{v:g}", key=f"stack_strength_{slot}")
+    span = "" if term.start is None and term.stop is None else f" {term.start or 0}..{term.stop or ''}"
+    mid.caption(f"{term.method}, |v| = {float(term.direction.norm()):.3g}, {term.tokens} tokens{span}"
+                + (", special tokens skipped" if term.skip_special else ""))
+    if right.button("Remove", key=f"stack_remove_{slot}", icon=":material/delete:"):
+        _remove(i)
+        st.rerun()
+    if float(strength) != term.strength:
+        _state()["stack"] = session_stack().with_strength(i, float(strength))
+
+
+def presets(ctx, stack: SteeringStack) -> None:
+    left, right = st.columns(2)
+    left.download_button("Save the stack as a preset (JSON)", json.dumps(to_preset(stack, model_id=ctx.model_id), indent=1),
+                         file_name="steering_stack.json", mime="application/json", key="stack_save",
+                         icon=":material/download:", disabled=not stack.terms)
+    upload = right.file_uploader("Open a preset", type=["json"], key="stack_preset")
+    if upload is not None and st.session_state.get("_ts_stack_preset_read") != upload.file_id:
+        with shows_errors(right) as spot:
+            loaded = preset_from_bytes(upload.getvalue(), ctx.backend.arch().d_model)
+        st.session_state["_ts_stack_preset_read"] = upload.file_id  # read once: the upload stays in its box
+        if not spot.failed:
+            set_stack(loaded)
+            st.rerun()
+
+
+def stack_section(ctx, key: str, stops: list[float], unsteered: Any = None) -> None:
+    """The whole stack: a slider per term, the global multiplier, the steered text beside the unsteered one."""
+    st.subheader("Steering stack")
+    stack = session_stack()
+    st.caption(f"Several directions at once, each at its own site with its own strength (at most {MAX_TERMS}), "
+               "times one global multiplier. Add terms with **Add to steering stack** here or on the RISE, fuzzy "
+               "concepts and feature browser pages.")
+    state = _state()
+    for i, (term, slot) in enumerate(zip(list(stack.terms), list(state["ids"]))):
+        _term_row(i, term, slot, stops)
+    stack = session_stack()
+    multiplier = st.select_slider("Global multiplier (every term's strength \u00d7 this)", MULTIPLIERS,
+                                  min(MULTIPLIERS, key=lambda m: abs(m - stack.multiplier)),
+                                  format_func=lambda v: f"{v:g}", key="stack_multiplier")
+    if float(multiplier) != stack.multiplier:
+        stack = state["stack"] = SteeringStack(stack.terms, float(multiplier))
+    presets(ctx, stack)
+    if not stack.terms:
+        st.info("The stack is empty: add the direction above, or one from another page.")
+        return
+    s = ctx.settings
+    prompt = ctx.model_input()
+
+    def work():
+        return stack_generation(ctx.backend, prompt, stack, max_new_tokens=s.max_new_tokens, seed=ctx.seed,
+                                chat=ctx.chat, sampling=s.sampling(), unsteered=unsteered,
+                                norms=reference_norms(ctx.backend, prompt, stack, ctx.chat))
+
+    result = compute(f"stack|{key}|{stack.key()}", work, start=True, spinner="Steering with the stack\u2026",
+                     kind="steering-stack", page="steering")
+    if result is None:
+        return
+    eos = ctx.backend.eos_ids()
+    with st.container(border=True, key="stack-steered-text"):
+        st.markdown(f"**Steered with the stack** ({len(result.active)} active term(s), multiplier "
+                    f"{stack.multiplier:g})")
+        st.text(display_text(result.steered.tokens, result.steered.token_ids, eos))
+        st.caption(f"{len(result.steered.tokens)} tokens; every one's record says which terms acted there")
+    strip(result)
+    record = ctx.provenance(interventions=result.interventions,
+                            settings={"stack": to_preset(stack, model_id=ctx.model_id)})
+    show_figure(None, result, "steering_stack", provenance=record)
+
+
+def strip(result: Any) -> None:
+    """Per term: at how many steered tokens the engine recorded it acting, and the norm it added."""
+    n = len(result.applied)
+    with st.container(key="stack-strip"):
+        lines = []
+        for name in result.term_names:
+            norms = [a[name] for a in result.applied if name in a]
+            lines.append(f"{name}: acted at {len(norms)} of {n} tokens"
+                         + (f", mean |added| {sum(norms) / len(norms):.4g}" if norms else "")
+                         + ("" if name in result.active else " (strength 0: off)"))
+        st.text("\n".join(lines))
+    for name in result.never_acted():
+        st.warning(f"**{name}** never acted on this generation: its token range or mask left out every "
+                   "generated token (or every position was a special token).", icon=":material/warning:")

@@ -1,0 +1,62 @@
+"""The Steering page's stack (AppTest, tiny-random:llama): the page's direction added to the stack, one slider
+per term and the global multiplier; the stack's text is the plain generation with the stack's interventions."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.apptest_helpers import assert_clean, open_page  # noqa: E402
+
+MODEL = "tiny-random:llama"
+
+
+@pytest.fixture(autouse=True)
+def _model(monkeypatch):
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", MODEL)
+
+
+def test_the_pages_direction_goes_into_the_stack_and_its_sliders_steer(llama):
+    from analyses.steering import GeneratedText, diff_of_means_direction, site_norm
+    from analyses.steering_defaults import chat_input
+    from app.figures.trace import display_text
+    from app.steering_stack_ui import STACK
+    from app.views.steering import PROMPT, SET_A, SET_B
+    from probes.edits import Additive
+
+    at = open_page("steering", max_new_tokens=6)
+    assert_clean(at)
+    assert "empty" in at.info[-1].value  # no term yet
+    at.button(key="steer_add_to_stack").click().run()
+    assert_clean(at)
+    stack = at.session_state[STACK]["stack"]
+    assert len(stack.terms) == 1 and stack.terms[0].source["kind"] == "diff_of_means"
+    site = stack.terms[0].site
+    v = diff_of_means_direction(llama, SET_A.splitlines(), SET_B.splitlines(), site)
+    assert torch.allclose(stack.terms[0].direction, v)
+    prompt = chat_input(PROMPT)
+    norm = site_norm(llama, prompt, site, chat=True)
+    eos = llama.eos_ids()
+    texts = []
+    for strength, multiplier in ((-1.0, 1.0), (1.5, 0.5), (1.5, 0.0)):
+        at.select_slider(key="stack_strength_0").set_value(strength).run()
+        at.select_slider(key="stack_multiplier").set_value(multiplier).run()
+        assert_clean(at)
+        shown = at.session_state[STACK]["stack"]
+        assert (shown.terms[0].strength, shown.multiplier) == (strength, multiplier)
+        edits = [Additive(site, v / v.norm() * norm, strength * multiplier, term="x")] if multiplier else []
+        records = list(llama.generate(prompt, max_new_tokens=6, chat=True, interventions=edits))
+        direct = GeneratedText.from_records(records)
+        assert at.text[2].value == display_text(direct.tokens, direct.token_ids, eos).strip()  # st.text strips
+        strip = at.text[3].value
+        texts.append(at.text[2].value)
+        if multiplier:
+            acted = sum("x" in r.fired for r in records)  # the engine's own records of the same edit
+            assert acted > 0 and strip.startswith(f"1. difference of means: acted at {acted} of {len(records)} tokens")
+        else:
+            assert "(strength 0: off)" in strip and not at.warning  # an inactive term is not a silent one
+    assert len(set(texts)) > 1

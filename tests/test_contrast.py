@@ -187,3 +187,22 @@ def test_use_as_direction_exports_a_vector_the_steering_page_loads(dev_steps, tm
     assert torch.equal(load_vector(tmp_path / "reflection.safetensors"), result.directions["resid_post.1"])
     with pytest.raises(BadInputError, match="not a direction"):
         export_direction(result, {**result.top[0], "kind": "heads", "site": "heads:z.1"}, sites)
+
+
+@pytest.mark.model
+def test_contrast_through_the_server_equals_in_process(reasoner, dev_steps):
+    from analyses.contrast.run import run_contrast
+    from probes.client import RemoteBackend
+    from probes.server import create_app
+    from probes.server_bench import serving_in_thread
+
+    specs = ["direction:resid_post.1", "heads:1"]
+    settings = ContrastSettings(n_resamples=50)
+    here, _, _ = run_contrast(reasoner, specs, "kind:reflection", settings, organism=24)
+    with serving_in_thread(create_app(reasoner)) as url, RemoteBackend(url, timeout=30) as remote:
+        there, steps, _ = run_contrast(remote, specs, "kind:reflection", settings, organism=24)
+    assert steps.describe()["n_traces"] == 24
+    assert [(r["site"], r["feature"]) for r in there.top] == [(r["site"], r["feature"]) for r in here.top]
+    assert [r["smd"] for r in there.top] == pytest.approx([r["smd"] for r in here.top], abs=1e-4)
+    assert [r["heldout_auroc"]["estimate"] for r in there.top] == pytest.approx(
+        [r["heldout_auroc"]["estimate"] for r in here.top], abs=1e-6)

@@ -133,3 +133,20 @@ def test_token_latents_refuse_an_sae_of_another_model_or_width(llama, planted):
         trace_latents(llama, ids, narrow, "resid_post.1")
     with pytest.raises(BadInputError, match="out of range"):
         trace_latents(llama, ids, planted, "resid_post.1").at_token(99)
+
+
+def test_labels_and_token_latents_through_the_server_equal_in_process(llama, index, planted):
+    from probes.client import RemoteBackend
+    from probes.server import create_app
+    from probes.server_bench import serving_in_thread
+
+    ids = llama.encode("How many apples does she have?")
+    here = trace_latents(llama, ids, planted, "resid_post.1")
+    with serving_in_thread(create_app(llama)) as url, RemoteBackend(url, timeout=30) as remote:
+        there = trace_latents(remote, ids, planted, "resid_post.1")
+        remote_index = build_index(remote, load_corpus("gsm8k-questions", n=24), SITE, store=None)
+        remote_labels = build_labels(remote_index, planted, remote)
+    assert torch.allclose(there.acts, here.acts, atol=1e-5) and there.tokens == here.tokens
+    assert [lab.top_tokens for lab in remote_labels.labels] == [lab.top_tokens for lab in
+                                                                build_labels(index, planted, llama).labels]
+    assert remote_labels.labels[3].output_words == build_labels(index, planted, llama).labels[3].output_words

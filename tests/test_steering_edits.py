@@ -312,3 +312,18 @@ def test_frozen_attention_per_row_in_one_batch(llama):
 def test_bad_input_is_refused_before_model_work(llama, make, match):
     with pytest.raises(BadInputError, match=match):
         llama.generate(TEXT, max_new_tokens=2, interventions=make())
+
+
+def test_frozen_attention_is_a_capability(llama):
+    assert llama.capabilities()["frozen_attention"]
+
+
+def test_steering_benchmarks_report_their_ratios(llama):
+    from probes.steer_bench import bench_stack
+
+    rows = [bench_stack(llama, tokens=4, repeats=1), bench_stack(llama, frozen=True, tokens=4, repeats=1)]
+    assert [r["bench"] for r in rows] == ["steer_stack_generate", "steer_frozen_attention"]
+    assert [r["target"] for r in rows] == [1.10, 2.2]
+    for row in rows:
+        assert row["ratio"] == pytest.approx(row["plain_tokens_per_s"] / row["steered_tokens_per_s"], rel=0.02)
+        assert row["steered_tokens"] <= 4 and len(row["terms"]) == (4 if row["bench"] == "steer_stack_generate" else 5)

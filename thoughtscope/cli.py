@@ -29,7 +29,7 @@ from rich.console import Console
 from thoughtscope.errors import BadInputError, ThoughtscopeError
 
 CORE_COMMANDS = ("probes.cli", "probes.validate_cli", "probes.server_cli", "app.cli")
-CORE_BENCHMARKS = ("probes.bench", "app.bench")
+CORE_BENCHMARKS = ("probes.bench", "probes.steer_bench", "app.bench")
 
 console = Console(stderr=True)
 

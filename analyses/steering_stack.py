@@ -550,7 +550,7 @@ class StackGeneration:
                 "unsteered": self.unsteered.to_dict(), "steered": self.steered.to_dict()}
 
 
-def stack_generation(backend: Any, prompt: Any, stack: SteeringStack, *, max_new_tokens: int = 32, seed: int = 0,
+def stack_generation(backend: Backend, prompt: Any, stack: SteeringStack, *, max_new_tokens: int = 32, seed: int = 0,
                      chat: bool = False, sampling: Any = None, unsteered: Any = None,
                      norms: dict[str, float] | None = None) -> StackGeneration:
     """Generate with the whole stack (its edits in order) beside the unsteered text of the same seed; every

@@ -19,12 +19,13 @@ from typing import Any
 
 from analyses.contrast.core import ContrastResult, ContrastSettings, ContrastSite, contrast
 from analyses.contrast.steps import StepSet, organism_steps, prompt_file_steps, select
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[..., None]
 
 
-def parse_sites(specs: Sequence[str], backend: Any) -> list[ContrastSite]:
+def parse_sites(specs: Sequence[str], backend: Backend) -> list[ContrastSite]:
     """ContrastSites from `kind:where` specs, checked against the backend's sites (SAEs against the model)."""
     from analyses.feature_browser.token_latents import check_sae
 
@@ -56,7 +57,7 @@ def parse_sites(specs: Sequence[str], backend: Any) -> list[ContrastSite]:
     return out
 
 
-def gather_steps(backend: Any, sites: Sequence[ContrastSite], organism: int = 0, split: str = "dev",
+def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int = 0, split: str = "dev",
                  prompts_a: str | None = None, prompts_b: str | None = None, max_new_tokens: int = 96,
                  on_progress: Progress | None = None) -> StepSet:
     """Steps at every captured site: `organism` planted traces of toy-reasoner's `split`, or two prompt files."""
@@ -79,7 +80,7 @@ def gather_steps(backend: Any, sites: Sequence[ContrastSite], organism: int = 0,
     return organism_steps(backend, problems, captured, on_progress=tick)
 
 
-def run_contrast(backend: Any, site_specs: Sequence[str], rule: str, settings: ContrastSettings | None = None,
+def run_contrast(backend: Backend, site_specs: Sequence[str], rule: str, settings: ContrastSettings | None = None,
                  organism: int = 60, split: str = "dev", prompts_a: str | None = None, prompts_b: str | None = None,
                  on_progress: Progress | None = None) -> tuple[ContrastResult, StepSet, list[ContrastSite]]:
     settings = settings or ContrastSettings()

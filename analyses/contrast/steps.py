@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
 RULES = ("kind:<A>[/<B>]", "correct", "alarm", "source:<A>/<B>", "random")
@@ -105,7 +106,7 @@ def select(steps: StepSet, rule: str, seed: int = 0) -> tuple[np.ndarray, np.nda
     raise BadInputError(f"unknown rule {rule!r}; use one of {', '.join(RULES)}")
 
 
-def _step_rows(backend: Any, sequences: list[list[int]], positions: list[list[int]], sites: Sequence[str],
+def _step_rows(backend: Backend, sequences: list[list[int]], positions: list[list[int]], sites: Sequence[str],
                batch_size: int, on_progress: Callable[[int, int], None] | None) -> dict[str, torch.Tensor]:
     parts: dict[str, list[torch.Tensor]] = {s: [] for s in sites}
     for lo in range(0, len(sequences), batch_size):
@@ -118,7 +119,7 @@ def _step_rows(backend: Any, sequences: list[list[int]], positions: list[list[in
     return {s: torch.cat(v) for s, v in parts.items()}
 
 
-def organism_steps(backend: Any, problems: Sequence[Any], sites: Sequence[str], batch_size: int = 32,
+def organism_steps(backend: Backend, problems: Sequence[Any], sites: Sequence[str], batch_size: int = 32,
                    on_progress: Callable[[int, int], None] | None = None) -> StepSet:
     """The planted traces of organism problems (`analyses.organism.organism_problems`), teacher-forced:
     one row per step, read at the delimiter token closing it."""
@@ -167,7 +168,7 @@ def harvest_steps(harvest: Any) -> StepSet:
                    [harvest.traces[t].problem.source for t, _ in rows], model_id=harvest.model_id)
 
 
-def traces_steps(backend: Any, traces: Sequence[Any], sites: Sequence[str], source: str, batch_size: int = 16,
+def traces_steps(backend: Backend, traces: Sequence[Any], sites: Sequence[str], source: str, batch_size: int = 16,
                  on_progress: Callable[[int, int], None] | None = None) -> StepSet:
     """Stored or generated traces (`analyses.rise.harvest.TraceRecord`: tokens, labelled steps, correctness)
     as a step set: one row per closed step, read at its closing token."""
@@ -189,7 +190,7 @@ def traces_steps(backend: Any, traces: Sequence[Any], sites: Sequence[str], sour
                    model_id=backend.info().get("model_id", ""))
 
 
-def prompt_file_steps(backend: Any, path: str, sites: Sequence[str], max_new_tokens: int = 96, n: int | None = None,
+def prompt_file_steps(backend: Backend, path: str, sites: Sequence[str], max_new_tokens: int = 96, n: int | None = None,
                       on_progress: Callable[[int, int], None] | None = None) -> StepSet:
     """Generate a greedy trace for every line of a prompt file (its questions), cut it into the model
     family's steps, label them with its judge, and read the step rows: the `source` of each is the file name."""

@@ -16,6 +16,8 @@ import os
 from typing import Any
 
 import typer
+from rich.console import Console
+from tqdm.auto import tqdm
 
 MODEL_OPTION = typer.Option("smollm2-135m", "--model", help="model id (see `thoughtscope models`)")
 SERVER_OPTION = typer.Option(None, "--server", help="URL of a `thoughtscope serve` model server (instead of --model)")
@@ -39,7 +41,7 @@ def eval_group(cli: typer.Typer) -> typer.Typer:
 
 def backend(model: str, server: str | None, token: str | None = None) -> Any:
     """The model in this process, or the model server at `server`."""
-    from probes.backend import open_backend
+    from probes.backend import open_backend  # lazy, torch: opened when a command runs, not for `thoughtscope --help`
 
     return open_backend(model, server, token or os.environ.get("THOUGHTSCOPE_TOKEN"))
 
@@ -54,8 +56,6 @@ class TerminalProgress:
     def __call__(self, stage: str, done: int, total: int) -> None:
         if not self.enabled:
             return
-        from tqdm.auto import tqdm
-
         bar = self._bars.get(stage)
         if bar is None:
             bar = self._bars[stage] = tqdm(total=total, desc=stage, unit="item")
@@ -79,8 +79,6 @@ def emit(payload: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(text)
     else:
-        from rich.console import Console
-
         Console().print_json(text)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from analyses.steps import PARAGRAPH, SENTENCE, compile_delimiter
+from analyses.tasks import cot_prompt, one_shot_messages
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,6 @@ _THINKING_IDS = re.compile(r"r1|qwq|thinking|reason|qwen3(?!.*instruct)", re.IGN
 
 def task_prompt(problem: Any, family: ModelFamily) -> tuple[Any, bool]:
     """(prompt, chat) for a task problem in the family's prompt style."""
-    from analyses.tasks import cot_prompt, one_shot_messages
-
     if family.prompt == "one-shot":
         return one_shot_messages(problem), True
     if family.prompt == "chat":

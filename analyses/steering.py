@@ -48,6 +48,7 @@ import torch
 
 from probes.backend import Backend
 from probes.engine import Sampling
+from saes.io import check_fits, load_sae
 from thoughtscope.errors import BadInputError
 from probes.interventions import AddVector
 from probes.records import TokenRecord
@@ -468,8 +469,6 @@ def steering_sweep(backend: Backend, prompt: Any, site: str, direction: torch.Te
 def sae_feature_direction(folder: str, feature: int, d_model: int, site: str = "") -> torch.Tensor:
     """The decoder row of one feature of a saved SAE (SAELens format, see `saes.io`): the direction
     that feature writes into the residual stream."""
-    from saes.io import check_fits, load_sae
-
     if not str(folder).strip():
         raise BadInputError("give the folder of a saved SAE (cfg.json + sae_weights.safetensors)")
     sae = load_sae(str(folder).strip())

@@ -40,9 +40,11 @@ import torch
 
 from analyses.steering import (continuation_perplexity, diff_of_means_direction, site_norm, steering_grid,
                                steering_vector)
+from probes import Engine
 from probes.backend import Backend
 from probes.interventions import AddVector
 from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance
 
 SHIPPED = Path(__file__).resolve().parents[1] / "docs" / "steering_default.json"
 
@@ -290,9 +292,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/steering_default.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    from probes import Engine
-    from thoughtscope.provenance import provenance
-
     backend = Engine.from_id(args.model)
     started = time.perf_counter()
     result = run(backend, log=lambda msg: print(msg, file=sys.stderr, flush=True))

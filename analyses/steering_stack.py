@@ -47,11 +47,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save
 
+from analyses.steering import GeneratedText, diff_of_means_direction, generate_text, sae_feature_direction
 from probes.backend import Backend
 from probes.edits import MAX_TERMS, TOKENS, Additive, NormScaled, ProjectionCap, ProjectOut, SAEClamp
-from probes.interventions import RESIDUAL_KINDS
+from probes.interventions import RESIDUAL_KINDS, load_vector, load_vector_bytes
 from probes.sites import parse_site
+from saes.io import WEIGHTS_FILENAME, load_sae
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError, ThoughtscopeError
 
@@ -91,8 +94,6 @@ def _sae_clamp(term: "StackTerm", factor: float, name: str, norm: float | None) 
 
 @functools.lru_cache(maxsize=8)
 def _load_sae(folder: str, sha256: str) -> Any:  # the sha in the key: a changed folder is read again
-    from saes.io import load_sae
-
     return load_sae(folder)
 
 
@@ -291,8 +292,6 @@ def reference_norms(backend: Backend, prompt: Any, stack: SteeringStack, chat: b
 def from_diff_of_means(backend: Backend, set_a: Sequence[str], set_b: Sequence[str], site: str, *, reduce: str = "mean",
                        chat: bool = False, strength: float = 1.0, label: str = "") -> StackTerm:
     """mean(site | set A) - mean(site | set B) (`analyses.steering.diff_of_means_direction`)."""
-    from analyses.steering import diff_of_means_direction
-
     v = diff_of_means_direction(backend, set_a, set_b, site, reduce, chat)
     source = {"kind": "diff_of_means", "set_a": [p for p in set_a if p.strip()], "set_b": [p for p in set_b if p.strip()],
               "reduce": reduce, "chat": bool(chat)}
@@ -302,8 +301,6 @@ def from_diff_of_means(backend: Backend, set_a: Sequence[str], set_b: Sequence[s
 def from_vector_bytes(data: bytes, site: str, *, key: str | None = None, strength: float = 1.0, label: str = "",
                       file_name: str = "") -> StackTerm:
     """An uploaded .safetensors vector (`probes.interventions.load_vector_bytes`); kept inline in a preset."""
-    from probes.interventions import load_vector_bytes
-
     v = load_vector_bytes(data, key)
     source = {"kind": "upload", "file": file_name, "tensor": key, "sha256": hashlib.sha256(data).hexdigest()}
     return StackTerm(site, v, strength, label=label or (file_name or "uploaded vector"), source=source)
@@ -312,8 +309,6 @@ def from_vector_bytes(data: bytes, site: str, *, key: str | None = None, strengt
 def from_vector_file(path: str | Path, site: str, *, key: str | None = None, strength: float = 1.0,
                      label: str = "") -> StackTerm:
     """A stored .safetensors vector; a preset refers to it by path and sha256."""
-    from probes.interventions import load_vector
-
     v = load_vector(path, key)
     source = {"kind": "file", "path": str(path), "tensor": key, "sha256": sha256_file(path)}
     return StackTerm(site, v, strength, label=label or Path(path).name, source=source)
@@ -324,9 +319,6 @@ def from_sae_latent(folder: str | Path, latent: int, site: str, d_model: int, *,
     """The decoder row of one latent of a SAELens-format SAE (saved by the RISE page, or any SAELens
     folder): what that latent writes into the residual stream. A preset refers to the folder and the
     sha256 of its weights."""
-    from analyses.steering import sae_feature_direction
-    from saes.io import WEIGHTS_FILENAME
-
     latent = checks.integer("the SAE latent", latent, low=0)
     v = sae_feature_direction(str(folder), latent, d_model, site)
     source = {"kind": "sae", "folder": str(folder), "latent": int(latent),
@@ -381,14 +373,10 @@ def from_feature_browser(direction: Any, d_model: int, *, strength: float = 1.0)
 # ----------------------------------------------------------------------------- presets
 
 def _encode_vector(v: torch.Tensor) -> str:
-    from safetensors.torch import save
-
     return base64.b64encode(save({"vector": v.contiguous()})).decode("ascii")
 
 
 def _decode_vector(text: Any, what: str) -> torch.Tensor:
-    from probes.interventions import load_vector_bytes
-
     if not isinstance(text, str):
         raise BadInputError(f"{what}: 'inline' must be base64 text of a .safetensors file")
     try:
@@ -435,8 +423,6 @@ def _resolve(ref: Any, site: str, what: str, d_model: int | None) -> torch.Tenso
     wanted = ("folder", "latent", "sha256") if how == "sae" else ("path", "tensor", "sha256")
     if not isinstance(body, dict) or set(body) != set(wanted):
         raise BadInputError(f"{what}: a {how} reference holds exactly {list(wanted)}")
-    from saes.io import WEIGHTS_FILENAME
-
     path = Path(str(body["folder"])) / WEIGHTS_FILENAME if how == "sae" else Path(str(body["path"]))
     if not path.is_file():
         raise BadInputError(f"{what}: the stored {'SAE' if how == 'sae' else 'vector'} {path} does not exist here")
@@ -444,12 +430,7 @@ def _resolve(ref: Any, site: str, what: str, d_model: int | None) -> torch.Tenso
         raise BadInputError(f"{what}: {path} has changed since the preset was saved (its sha256 differs); "
                             "it would steer with another direction")
     if how == "file":
-        from probes.interventions import load_vector
-
         return load_vector(path, body["tensor"])
-    from analyses.steering import sae_feature_direction
-    from saes.io import load_sae
-
     latent = body["latent"]
     latent = checks.integer(f"{what}'s SAE latent", latent, low=0)
     width = d_model if d_model is not None else int(load_sae(str(body["folder"])).cfg.d_in)
@@ -535,6 +516,8 @@ class StackGeneration:
     applied: list[dict[str, float]] = field(default_factory=list)
     reference_norms: dict[str, float] = field(default_factory=dict)
     active: list[str] = field(default_factory=list)  # the terms whose strength x multiplier is not 0
+    frozen: Any = None  # the same stack with attention frozen to the unsteered model's (probes.frozen_attention)
+    frozen_applied: list[dict[str, float]] = field(default_factory=list)
 
     def acted(self, name: str) -> list[bool]:
         return [name in a for a in self.applied]
@@ -547,17 +530,29 @@ class StackGeneration:
         return {"stack_key": self.stack_key, "multiplier": self.multiplier, "terms": list(self.term_names),
                 "interventions": list(self.interventions), "reference_norms": dict(self.reference_norms),
                 "applied": [dict(a) for a in self.applied], "never_acted": self.never_acted(),
-                "unsteered": self.unsteered.to_dict(), "steered": self.steered.to_dict()}
+                "unsteered": self.unsteered.to_dict(), "steered": self.steered.to_dict(),
+                "divergence": token_divergence(self.unsteered, self.steered),
+                **({} if self.frozen is None else {
+                    "frozen": self.frozen.to_dict(), "frozen_applied": [dict(a) for a in self.frozen_applied],
+                    "frozen_divergence": token_divergence(self.unsteered, self.frozen),
+                    "frozen_vs_steered": token_divergence(self.steered, self.frozen)})}
+
+
+def token_divergence(a: Any, b: Any) -> list[int]:
+    """Per generated position: 1 where the two texts' tokens differ (or one text has ended), else 0."""
+    n = max(len(a.token_ids), len(b.token_ids))
+    ids_a, ids_b = list(a.token_ids) + [None] * n, list(b.token_ids) + [None] * n
+    return [int(ids_a[i] != ids_b[i]) for i in range(n)]
 
 
 def stack_generation(backend: Backend, prompt: Any, stack: SteeringStack, *, max_new_tokens: int = 32, seed: int = 0,
                      chat: bool = False, sampling: Any = None, unsteered: Any = None,
-                     norms: dict[str, float] | None = None) -> StackGeneration:
+                     norms: dict[str, float] | None = None, frozen: bool = False) -> StackGeneration:
     """Generate with the whole stack (its edits in order) beside the unsteered text of the same seed; every
     steered token keeps the engine's record of which terms acted at it. A stack whose every strength is 0
-    is the unsteered text. Everything is checked before any model work."""
-    from analyses.steering import GeneratedText, generate_text
-
+    is the unsteered text. With `frozen`, the same stack again with attention frozen to the unsteered
+    model's probabilities (`probes.frozen_attention.FrozenAttention`: the edits reach later positions only
+    through the residual stream). Everything is checked before any model work."""
     d_model = backend.arch().d_model
     stack.check(d_model)
     norms = dict(norms) if norms is not None else reference_norms(backend, prompt, stack, chat)
@@ -566,9 +561,16 @@ def stack_generation(backend: Backend, prompt: Any, stack: SteeringStack, *, max
     base = unsteered if unsteered is not None else generate_text(backend, prompt, **kwargs)
     names = [stack.term_name(i) for i in range(len(stack.terms))]
     if not edits:
-        return StackGeneration(stack.key(), float(stack.multiplier), names, [], base, base,
-                               [{} for _ in base.token_ids], norms)
+        none = [{} for _ in base.token_ids]
+        return StackGeneration(stack.key(), float(stack.multiplier), names, [], base, base, none, norms,
+                               frozen=base if frozen else None, frozen_applied=none if frozen else [])
     records = list(backend.generate(prompt, interventions=edits, **kwargs))
+    frozen_records = []
+    if frozen:
+        from probes.frozen_attention import FrozenAttention
+
+        frozen_records = list(backend.generate(prompt, interventions=[*edits, FrozenAttention()], **kwargs))
     return StackGeneration(stack.key(), float(stack.multiplier), names, [e.describe() for e in edits], base,
                            GeneratedText.from_records(records), [dict(r.fired) for r in records], norms,
-                           [e.term for e in edits])
+                           [e.term for e in edits], GeneratedText.from_records(frozen_records) if frozen else None,
+                           [dict(r.fired) for r in frozen_records])

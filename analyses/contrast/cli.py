@@ -17,6 +17,10 @@ from typing import Optional
 import typer
 
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, group
+from analyses.contrast.core import ContrastSettings, export_direction, save_direction
+from analyses.contrast.run import run_contrast
+from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance, with_provenance
 
 
 def register(cli: typer.Typer) -> None:
@@ -38,10 +42,6 @@ def register(cli: typer.Typer) -> None:
                 model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION, token: Optional[str] = TOKEN_OPTION,
                 as_json: bool = typer.Option(False, "--json")) -> None:
         """Contrast the steps of set A against set B at the chosen sites."""
-        from analyses.contrast.core import ContrastSettings, export_direction, save_direction
-        from analyses.contrast.run import run_contrast
-        from thoughtscope.provenance import provenance, with_provenance
-
         b = backend(model, server, token)
         settings = ContrastSettings(top_k=top_k, n_resamples=n_resamples, seed=seed)
         with TerminalProgress() as progress:
@@ -53,8 +53,6 @@ def register(cli: typer.Typer) -> None:
         if export is not None:
             row = next((r for r in result.top if r["kind"] != "heads"), None)
             if row is None:
-                from thoughtscope.errors import BadInputError
-
                 raise BadInputError("no exportable direction among the top results (head norms are not directions)")
             vector, at = export_direction(result, row, sites)
             save_direction(vector, at, export, meta={"rule": result.rule, "row": row["site"], "feature": row["feature"]})

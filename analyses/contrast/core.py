@@ -23,13 +23,17 @@ as steering vectors (`export_direction`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save
 
 from analyses.evaluation import CONFIDENCE, Interval
+from saes.io import check_fits
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
@@ -109,7 +113,7 @@ def smd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def auroc(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """P(a random A step scores above a random B step) per column (ties count half), via ranks."""
-    from scipy.stats import rankdata
+    from scipy.stats import rankdata  # lazy: scipy.stats takes seconds to import; only this needs it
 
     na, nb = a.shape[-2], b.shape[-2]
     ranks = rankdata(np.concatenate([a, b], axis=-2), axis=-2)
@@ -118,7 +122,7 @@ def auroc(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def mann_whitney_p(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Two-sided Mann-Whitney p-values per column; 1 for a column constant over both sets."""
-    from scipy.stats import mannwhitneyu
+    from scipy.stats import mannwhitneyu  # lazy: scipy.stats takes seconds to import; only this needs it
 
     with np.errstate(invalid="ignore", divide="ignore"):
         p = mannwhitneyu(a, b, axis=0, alternative="two-sided").pvalue
@@ -171,8 +175,6 @@ def features_at(site: ContrastSite, acts: torch.Tensor, in_a: np.ndarray, dev: n
     or None). A direction is fit on half of the development traces and scored on the other half (a
     fold scored both ways would count the same noise twice: d1 . d2 is both folds' statistic)."""
     if site.kind == "sae":
-        from saes.io import check_fits
-
         check_fits(site.sae, int(acts.shape[-1]), site.site)
         return dev, _sae_features(site.sae, acts[dev]), _sae_features(site.sae, acts[heldout]), None
     if site.kind == "heads":
@@ -269,7 +271,7 @@ def contrast(acts: dict[str, torch.Tensor], traces: np.ndarray, in_a: np.ndarray
         features[site.name] = _column_stats(f_dev[a_rows[rows]], f_dev[~a_rows[rows]])
         cols[site.name] = (keep[rows], f_dev, a_rows[rows], f_held, a_rows[held])
         labels += [(site, j) for j in range(f_dev.shape[1])]
-    from scipy.stats import false_discovery_control
+    from scipy.stats import false_discovery_control  # lazy: scipy.stats takes seconds to import; only this needs it
 
     p_all = np.concatenate([features[s.name]["p"] for s in sites])
     q_all = false_discovery_control(p_all, method="bh")
@@ -306,13 +308,7 @@ def export_direction(result: ContrastResult, row: dict[str, Any], sites: list[Co
 
 def save_direction(vector: torch.Tensor, site: str, path: Any, meta: dict[str, Any] | None = None) -> bytes:
     """The vector as .safetensors bytes (tensor `vector`, the site in its metadata), written to `path` if given."""
-    import json
-
-    from safetensors.torch import save
-
     data = save({"vector": vector.contiguous()}, metadata={"site": site, "source": json.dumps(meta or {})})
     if path is not None:
-        from pathlib import Path
-
         Path(path).write_bytes(data)
     return data

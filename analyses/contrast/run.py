@@ -15,11 +15,15 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from analyses.contrast.core import ContrastResult, ContrastSettings, ContrastSite, contrast
-from analyses.contrast.steps import StepSet, organism_steps, prompt_file_steps, select
+from analyses.contrast.steps import StepSet, organism_steps, prompt_file_steps, prompt_lines_steps, select
+from analyses.feature_browser.token_latents import check_sae
+from analyses.organism import is_organism, organism_problems, size_of
 from probes.backend import Backend
+from saes.io import load_sae
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[..., None]
@@ -27,8 +31,6 @@ Progress = Callable[..., None]
 
 def parse_sites(specs: Sequence[str], backend: Backend) -> list[ContrastSite]:
     """ContrastSites from `kind:where` specs, checked against the backend's sites (SAEs against the model)."""
-    from analyses.feature_browser.token_latents import check_sae
-
     if not specs:
         raise BadInputError("choose at least one site, e.g. direction:resid_post.1, heads:1 or sae:FOLDER")
     known = {row["site"] for row in backend.sites()}
@@ -41,8 +43,6 @@ def parse_sites(specs: Sequence[str], backend: Backend) -> list[ContrastSite]:
         elif kind == "direction":
             out.append(ContrastSite("direction", where))
         elif kind == "sae":
-            from saes.io import load_sae
-
             folder, _, site = where.partition("@")
             sae = load_sae(folder)
             site = site or str(getattr(getattr(sae.cfg, "metadata", None), "hook_name", "") or "")
@@ -58,19 +58,21 @@ def parse_sites(specs: Sequence[str], backend: Backend) -> list[ContrastSite]:
 
 
 def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int = 0, split: str = "dev",
-                 prompts_a: str | None = None, prompts_b: str | None = None, max_new_tokens: int = 96,
+                 prompts_a: Any = None, prompts_b: Any = None, max_new_tokens: int = 96,
                  on_progress: Progress | None = None) -> StepSet:
     """Steps at every captured site: `organism` planted traces of toy-reasoner's `split`, or two prompt files."""
     captured = sorted({s.site for s in sites})
     tick = (lambda done, total: on_progress("steps", done, total)) if on_progress else None
+    if isinstance(prompts_a, list) or isinstance(prompts_b, list):  # the page's two text boxes
+        first = prompt_lines_steps(backend, prompts_a or [], "A", captured, max_new_tokens, on_progress=tick)
+        second = prompt_lines_steps(backend, prompts_b or [], "B", captured, max_new_tokens, on_progress=tick)
+        return StepSet.concat(first, second)
     if prompts_a or prompts_b:
         if not (prompts_a and prompts_b):
             raise BadInputError("give two prompt files (--prompts-a and --prompts-b) to contrast them")
         first = prompt_file_steps(backend, prompts_a, captured, max_new_tokens, on_progress=tick)
         second = prompt_file_steps(backend, prompts_b, captured, max_new_tokens, on_progress=tick)
         return StepSet.concat(first, second)
-    from analyses.organism import is_organism, organism_problems, size_of
-
     if not is_organism(backend):
         raise BadInputError("planted traces come from the toy-reasoner organism; for another model give two "
                             "prompt files")
@@ -81,15 +83,13 @@ def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int 
 
 
 def run_contrast(backend: Backend, site_specs: Sequence[str], rule: str, settings: ContrastSettings | None = None,
-                 organism: int = 60, split: str = "dev", prompts_a: str | None = None, prompts_b: str | None = None,
+                 organism: int = 60, split: str = "dev", prompts_a: Any = None, prompts_b: Any = None,
                  on_progress: Progress | None = None) -> tuple[ContrastResult, StepSet, list[ContrastSite]]:
     settings = settings or ContrastSettings()
     sites = parse_sites(site_specs, backend)
     steps = gather_steps(backend, sites, organism, split, prompts_a, prompts_b, on_progress=on_progress)
     if prompts_a and prompts_b and rule == "source":
-        from pathlib import Path
-
-        rule = f"source:{Path(prompts_a).name}/{Path(prompts_b).name}"
+        rule = "source:A/B" if isinstance(prompts_a, list) else f"source:{Path(prompts_a).name}/{Path(prompts_b).name}"
     in_a, in_b, described = select(steps, rule, seed=settings.seed)
     result = contrast(steps.acts, steps.trace, in_a, in_b, sites, settings, rule=described, contexts=steps.text)
     return result, steps, sites

@@ -19,12 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from analyses.problem import Problem
+from analyses.rise.harvest import HarvestSettings, generate_traces, judge_for, resolve_delimiter
+from analyses.rise.labels import label_step
 from probes.backend import Backend
+from probes.toys.reasoner import PROMPT_END, PROMPT_START, STEP_DELIMITER, extract_answer
 from thoughtscope.errors import BadInputError
 
 RULES = ("kind:<A>[/<B>]", "correct", "alarm", "source:<A>/<B>", "random")
@@ -123,8 +128,6 @@ def organism_steps(backend: Backend, problems: Sequence[Any], sites: Sequence[st
                    on_progress: Callable[[int, int], None] | None = None) -> StepSet:
     """The planted traces of organism problems (`analyses.organism.organism_problems`), teacher-forced:
     one row per step, read at the delimiter token closing it."""
-    from probes.toys.reasoner import PROMPT_END, PROMPT_START, STEP_DELIMITER, extract_answer
-
     if not problems:
         raise BadInputError("no problems: ask for at least 4 organism problems")
     known = {row["site"] for row in backend.sites()}
@@ -190,30 +193,36 @@ def traces_steps(backend: Backend, traces: Sequence[Any], sites: Sequence[str], 
                    model_id=backend.info().get("model_id", ""))
 
 
-def prompt_file_steps(backend: Backend, path: str, sites: Sequence[str], max_new_tokens: int = 96, n: int | None = None,
-                      on_progress: Callable[[int, int], None] | None = None) -> StepSet:
-    """Generate a greedy trace for every line of a prompt file (its questions), cut it into the model
-    family's steps, label them with its judge, and read the step rows: the `source` of each is the file name."""
-    from pathlib import Path
-
+def prompt_lines_steps(backend: Backend, lines: Sequence[str], name: str, sites: Sequence[str], max_new_tokens: int = 96,
+                       on_progress: Callable[[int, int], None] | None = None) -> StepSet:
+    """Generate a greedy trace for every question in `lines`, cut it into the model family's steps,
+    label them with its judge and read the step rows; every row's `source` is `name`."""
     from analyses.problem import Problem
     from analyses.rise.harvest import HarvestSettings, generate_traces, judge_for, resolve_delimiter
     from analyses.rise.labels import label_step
 
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise BadInputError(f"prompt file {path} does not exist (one question a line)")
-    lines = [line.strip() for line in file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    lines = lines[:n] if n else lines
-    if not lines:
-        raise BadInputError(f"prompt file {path} holds no question (one a line)")
+    questions = [q.strip() for q in lines if q and q.strip()]
+    if not questions:
+        raise BadInputError(f"{name} holds no question (one a line)")
     model_id = backend.info()["model_id"]
     settings = HarvestSettings(max_new_tokens=max_new_tokens, prompt="auto", labeller="auto").resolved(model_id)
     delimiter = resolve_delimiter("auto", model_id)
     judge = judge_for(settings.labeller, model_id)
-    problems = [Problem(f"{file.name}-{i}", q, "", file.name, 0) for i, q in enumerate(lines)]
+    problems = [Problem(f"{name}-{i}", q, "", name, 0) for i, q in enumerate(questions)]
     traces = generate_traces(backend, problems, settings, delimiter)
     for trace in traces:
         for step in trace.steps:
             step.label = label_step(step.text, judge)
-    return traces_steps(backend, traces, sites, file.name, on_progress=on_progress)
+    return traces_steps(backend, traces, sites, name, on_progress=on_progress)
+
+
+def prompt_file_steps(backend: Backend, path: str, sites: Sequence[str], max_new_tokens: int = 96, n: int | None = None,
+                      on_progress: Callable[[int, int], None] | None = None) -> StepSet:
+    """`prompt_lines_steps` over the lines of a prompt file (its name is the rows' source)."""
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise BadInputError(f"prompt file {path} does not exist (one question a line)")
+    lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
+    return prompt_lines_steps(backend, lines[:n] if n else lines, file.name, sites, max_new_tokens, on_progress)

@@ -8,10 +8,13 @@ from typing import Any
 import numpy as np
 
 from analyses.cot_entropy.detector import CalibrationTrace, CotMonitor, CusumDetector
+from analyses.cot_entropy.evaluate import evaluate_cot_exit
 from analyses.cot_entropy.rules import StoppingRule, run_with_rule
 from analyses.families import family_for, task_prompt
 from analyses.tasks import load_task
 from probes.backend import Backend
+from probes.engine import Engine
+from probes.server_bench import alternate, served
 
 def bench_cusum_overhead(backend: Backend, *, max_new_tokens: int = 48, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
     """CUSUM + entropy bookkeeping / plain streaming generation, interleaved in one run (probes excluded).
@@ -59,9 +62,6 @@ def bench_cusum_overhead(backend: Backend, *, max_new_tokens: int = 48, repeats:
 def bench_server_cot_eval(model_id: str = "smollm2-135m", n: int = 4, n_calibration: int = 4,
                           rounds: int = 2) -> dict[str, Any]:
     """`eval cot-exit` at small n through the model server / in-process, same problems (target <= 1.2)."""
-    from analyses.cot_entropy.evaluate import evaluate_cot_exit
-    from probes.server_bench import alternate, served
-
     reports: dict[str, Any] = {}
 
     def run(name: str, backend: Backend) -> None:
@@ -79,8 +79,6 @@ def bench_server_cot_eval(model_id: str = "smollm2-135m", n: int = 4, n_calibrat
 
 
 def run_cot(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
-    from probes.engine import Engine
-
     return [bench_cusum_overhead(Engine.from_id(model_id)), bench_server_cot_eval(model_id)]
 
 

@@ -26,6 +26,9 @@ from rich.console import Console
 from rich.table import Table
 
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, eval_group
+from analyses.cot_entropy import evaluate_cot_exit, evaluate_cot_vote
+from analyses.cot_entropy.settling import evaluate_settling
+from analyses.families import default_task, family_for
 from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
@@ -67,14 +70,10 @@ def parse_dynasor(values: list[str]) -> list[tuple[int, int]]:
 
 
 def _family(engine: Backend, step_delimiter: Optional[str]):
-    from analyses.families import family_for
-
     return family_for(engine).with_delimiter(step_delimiter)
 
 
 def _task(engine: Backend, task: str) -> str:
-    from analyses.families import default_task
-
     return default_task(engine) if task == "auto" else task
 
 
@@ -115,8 +114,6 @@ def register(cli: typer.Typer) -> None:
         per_problem: bool = typer.Option(True, help="include per-problem rows in the JSON"),
     ) -> None:
         """Vanilla, CUSUM early exit, DEER and Dynasor-CoT: settings chosen on development, run once on evaluation."""
-        from analyses.cot_entropy import evaluate_cot_exit
-
         h_grid, deer_grid = parse_numbers(h, "--h"), parse_numbers(deer, "--deer")
         dynasor_grid = parse_dynasor(dynasor) or None
         bandwidths = parse_numbers(bandwidth, "--bandwidth") if bandwidth else None
@@ -172,8 +169,6 @@ def register(cli: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Detection delay of the CUSUM alarm against the organism's planted settling step."""
-        from analyses.cot_entropy.settling import evaluate_settling
-
         engine = backend(model, server, token)
         with TerminalProgress() as progress:
             report = evaluate_settling(engine, None, n, n_calibration, n_dev, h_grid=parse_numbers(h, "--h"),
@@ -213,8 +208,6 @@ def register(cli: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json"),
     ) -> None:
         """Self-consistency (majority) vs CUSUM-weighted voting over the same sampled trajectories."""
-        from analyses.cot_entropy import evaluate_cot_vote
-
         engine = backend(model, server, token)
         with TerminalProgress() as progress:
             report = evaluate_cot_vote(engine, _task(engine, task), n, n_calibration, samples=samples,

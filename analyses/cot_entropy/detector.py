@@ -143,7 +143,7 @@ class _Density:
             self.hist = (self.counts + smoothing) / (self.counts.sum() + smoothing * bins) / width
             self.bandwidth = None
         else:
-            from sklearn.neighbors import KernelDensity
+            from sklearn.neighbors import KernelDensity  # lazy: scikit-learn takes seconds to import
 
             self.bandwidth = float(bandwidth if bandwidth is not None else silverman_bandwidth(values))
             self.kde = KernelDensity(kernel="gaussian", bandwidth=self.bandwidth).fit(values[:, None]) \

@@ -21,6 +21,7 @@ The replay design is kept: one probed greedy trace per problem serves every meth
 from __future__ import annotations
 
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,9 @@ from analyses.evaluation import (Choice, Comparison, bootstrap_interval, choose_
 from analyses.families import ModelFamily, family_for
 from analyses.tasks import Problem, is_correct, load_splits
 from probes.backend import Backend
+from probes.sampling import Sampling  # a plain dataclass (the backend may live elsewhere)
 from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance
 
 DEFAULT_H_GRID = (0.5, 1.0, 2.0, 4.0, 8.0)
 DEFAULT_THRESHOLDS = DEFAULT_H_GRID  # the page's h choices
@@ -249,8 +252,6 @@ def choose_density(calibration: Sequence[ProbedTrace], development: Sequence[Pro
         make = lambda bw: CusumDetector(density="kde", bandwidth=bw)  # noqa: E731
 
     def dev_loglik(setting: Any) -> dict[str, float]:
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a flat class is reported once, by the final fit
             fitted = make(setting).fit(calibration)
@@ -357,8 +358,6 @@ def evaluate_cot_exit(backend: Backend, task: str = "arith", n: int = 100, n_cal
                 "batch_size": batch_size, "n_resamples": n_resamples,
                 "calibration_steps": {"uncertain": detector.n_uncertain_, "confident": detector.n_confident_},
                 "calibration_accuracy": calibration_summary(cal_traces)["accuracy"]}
-    from thoughtscope.provenance import provenance
-
     record = provenance(info, data=task, split="evaluation (settings chosen on development)", seed=seed,
                         settings={**settings, "family": family.to_dict()}, command="eval cot-exit",
                         splits=splits.sizes())
@@ -431,8 +430,6 @@ def evaluate_cot_vote(backend: Backend, task: str = "arith", n: int = 20, n_cali
                       batch_size: int = 16, density: str = "kde", bins: int = 10,
                       progress: Progress | None = None) -> VoteReport:
     """`samples` sampled trajectories per problem; majority vote vs votes weighted by final CUSUM statistic."""
-    from probes.engine import Sampling  # a plain dataclass; the backend may live elsewhere
-
     if samples < 1:
         raise BadInputError(f"samples must be >= 1, got {samples}")
     family = family or family_for(backend)
@@ -457,8 +454,6 @@ def evaluate_cot_vote(backend: Backend, task: str = "arith", n: int = 20, n_cali
         sample_hits.append(float(np.mean([is_correct(a, problem) for a in answers])))
         rows.append({"id": problem.id, "target": problem.answer, "answers": answers, "weights": weights,
                      "majority": majority, "weighted": weighted})
-    from thoughtscope.provenance import provenance
-
     info = backend.info()
     intervals = {name: bootstrap_interval(np.asarray(hits, dtype=float), seed=seed).to_dict()
                  for name, hits in (("single", sample_hits), ("majority", majority_hits),

@@ -42,11 +42,13 @@ from analyses.cot_entropy.evaluate import DEFAULT_H_GRID, choose_density
 from analyses.cot_entropy.probing import probe_positions
 from analyses.cot_entropy.rules import ProbedTrace, _prompt_of
 from analyses.evaluation import Choice, bootstrap_interval, choose_on_dev
-from analyses.families import ModelFamily, family_for
+from analyses.families import ModelFamily, default_task, family_for
+from analyses.organism import is_organism
 from analyses.steps import step_ends
 from analyses.tasks import Problem, load_splits
 from probes.backend import Backend
 from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance
 
 Progress = Callable[[str, int, int], None]
 
@@ -178,10 +180,6 @@ def evaluate_settling(backend: Backend, task: str | None = None, n: int = 100, n
                       bandwidths: Sequence[float] | None = None, bins: int = 10, seed: int = 0,
                       family: ModelFamily | None = None, progress: Progress | None = None) -> SettlingReport:
     """Detection delay of the CUSUM alarm relative to the organism's planted settling step (module docstring)."""
-    from analyses.families import default_task
-    from analyses.organism import is_organism
-    from thoughtscope.provenance import provenance
-
     task = task or default_task(backend)
     if not is_organism(task):
         raise BadInputError(f"task {task!r} has no known settling step; use toy-reasoner or toy-reasoner:small")

@@ -12,9 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from analyses.cot_entropy.calibration import PAGE_H_GRID, PageCalibration, calibrate
 from analyses.families import default_task, family_for
 from probes.backend import Backend
+from probes.engine import Engine
+from thoughtscope import shipped
+from thoughtscope.provenance import provenance
 
 NAME = "cot-calibration"
 FILE = "calibration.json"
@@ -31,8 +36,6 @@ def _terminal_progress(stage: str, done: int, total: int, _last: dict[str, Any] 
 
 def build_calibration(backend: Backend, on_progress=None, **overrides: Any) -> tuple[PageCalibration, dict[str, Any]]:
     """The page's default calibration on `backend` (plus its provenance record)."""
-    from thoughtscope.provenance import provenance
-
     settings = {**DEFAULTS, **overrides}
     info = backend.info()
     task = default_task(info["model_id"])
@@ -43,11 +46,6 @@ def build_calibration(backend: Backend, on_progress=None, **overrides: Any) -> t
 
 
 def build(model_id: str, command: str, root: Path | None = None) -> Path:
-    import torch
-
-    from probes.engine import Engine
-    from thoughtscope import shipped
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     engine = Engine.from_id(model_id)

@@ -18,15 +18,17 @@ from typing import Any, Optional
 import typer
 
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, group
+from analyses.feature_browser import (CORPORA, IndexSettings, Neuron, VectorDirection, browse, build_index,
+                                      file_corpus, load_corpus, sae_latent)
+from probes.interventions import load_vector
 from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance, with_provenance
 
 CORPUS_OPTION = typer.Option("gsm8k-questions", "--corpus", help="a corpus name or a UTF-8 text file")
 SITE_OPTION = typer.Option(..., "--site", help="hook site, e.g. resid_post.15")
 
 
 def _corpus(name: str, n: Optional[int], unit: str) -> Any:
-    from analyses.feature_browser import CORPORA, file_corpus, load_corpus
-
     if name in CORPORA:
         return load_corpus(name, n=n)
     if Path(name).expanduser().is_file():
@@ -37,9 +39,6 @@ def _corpus(name: str, n: Optional[int], unit: str) -> Any:
 
 def _direction(site: str, sae: Optional[str], latent: int, neuron: Optional[int], vector: Optional[Path],
                tensor: Optional[str]) -> Any:
-    from analyses.feature_browser import Neuron, VectorDirection, sae_latent
-    from probes.interventions import load_vector
-
     given = [x is not None for x in (sae, neuron, vector)]
     if sum(given) != 1:
         raise BadInputError("give exactly one direction: --sae FOLDER --latent N, --neuron N, or --vector FILE")
@@ -52,7 +51,7 @@ def _direction(site: str, sae: Optional[str], latent: int, neuron: Optional[int]
 
 def register(cli: typer.Typer) -> None:
     app = group(cli, "features", "Corpus feature browser: where a direction fires over a stored corpus.")
-    from analyses.feature_browser.search_cli import register_search
+    from analyses.feature_browser.search_cli import register_search  # an import circle (search_cli reads _corpus)
 
     register_search(app)  # labels, search, tokens
 
@@ -64,9 +63,6 @@ def register(cli: typer.Typer) -> None:
                   model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION, token: Optional[str] = TOKEN_OPTION,
                   as_json: bool = typer.Option(False, "--json")) -> None:
         """Run the corpus through the model once and store its activations at the site (resumable)."""
-        from analyses.feature_browser import IndexSettings, build_index
-        from thoughtscope.provenance import provenance, with_provenance
-
         b = backend(model, server, token)
         c = _corpus(corpus, n, unit)
         with TerminalProgress() as progress:
@@ -90,9 +86,6 @@ def register(cli: typer.Typer) -> None:
                 model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION, token: Optional[str] = TOKEN_OPTION,
                 as_json: bool = typer.Option(False, "--json")) -> None:
         """The top contexts of a direction, its histogram and the logits it promotes and suppresses."""
-        from analyses.feature_browser import IndexSettings, browse, build_index
-        from thoughtscope.provenance import provenance, with_provenance
-
         b = backend(model, server, token)
         c = _corpus(corpus, n, unit)
         direction = _direction(site, sae, latent, neuron, vector, tensor)

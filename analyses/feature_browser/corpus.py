@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from analyses.tasks import load_gsm8k, load_task
 from thoughtscope.errors import BadInputError
 
 CORPORA = ("gsm8k-questions", "gsm8k-solutions", "gsm8k-sentences", "arith-problems")
@@ -61,8 +62,6 @@ def _sentences(text: str) -> list[str]:
 
 def load_corpus(name: str, n: int | None = None, seed: int = 0) -> Corpus:
     """A shipped or generated corpus by name (see `CORPORA`); `n` keeps the first n texts."""
-    from analyses.tasks import load_gsm8k, load_task
-
     if name not in CORPORA:
         raise BadInputError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)} or give a text file")
     if n is not None and (not isinstance(n, int) or n < 1):

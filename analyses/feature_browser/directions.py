@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from saes.io import check_fits, load_sae
 from thoughtscope.errors import BadInputError
 
 ELEMENTWISE = ("standard", "jumprelu")  # SAE architectures whose latent j depends only on its own pre-activation
@@ -111,8 +112,6 @@ class SAELatent:
     _w: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def check(self, d_model: int) -> None:
-        from saes.io import check_fits
-
         check_fits(self.sae, d_model, self.site)
         n = int(self.sae.cfg.d_sae)
         if not isinstance(self.latent, int) or not 0 <= self.latent < n:
@@ -151,8 +150,6 @@ class SAELatent:
 
 def sae_latent(folder: str, latent: int, site: str) -> SAELatent:
     """An SAE latent from a SAELens folder on disk."""
-    from saes.io import load_sae
-
     if not str(folder).strip():
         raise BadInputError("give the folder of a saved SAE (cfg.json + sae_weights.safetensors)")
     return SAELatent(load_sae(str(folder).strip()), int(latent), site, str(folder).strip())

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from analyses.feature_browser.corpus import Corpus
+from cache.store import ActivationStore
 from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
@@ -155,8 +156,6 @@ def build_index(backend: Backend, corpus: Corpus, site: str, settings: IndexSett
     if site not in {row["site"] for row in backend.sites()}:
         raise BadInputError(f"{info.get('model_id')} has no site {site!r}; pick e.g. resid_post.<layer>")
     if store == "default":
-        from cache.store import ActivationStore
-
         store = ActivationStore()
     contexts = tokenize_corpus(backend, corpus, settings.max_tokens)
     chunks = [contexts[i:i + settings.chunk_size] for i in range(0, len(contexts), settings.chunk_size)]

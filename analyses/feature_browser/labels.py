@@ -36,6 +36,7 @@ import torch
 
 from analyses.feature_browser.index import CorpusIndex
 from probes.backend import Backend
+from saes.io import check_fits
 from thoughtscope.errors import BadInputError
 
 LABELS_FILE = "labels.thoughtscope.json"
@@ -192,8 +193,6 @@ def _output_words(sae: Any, backend: Backend, n_words: int, on_progress: Progres
 def build_labels(index: CorpusIndex, sae: Any, backend: Backend, settings: LabelSettings | None = None,
                  on_progress: Progress | None = None) -> LatentLabels:
     """Labels of every latent of `sae` over `index` (read at the SAE's site), decoder words via `backend`."""
-    from saes.io import check_fits
-
     settings = settings or LabelSettings()
     settings.validate()
     check_fits(sae, int(index.acts.shape[1]), index.site)

@@ -58,7 +58,7 @@ class LabelSearch:
     """A TF-IDF index over the labels of one SAE; `search(query, k)` ranks latents by cosine similarity."""
 
     def __init__(self, labels: LatentLabels):
-        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.feature_extraction.text import TfidfVectorizer  # lazy: scikit-learn takes seconds to import
 
         self.labels = labels
         self.latents_ = np.array([lab.latent for lab in labels.labels if lab.quality != "dead"], dtype=np.int64)

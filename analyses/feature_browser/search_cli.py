@@ -16,6 +16,13 @@ from typing import Any, Optional
 import typer
 
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit
+from analyses.feature_browser import IndexSettings, build_index
+from analyses.feature_browser.cli import _corpus
+from analyses.feature_browser.labels import labels_for
+from analyses.feature_browser.search import LabelSearch, check_query
+from analyses.feature_browser.token_latents import check_sae, trace_latents
+from saes.io import load_sae
+from thoughtscope.provenance import provenance, with_provenance
 
 SAE_OPTION = typer.Option(..., "--sae", help="SAELens folder (cfg.json + sae_weights.safetensors)")
 SITE_OPTION = typer.Option(..., "--site", help="the SAE's hook site, e.g. resid_post.15")
@@ -28,12 +35,6 @@ def latent_link(latent: int, site: str) -> str:
 
 
 def _labels(b: Any, corpus: str, n: Optional[int], site: str, sae_folder: str, max_tokens: int) -> tuple[Any, Any]:
-    from analyses.feature_browser import IndexSettings, build_index
-    from analyses.feature_browser.cli import _corpus
-    from analyses.feature_browser.labels import labels_for
-    from analyses.feature_browser.token_latents import check_sae
-    from saes.io import load_sae
-
     sae = load_sae(sae_folder)
     check_sae(sae, b, site)
     c = _corpus(corpus, n, "paragraph")
@@ -52,8 +53,6 @@ def register_search(app: typer.Typer) -> None:
                    model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION,
                    token: Optional[str] = TOKEN_OPTION, as_json: bool = typer.Option(False, "--json")) -> None:
         """Label every latent (tokens it fires on, top contexts, decoder words); kept beside the SAE."""
-        from thoughtscope.provenance import provenance, with_provenance
-
         b = backend(model, server, token)
         index, labels = _labels(b, corpus, n, site, sae, max_tokens)
         out = {"key": labels.key, "counts": labels.counts(),
@@ -71,9 +70,6 @@ def register_search(app: typer.Typer) -> None:
                    model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION,
                    token: Optional[str] = TOKEN_OPTION, as_json: bool = typer.Option(False, "--json")) -> None:
         """Latents whose labels match the query best (TF-IDF), each with its feature browser link."""
-        from analyses.feature_browser.search import LabelSearch, check_query
-        from thoughtscope.provenance import provenance, with_provenance
-
         check_query(query)
         b = backend(model, server, token)
         index, labels = _labels(b, corpus, n, site, sae, max_tokens)
@@ -91,10 +87,6 @@ def register_search(app: typer.Typer) -> None:
                    model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION,
                    token: Optional[str] = TOKEN_OPTION, as_json: bool = typer.Option(False, "--json")) -> None:
         """The top latents of a text and the latents active at each of its tokens."""
-        from analyses.feature_browser.token_latents import trace_latents
-        from saes.io import load_sae
-        from thoughtscope.provenance import provenance, with_provenance
-
         b = backend(model, server, token)
         found = trace_latents(b, b.encode(text), load_sae(sae), site)
         out = {"tokens": found.tokens, "top": found.top_of_trace(k),

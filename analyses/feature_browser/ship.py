@@ -12,8 +12,17 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from analyses.feature_browser.corpus import load_corpus
+from analyses.feature_browser.index import CorpusIndex, IndexSettings, build_index
+from probes.engine import Engine
+from safetensors.torch import load_file, save
+from thoughtscope import shipped
+from thoughtscope.provenance import provenance
+import torch
 
 NAME = "feature-index"
 CORPUS = "gsm8k-questions"
@@ -26,10 +35,6 @@ def default_site(n_layers: int) -> str:
 
 
 def files_of(index: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    from safetensors.torch import save
-
     return {"index.safetensors": save({"ids": index.ids.contiguous(), "lengths": index.lengths.contiguous(),
                                        "acts": index.acts.contiguous()}),
             "index.json": {"corpus": index.corpus, "site": index.site, "model_id": index.model_id,
@@ -38,10 +43,6 @@ def files_of(index: Any) -> dict[str, Any]:
 
 def load(stored: Any) -> Any:
     """The `CorpusIndex` of a verified `thoughtscope.shipped.Shipped` of this name."""
-    from safetensors.torch import load_file
-
-    from analyses.feature_browser.index import CorpusIndex, IndexSettings
-
     meta = stored.json("index.json")
     tensors = load_file(str(stored.path("index.safetensors")))
     return CorpusIndex(meta["corpus"], meta["site"], meta["model_id"], meta["fingerprint"],
@@ -49,14 +50,6 @@ def load(stored: Any) -> Any:
 
 
 def build(model_id: str, command: str, root: Path | None = None) -> Path:
-    import torch
-
-    from analyses.feature_browser.corpus import load_corpus
-    from analyses.feature_browser.index import IndexSettings, build_index
-    from probes.engine import Engine
-    from thoughtscope import shipped
-    from thoughtscope.provenance import provenance
-
     torch.set_num_threads(1)
     engine = Engine.from_id(model_id)
     info = engine.info()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from probes.backend import Backend
+from saes.io import check_fits
 from thoughtscope.errors import BadInputError
 
 SCORES = ("max", "sum")
@@ -31,8 +32,6 @@ SCORES = ("max", "sum")
 
 def check_sae(sae: Any, backend: Backend, site: str) -> None:
     """A clear error for an SAE of another width or (when its config names one) of another model or site."""
-    from saes.io import check_fits
-
     info = backend.info()
     check_fits(sae, backend.arch().d_model, site)
     meta = getattr(sae.cfg, "metadata", None)

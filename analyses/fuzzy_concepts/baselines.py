@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Self
 
 import numpy as np
@@ -94,10 +95,8 @@ class SemiNMFConcepts(_Standardised):
         return {**super().get_params(), "alpha": self.alpha, "max_iter": self.max_iter}
 
     def _fit_x(self, x: np.ndarray) -> np.ndarray:
-        import warnings
-
-        from sklearn.decomposition import DictionaryLearning
-        from sklearn.exceptions import ConvergenceWarning
+        from sklearn.decomposition import DictionaryLearning  # lazy: scikit-learn takes seconds to import
+        from sklearn.exceptions import ConvergenceWarning  # lazy: scikit-learn takes seconds to import
 
         self.model_ = DictionaryLearning(n_components=self.n_concepts, alpha=self.alpha, max_iter=self.max_iter,
                                          fit_algorithm="cd", transform_algorithm="lasso_cd",
@@ -109,9 +108,7 @@ class SemiNMFConcepts(_Standardised):
         return self.model_.components_
 
     def _codes(self, x: np.ndarray) -> np.ndarray:
-        import warnings
-
-        from sklearn.exceptions import ConvergenceWarning
+        from sklearn.exceptions import ConvergenceWarning  # lazy: scikit-learn takes seconds to import
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
@@ -124,7 +121,7 @@ class KMeansConcepts(_Standardised):
     name = "k-means"
 
     def _fit_x(self, x: np.ndarray) -> np.ndarray:
-        from sklearn.cluster import KMeans
+        from sklearn.cluster import KMeans  # lazy: scikit-learn takes seconds to import; only this needs it
 
         self.model_ = KMeans(n_clusters=self.n_concepts, n_init=3, random_state=self.seed).fit(x)
         return self.model_.cluster_centers_
@@ -141,7 +138,7 @@ class PCAConcepts(_Standardised):
     name = "PCA"
 
     def _fit_x(self, x: np.ndarray) -> np.ndarray:
-        from sklearn.decomposition import PCA
+        from sklearn.decomposition import PCA  # lazy: scikit-learn takes seconds to import; only this needs it
 
         k = min(self.n_concepts, *x.shape)
         self.model_ = PCA(n_components=k, svd_solver="full").fit(x)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from analyses.fuzzy_concepts.baselines import SemiNMFConcepts
+from analyses.fuzzy_concepts.metrics import reconstruction_error
 from analyses.fuzzy_concepts.rules import FuzzyRuleLayer
 
 
@@ -46,8 +47,6 @@ def bench_fuzzy_fit(n: int = 10_000, width: int = 576, k: int = 20, steps: int =
     started = time.perf_counter()
     default = FuzzyRuleLayer(n_rules=k, n_features=16, steps=steps, seed=0).fit(Z)
     default_s = time.perf_counter() - started
-    from analyses.fuzzy_concepts.metrics import reconstruction_error
-
     return {"bench": "fuzzy_fit", "ratio": fuzzy_s / nmf_s, "target": 1.0, "n": n, "width": width, "k": k,
             "fuzzy_seconds": fuzzy_s, "fuzzy_steps_run": fuzzy.n_iter_, "semi_nmf_seconds": nmf_s,
             "fuzzy_default_seconds": default_s, "fuzzy_default_steps_run": default.n_iter_,

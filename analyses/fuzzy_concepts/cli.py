@@ -18,7 +18,9 @@ from typing import Optional
 import typer
 
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TerminalProgress, backend, emit, eval_group
+from analyses.fuzzy_concepts.study import FuzzyOptions, run_study
 from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance, with_provenance
 
 SERVER_TOKEN_OPTION = typer.Option(None, "--server-token", envvar="THOUGHTSCOPE_TOKEN",
                                    help="the model server's bearer token (--token is the target word here)")
@@ -62,9 +64,6 @@ def fuzzy_concepts_cmd(
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
 ) -> None:
     """Fuzzy rules vs semi-NMF / k-means / PCA on held-out representations of a target word."""
-    from analyses.fuzzy_concepts.study import FuzzyOptions, run_study
-    from thoughtscope.provenance import provenance, with_provenance
-
     if source == "toy-vlm-scenes":
         word = "answer"  # the row is read at the trace's answer mark (analyses.fuzzy_concepts.scenes)
     elif not word:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from english_words import get_english_words_set
 
 from probes.backend import Backend
 
@@ -40,7 +41,7 @@ _EXTRA_STOPWORDS = {"im", "ll", "ve", "re", "don", "didn", "doesn", "isn", "wasn
 
 
 def stopwords() -> frozenset[str]:
-    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # lazy: scikit-learn takes seconds to import
 
     return frozenset(ENGLISH_STOP_WORDS) | _EXTRA_STOPWORDS
 
@@ -48,8 +49,6 @@ def stopwords() -> frozenset[str]:
 @functools.lru_cache(maxsize=1)
 def lexicon() -> frozenset[str]:
     """Lower-case English words: Webster's 2nd and GCIDE, about 263k (read once, about 0.1 s)."""
-    from english_words import get_english_words_set
-
     return frozenset(get_english_words_set(["web2", "gcide"], lower=True, alpha=True))
 
 

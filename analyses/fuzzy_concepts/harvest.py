@@ -29,6 +29,7 @@ missing. Progress goes through `on_progress(stage, done, total)`.
 from __future__ import annotations
 
 import json
+import random
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +38,9 @@ from typing import Any, Protocol
 
 import torch
 
+from analyses.tasks import load_gsm8k, load_task
 from probes.backend import Backend
+from probes.engine import Sampling
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]
@@ -186,10 +189,6 @@ class TextSource:
         return found
 
     def _corpus(self) -> tuple[list[str], list[dict[str, str]]]:
-        import random
-
-        from analyses.tasks import load_gsm8k, load_task
-
         if self.kind == "texts":
             texts = [t.strip() for t in self.texts if t.strip()]
             return texts, [{} for _ in texts]
@@ -216,8 +215,6 @@ class TextSource:
         return out
 
     def _generated(self, backend: Backend, store: Any, on_progress: Progress | None) -> list[Sample]:
-        from probes.engine import Sampling
-
         info = backend.info()
         eos = set(backend.eos_ids())
         prompts = self.prompts()

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from thoughtscope.errors import BadInputError
 
@@ -256,7 +257,7 @@ class FuzzyRuleLayer:
     def _init(self, x: torch.Tensor, m: int):
         """P from PCA, centres from k-means on the projected samples, widths from the cluster spread and
         consequents from the cluster means: gradient descent then refines a sensible start."""
-        from sklearn.cluster import KMeans
+        from sklearn.cluster import KMeans  # lazy: scikit-learn takes seconds to import; only this needs it
 
         # principal directions from the d x d covariance (cheaper than an SVD of the n x d matrix)
         _, vecs = torch.linalg.eigh((x.T @ x).double())
@@ -392,8 +393,6 @@ class FuzzyRuleLayer:
 
     def save(self, folder: str | Path, metadata: dict[str, Any] | None = None) -> Path:
         """The learned tensors as safetensors plus a JSON config (parameters, format, `metadata`)."""
-        from safetensors.torch import save_file
-
         self._check_fitted()
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -409,8 +408,6 @@ class FuzzyRuleLayer:
     @classmethod
     def load(cls, folder: str | Path) -> "FuzzyRuleLayer":
         """A layer saved by `save` (safetensors only; nothing is unpickled)."""
-        from safetensors.torch import load_file
-
         folder = Path(folder)
         try:
             config = json.loads((folder / CONFIG_FILE).read_text())

@@ -25,6 +25,7 @@ import torch
 
 from analyses.fuzzy_concepts.harvest import Sample
 from probes.backend import Backend
+from probes.toys import vlm
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]
@@ -53,8 +54,6 @@ class SceneSource:
             raise BadInputError(f"the number of scenes must be a positive integer, got {self.n!r}")
 
     def samples(self, backend: Backend, store: Any = None, on_progress: Progress | None = None) -> list[Sample]:
-        from probes.toys import vlm
-
         self.validate()
         if not backend.capabilities().get("vision"):
             raise BadInputError(f"{backend.info()['model_id']} takes no images: scene concepts need a "

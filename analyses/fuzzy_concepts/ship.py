@@ -17,15 +17,23 @@ layer, sidebar defaults of 48 new tokens and seed 0) on one thread and writes do
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from analyses.evaluation import Choice
 from analyses.fuzzy_concepts.harvest import Representations, Sample
 from analyses.fuzzy_concepts.rules import CONFIG_FILE, WEIGHTS_FILE, FuzzyRuleLayer
 from analyses.fuzzy_concepts.study import FuzzyOptions, FuzzyStudy, run_study
+from cache.store import ActivationStore
+from probes import Engine
 from probes.backend import Backend
+from thoughtscope import shipped
+from thoughtscope.provenance import provenance
 
 NAME = "fuzzy-concepts"
 DEFAULT_MODEL = "smollm2-135m"
@@ -48,8 +56,6 @@ def comparable(options: FuzzyOptions, n_layers: int) -> dict[str, Any]:
 
 def study_files(study: FuzzyStudy, tmp: Path) -> dict[str, Any]:
     """The files of a shipped study (see the module docstring), written under `tmp` where they are tensors."""
-    from safetensors.torch import save_file
-
     study.fuzzy.save(tmp / "rules")
     save_file({"Z": study.reps.Z.contiguous()}, str(tmp / "representations.safetensors"))
     data = study.to_dict()
@@ -61,13 +67,6 @@ def study_files(study: FuzzyStudy, tmp: Path) -> dict[str, Any]:
 def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None,
           options: FuzzyOptions | None = None) -> Path:
     """Run the page's default study on `model_id` (one thread, seeded) and write it as a shipped result."""
-    import tempfile
-
-    from cache.store import ActivationStore
-    from probes import Engine
-    from thoughtscope import shipped
-    from thoughtscope.provenance import provenance
-
     torch.set_num_threads(1)
     backend = backend if backend is not None else Engine.from_id(model_id)
     options = options or page_options()
@@ -83,9 +82,6 @@ def build(model_id: str, command: str, root: Path | None = None, backend: Backen
 
 
 def _rules_layer(shipped: Any) -> FuzzyRuleLayer:
-    import shutil
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:  # `load` reads a folder holding rules.json + rules.safetensors
         for file, saved_as in (("rules.json", CONFIG_FILE), ("rules.safetensors", WEIGHTS_FILE)):
             shutil.copyfile(shipped.path(file), Path(tmp) / saved_as)
@@ -93,8 +89,6 @@ def _rules_layer(shipped: Any) -> FuzzyRuleLayer:
 
 
 def _choice(d: dict[str, Any]) -> Any:
-    from analyses.evaluation import Choice
-
     grid = [row["setting"] for row in d["grid"]]
     rows = [{k: v for k, v in row.items() if k not in ("setting", "score")} for row in d["grid"]]
     return Choice(d["name"], grid, rows, [row["score"] for row in d["grid"]], int(d["chosen_index"]), d["objective"],
@@ -103,8 +97,6 @@ def _choice(d: dict[str, Any]) -> Any:
 
 def load_study(shipped: Any) -> FuzzyStudy:
     """The shipped study as a `FuzzyStudy` (models: the fuzzy layer only)."""
-    from safetensors.torch import load_file
-
     data = shipped.json("study.json")
     opts = dict(data["options_full"])
     for name in ("texts", "sparsity_grid", "features_grid", "lr_grid", "nmf_alpha_grid"):

@@ -36,12 +36,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from analyses.evaluation import choose_on_dev, sign_test, split_three, wilcoxon_test
 from analyses.fuzzy_concepts import metrics
 from analyses.fuzzy_concepts.baselines import KMeansConcepts, PCAConcepts, SemiNMFConcepts
 from analyses.fuzzy_concepts.grounding import KEEP, TOP_K, ground_words, top_samples
 from analyses.fuzzy_concepts.harvest import Representations, TextSource, check_layer, default_layer, harvest
 from analyses.fuzzy_concepts.rules import FuzzyRuleLayer, Rule, check_rules_fit
 from analyses.fuzzy_concepts.scenes import SceneSource
+from cache.store import ActivationStore
 from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
@@ -128,8 +130,6 @@ def split_sizes(n: int, dev_fraction: float, eval_fraction: float) -> tuple[int,
 def split_rows(n: int, dev_fraction: float, eval_fraction: float, seed: int) -> dict[str, list[int]]:
     """Seeded train / dev / eval row indices (disjoint, covering all rows), cut by the shared protocol's
     `split_three` (its calibration part is our training part: what the concept models are fitted on)."""
-    from analyses.evaluation import split_three
-
     n_dev, n_eval = split_sizes(n, dev_fraction, eval_fraction)
     if n - n_dev - n_eval < 1:
         raise BadInputError(f"{n} samples cannot be split into train, development and evaluation; harvest more")
@@ -157,8 +157,6 @@ def sparse_then_accurate(max_active: float) -> Callable[[dict[str, Any]], tuple]
 def tune_fuzzy(Z_train: torch.Tensor, Z_dev: torch.Tensor, options: FuzzyOptions,
                on_progress: Callable[[int, int], None] | None = None) -> Any:
     """The fuzzy layer's m, sparsity weight and learning rate, chosen on development (`evaluation.Choice`)."""
-    from analyses.evaluation import choose_on_dev
-
     widths = sorted({min(int(m), Z_train.shape[1]) for m in options.features_grid})
     grid = [{"n_features": m, "sparsity": float(sp), "lr": float(lr)}
             for m, sp, lr in itertools.product(widths, options.sparsity_grid, options.lr_grid)]
@@ -179,8 +177,6 @@ def tune_fuzzy(Z_train: torch.Tensor, Z_dev: torch.Tensor, options: FuzzyOptions
 def tune_semi_nmf(Z_train: torch.Tensor, Z_dev: torch.Tensor, options: FuzzyOptions,
                   on_progress: Callable[[int, int], None] | None = None) -> Any:
     """Semi-NMF's L1 weight, chosen on development by the same objective."""
-    from analyses.evaluation import choose_on_dev
-
     grid = [{"alpha": float(a)} for a in options.nmf_alpha_grid]
     done = [0]
 
@@ -289,8 +285,6 @@ def run_study(backend: Backend, options: FuzzyOptions, on_progress: Progress | N
     tick = on_progress or (lambda *_: None)
     options.validate(backend.arch().n_layers)
     if store is None:
-        from cache.store import ActivationStore
-
         store = ActivationStore(options.store) if options.store else ActivationStore()
     started = time.perf_counter()
     reps = harvest(backend, options.representation_source(), options.resolved_layer(backend.arch().n_layers), store=store,
@@ -360,8 +354,6 @@ def _add_stability(per_seed: list[dict[str, Any]], directions: dict[str, list[to
 def _paired_tests(per_seed: list[dict[str, Any]], seed: int = 0) -> dict[str, dict[str, Any]]:
     """Fuzzy vs each baseline on the same evaluation samples: per-sample reconstruction errors (mean over
     seeds), Wilcoxon signed-rank and sign tests with a bootstrap interval of the mean difference."""
-    from analyses.evaluation import sign_test, wilcoxon_test
-
     def mean_errors(method: str) -> np.ndarray:
         return np.mean([r["per_sample_errors"] for r in per_seed if r["method"] == method], axis=0)
 

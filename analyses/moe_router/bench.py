@@ -25,9 +25,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
+from analyses.moe_router.evaluate import ExpertSetting, require_moe
+from analyses.moe_router.problems import load_items
 from probes.backend import Backend
 from probes.bench import sig
+from probes.engine import Engine
+from probes.routing import TopK
+from probes.server_bench import alternate
 
 TARGET = 1.10
 
@@ -38,11 +44,6 @@ def bench_expert_sample_overhead(backend: Backend, *, n_problems: int = 16, n_sa
                                  identity: bool = False) -> dict[str, Any]:
     """Greedy tokens/s over Expert-Sample tokens/s (same prompts, batch of `n_problems` x `n_samples`, same
     length limit); medians over `rounds`. `identity` times the identity rule (`TopK()`) instead."""
-    from analyses.moe_router.evaluate import ExpertSetting, require_moe
-    from probes.routing import TopK
-    from analyses.moe_router.problems import load_items
-    from probes.server_bench import alternate
-
     arch = require_moe(backend)
     k = arch.experts_top_k
     setting = setting or ExpertSetting(max(1, k // 2), min(arch.n_experts - max(1, k // 2), 2 * k), 1.0)
@@ -91,11 +92,6 @@ def bench_expert_sample_overhead(backend: Backend, *, n_problems: int = 16, n_sa
 
 
 def run_moe(model_id: str = "toy-moe") -> list[dict[str, Any]]:
-    import torch
-
-    from analyses.moe_router.evaluate import ExpertSetting
-    from probes.engine import Engine
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: a shared machine's other load moves both sides alike
     try:

@@ -23,15 +23,17 @@ import typer
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
                              group)
+from analyses.moe_router.evaluate import ExpertSetting, evaluate_active_experts, evaluate_expert_sample
+from analyses.moe_router.maps import profile_task
+from analyses.moe_router.stats import HeadTail
 from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance, with_provenance
 
 TASK_HELP = "auto (the model's own task: toy-moe for the toy, else arith) | toy-moe | toy-moe:small | arith | gsm8k ..."
 
 
 def parse_grid(values: list[str]) -> list:
     """`--grid 4:12:1,2:24:2:displaced` -> Expert-Sample settings (k_h:m:T_e[:tail_gates])."""
-    from analyses.moe_router.evaluate import ExpertSetting
-
     out = [ExpertSetting.parse(part) for value in values for part in str(value).replace(" ", ",").split(",") if part]
     if values and not out:
         raise BadInputError("--grid takes settings such as 4:12:1,2:24:2:displaced")
@@ -58,8 +60,6 @@ def parse_ints(values: list[str], flag: str) -> list[int]:
 
 
 def _provenance(b, command: str, split: str, seed: int, settings: dict, data: str):
-    from thoughtscope.provenance import provenance
-
     return provenance(b.info(), data=data, split=split, seed=seed, settings=settings, command=command)
 
 
@@ -88,9 +88,6 @@ def register(cli: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Greedy, temperature sampling and Expert-Sample (chosen on development): pass@n and best-of-n on evaluation."""
-        from analyses.moe_router.evaluate import evaluate_expert_sample
-        from thoughtscope.provenance import with_provenance
-
         settings_grid = parse_grid(grid) or None
         temps = parse_floats(temperature, "--temperature")
         combined_temps = parse_floats(combined, "--combined") or None
@@ -120,9 +117,6 @@ def register(cli: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Greedy accuracy as the number of active experts per token shrinks (top-k' at every MoE layer)."""
-        from analyses.moe_router.evaluate import evaluate_active_experts
-        from thoughtscope.provenance import with_provenance
-
         b = backend(model, server, token)
         with TerminalProgress(enabled=not as_json) as progress:
             report = evaluate_active_experts(b, task, n, parse_ints(ks, "--k") or None, max_new_tokens=max_new_tokens,
@@ -148,10 +142,6 @@ def register(cli: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Sorted router probabilities, entropy, gap and head sizes (fixed / cumulative / gap), per MoE layer."""
-        from analyses.moe_router.maps import profile_task
-        from analyses.moe_router.stats import HeadTail
-        from thoughtscope.provenance import with_provenance
-
         b = backend(model, server, token)
         rules = (HeadTail("fixed", k_h=k_h), HeadTail("cumulative", p=p), HeadTail("gap"))
         with TerminalProgress(enabled=not as_json) as progress:

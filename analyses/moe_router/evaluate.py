@@ -38,11 +38,13 @@ from typing import Any
 
 import numpy as np
 
-from analyses.evaluation import (Choice, bootstrap_interval, choose_on_dev, mcnemar_exact, paired_difference_interval,
-                                 pass_at_k_interval, wilcoxon_test)
+from analyses.evaluation import (Choice, bootstrap_interval, choose_on_dev, mcnemar_exact, mean_pass_at_k,
+                                 paired_difference_interval, pass_at_k_interval, wilcoxon_test)
 from analyses.moe_router.problems import Item, load_items, resolve_task
 from probes.arch import ArchInfo
-from probes.backend import Backend
+from probes.backend import Backend, require
+from probes.engine import Sampling
+from probes.routing import EVERY_LAYER, ExpertSample, TopK
 from thoughtscope.errors import BadInputError
 
 TEMPERATURES = (0.3, 0.6, 1.0)
@@ -70,8 +72,6 @@ class ExpertSetting:
         return self
 
     def rule(self, seed: int = 0) -> Any:
-        from probes.routing import EVERY_LAYER, ExpertSample
-
         return ExpertSample(EVERY_LAYER, k_h=self.k_h, m=self.m, t_e=self.t_e, tail_gates=self.tail_gates,
                             seed=seed, where=self.where)
 
@@ -127,8 +127,6 @@ class Method:
     active_experts: int | None = None
 
     def interventions(self, seed: int) -> list[Any]:
-        from probes.routing import EVERY_LAYER, TopK
-
         out = []
         if self.expert is not None:
             out.append(self.expert.rule(seed))
@@ -137,8 +135,6 @@ class Method:
         return out
 
     def sampling(self) -> Any:
-        from probes.engine import Sampling
-
         return Sampling(temperature=float(self.temperature))
 
     @property
@@ -157,8 +153,6 @@ def arch_of(backend: Backend) -> ArchInfo:
 
 def require_moe(backend: Backend) -> Any:
     """The backend's ArchInfo, or a clear error for a dense model (before any model work)."""
-    from probes.backend import require
-
     arch = arch_of(backend)
     if not arch.is_moe:
         raise BadInputError(f"{backend.info().get('model_id')} is a dense model ({arch.model_type}): it has no MoE "
@@ -309,8 +303,6 @@ def paired_tests(method: Samples, baseline: Samples, seed: int = 0, n_resamples:
 def _dev_row(samples: Samples) -> dict[str, Any]:
     n = samples.n_samples
     counts = samples.counts()
-    from analyses.evaluation import mean_pass_at_k
-
     return {"pass@1": mean_pass_at_k(counts, 1), f"pass@{max(1, n // 4)}": mean_pass_at_k(counts, max(1, n // 4)),
             f"pass@{n}": mean_pass_at_k(counts, n), "mean_tokens": float(samples.tokens.mean()),
             "distinct_answers": float(np.mean([len(set(a)) for a in samples.answers])),

@@ -28,10 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
+from analyses.moe_router.evaluate import arch_of, require_moe
+from analyses.moe_router.problems import load_items, resolve_task
 from analyses.moe_router.stats import HeadTail, RouterProfile, sorted_probabilities
 from probes.arch import ArchInfo
-from probes.backend import Backend
+from probes.backend import Backend, require
 from thoughtscope.errors import BadInputError
 
 
@@ -81,16 +84,12 @@ def generation_map(backend: Backend, prompt: Any, *, n_samples: int = 1, max_new
                    sampling: Any = None, seed: int = 0, chat: bool = False, stop: Sequence[str] = ()) -> RouterMap:
     """Generate `n_samples` continuations of `prompt` (greedy unless `sampling` says otherwise) under `rule`
     (a router rule, or None for the model's own routing), capturing every MoE layer's routing per step."""
-    from probes.backend import require
-
     require(backend, "generate", "router")
     arch = backend.arch()
     layers = _moe_layers(arch)
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise BadInputError(f"n_samples must be an integer >= 1, got {n_samples!r}")
     if rule is not None:
-        from analyses.moe_router.evaluate import arch_of
-
         rule.validate(arch_of(backend))  # a bad rule is refused before any model work
     sites = [f"{kind}.{layer}" for layer in layers for kind in ("router", "experts", "expert_gates")]
     kwargs: dict[str, Any] = dict(n_samples=n_samples, max_new_tokens=max_new_tokens, seed=seed, capture=sites,
@@ -191,8 +190,6 @@ def score_view(rmap: RouterMap, sample: int, step: int, layer_index: int, k_h: i
         raise BadInputError(f"layer index {layer_index} out of range 0..{len(rmap.layers) - 1}")
     if isinstance(k_h, bool) or not isinstance(k_h, int) or not 0 <= k_h <= rmap.k:
         raise BadInputError(f"k_h must be an integer in 0..{rmap.k} (the model's top-k), got {k_h!r}")
-    import torch
-
     logits = torch.as_tensor(rmap.logits[sample, step, layer_index])
     order = torch.argsort(logits, descending=True)
     probs = sorted_probabilities(logits)
@@ -209,9 +206,6 @@ def profile_task(backend: Backend, task: str = "auto", n: int = 50, *, rules: Se
                  progress: Callable[[str, int, int], None] | None = None) -> tuple[RouterProfile, str]:
     """Router statistics over `n` development problems of `task`: each prompt and its greedy answer, read
     teacher-forced at every MoE layer. Returns the fitted profile and the task's name."""
-    from analyses.moe_router.evaluate import require_moe
-    from analyses.moe_router.problems import load_items, resolve_task
-
     require_moe(backend)
     profile = RouterProfile(rules=tuple(rules)) if rules is not None else RouterProfile()
     for rule in profile.rules:

@@ -22,7 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from analyses.evaluation import split_three
+from analyses.families import family_for, task_prompt
+from analyses.tasks import TASK_NAMES, extract_answer, is_correct, load_task
 from probes.backend import Backend
+from probes.toys import moe
 from thoughtscope.errors import BadInputError
 
 TOY_TASKS = ("toy-moe", "toy-moe:small")
@@ -56,8 +60,6 @@ class Item:
 
 def resolve_task(task: str, backend: Backend | None = None) -> str:
     """`auto` -> the model's own task (toy-moe[:small] for the toy), else `arith`; other names are checked."""
-    from analyses.tasks import TASK_NAMES
-
     if task == "auto":
         model_id = backend.info()["model_id"] if backend is not None else ""
         name, _, size = model_id.partition(":")
@@ -82,8 +84,6 @@ def load_items(task: str, split: str, n: int, seed: int = 0, backend: Backend | 
 
 
 def _toy_items(task: str, split: str, n: int, seed: int) -> list[Item]:
-    from probes.toys import moe
-
     size = "small" if task.endswith(":small") else "full"
     problems = moe.problems("dev" if split == "development" else "eval", n, seed=seed, config=moe.task_config(size))
     return [Item(id=f"{task}-{split[:3]}-s{seed}-{i:04d}", question=p.question, answer=str(p.answer),
@@ -93,10 +93,6 @@ def _toy_items(task: str, split: str, n: int, seed: int) -> list[Item]:
 
 
 def _shared_items(task: str, split: str, n: int, seed: int, backend: Backend) -> list[Item]:
-    from analyses.evaluation import split_three
-    from analyses.families import family_for, task_prompt
-    from analyses.tasks import extract_answer, is_correct, load_task
-
     # one pool and one seeded cut whichever split is asked for, so development and evaluation never overlap
     pool = load_task(task, SHARED_POOL, seed=seed)
     halves = split_three(pool, 0, len(pool) // 2, seed=seed, key=lambda p: p.id)

@@ -22,10 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from analyses.moe_router.evaluate import ExpertSetting, evaluate_expert_sample
 from analyses.moe_router.maps import RouterMap, generation_map, profile_task
+from analyses.moe_router.problems import load_items, resolve_task
+from probes import Engine
 from probes.backend import Backend
+from thoughtscope import shipped
+from thoughtscope.provenance import provenance
 
 NAME = "moe-router"
 DEFAULT_MODEL = "toy-moe"  # `--model toy-moe:small` ships the small toy's too
@@ -43,8 +48,6 @@ def default_setting(k: int, n_experts: int) -> ExpertSetting:
 
 def task_prompt(backend: Backend, index: int = 0, seed: int = 0) -> tuple[Any, bool, str]:
     """(prompt, chat, answer) of development problem `index` of the model's own task."""
-    from analyses.moe_router.problems import load_items, resolve_task
-
     items = load_items(resolve_task("auto", backend), "development", index + 1, seed=seed, backend=backend)
     item = items[index]
     return item.prompt, bool(item.chat), str(getattr(item, "answer", ""))
@@ -60,12 +63,6 @@ def map_from_dict(d: dict[str, Any]) -> RouterMap:
 
 def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None) -> Path:
     """Profile, default map and small evaluation of `model_id` (one thread, seed 0), written as a shipped result."""
-    import torch
-
-    from probes import Engine
-    from thoughtscope import shipped
-    from thoughtscope.provenance import provenance
-
     torch.set_num_threads(1)
     backend = backend if backend is not None else Engine.from_id(model_id)
     info = backend.info()

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probes.backend import Backend
+from probes.backend import Backend, require
 from thoughtscope.errors import BadInputError
 
 RULES = ("fixed", "cumulative", "gap")
@@ -151,8 +151,6 @@ class RouterProfile:
     def fit(self, backend: Backend, texts: Sequence[Any], chat: bool = False,
             on_progress: Callable[[int, int], None] | None = None) -> "RouterProfile":
         """Capture the router logits at every position of `texts` (teacher-forced) and aggregate them."""
-        from probes.backend import require
-
         require(backend, "trace", "router")
         if not texts:
             raise BadInputError("the router profile needs at least one text")

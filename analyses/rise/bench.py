@@ -9,6 +9,8 @@ from analyses.rise.harvest import HarvestSettings, generate_traces, resolve_deli
 from analyses.rise.pipeline import default_layers
 from analyses.tasks import load_task
 from probes.backend import Backend
+from probes.engine import Engine
+from saes.train import sae_throughput
 
 
 def bench_harvest(backend: Backend, n: int = 16, layers: tuple[int, ...] | None = None, batch_size: int = 16,
@@ -36,15 +38,11 @@ def bench_harvest(backend: Backend, n: int = 16, layers: tuple[int, ...] | None 
 
 def bench_sae_throughput(d_in: int = 576, n: int = 8192, steps: int = 100, device: str = "cpu") -> dict[str, Any]:
     """SAELens training loop throughput (activations/s) at the embedded model's width."""
-    from saes.train import sae_throughput
-
     row = sae_throughput(d_in=d_in, n=n, steps=steps, device=device)
     return {"bench": "rise_sae_throughput", **row}
 
 
 def run_rise(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
-    from probes.engine import Engine
-
     return [bench_harvest(Engine.from_id(model_id), 16), bench_sae_throughput()]
 
 

@@ -27,9 +27,15 @@ from typing import Any, Optional
 
 import typer
 import typer.core
+from rich.console import Console
+from rich.table import Table
 
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group
+from analyses.families import default_task
+from analyses.rise.evaluate import DEFAULT_ALPHAS, DEFAULT_PROJECTION_ALPHAS, evaluate_rise_organism
+from analyses.rise.pipeline import RiseOptions, RisePipeline, saved_saes
 from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance
 
 rise_app = typer.Typer(no_args_is_help=True, help="RISE: step-level SAEs, reasoning vectors and steering.")
 MULTI_VALUE_FLAGS = ("--alpha", "--layers")
@@ -100,9 +106,6 @@ def _numbers(values: list[str] | None, cast=float) -> list[Any]:
 
 def _pipeline(model, server, token, task, n, seed, layers, max_new_tokens, batch_size, delimiter, prompt, augment,
               store, quiet, **extra):
-    from analyses.families import default_task
-    from analyses.rise.pipeline import RiseOptions, RisePipeline
-
     engine = backend(model, server, token)
     options = RiseOptions(task=default_task(engine) if task == "auto" else task, n=n, seed=seed,
                           layers=tuple(_numbers(layers, cast=int)), max_new_tokens=max_new_tokens,
@@ -156,8 +159,6 @@ def train_cmd(model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION, 
               saes: Optional[str] = _SAES, quiet: bool = _QUIET, as_json: bool = _JSON) -> None:
     """Train one SAE per layer on the training traces' step vectors; report explained variance, L0 and dead
     latents on the held-out traces' steps (as SAELens computes them)."""
-    from thoughtscope.provenance import provenance
-
     run, progress = _pipeline(model, server, token, task, n, seed, layers, max_new_tokens, batch_size, delimiter,
                               prompt, augment, store, quiet, arch=arch, d_sae=d_sae, l1=l1, k=k, sae_steps=steps,
                               lr=lr, saes=saes, heldout=heldout, temperature=temperature)
@@ -206,8 +207,6 @@ def steer_cmd(behaviour: str = typer.Option("reflection", "--behaviour"),
                               delimiter, prompt, augment, store, quiet, arch=arch, saes=saes, projection="pca")
     with progress:
         payload = run.steer(behaviour, alphas, n, mode, layer)
-    from thoughtscope.provenance import provenance
-
     payload["provenance"] = provenance(run.info, data=run.options.task, split=payload["steering"]["split"],
                                        seed=run.options.seed, settings={**run.options.to_dict(), "alphas": alphas,
                                                                         "mode": mode, "n": n}, command="rise steer")
@@ -219,8 +218,6 @@ def saved_cmd(model: Optional[str] = typer.Option(None, "--model", help="only SA
               site: Optional[str] = typer.Option(None, "--site", help="only SAEs at this site, e.g. resid_post.2"),
               as_json: bool = _JSON) -> None:
     """The SAEs the RISE pipeline saved (SAELens folders), newest first, with their held-out quality."""
-    from analyses.rise.pipeline import saved_saes
-
     emit({"saved": [s.to_dict() for s in saved_saes(model, site)]}, as_json)
 
 
@@ -243,8 +240,6 @@ def rise_organism_cmd(
         as_json: bool = _JSON) -> None:
     """RISE against the organism's ground truth: held-out SAE quality, latent AUROC per planted behaviour,
     behaviour rates while steering (95% intervals), accuracy beside them."""
-    from analyses.rise.evaluate import DEFAULT_ALPHAS, DEFAULT_PROJECTION_ALPHAS, evaluate_rise_organism
-
     alphas = _numbers(alpha) or list(DEFAULT_ALPHAS if mode == "add" else DEFAULT_PROJECTION_ALPHAS)
     engine = backend(model, server, token)
     with TerminalProgress(enabled=not quiet) as progress:
@@ -256,9 +251,6 @@ def rise_organism_cmd(
     if as_json:
         emit(report.to_dict(), True)
         return
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     quality = Table("site", "EV train", "EV held-out", "L0 held-out", "step silhouette (held-out)",
                     *[f"AUROC {k}" for k in ("compute", "reflection", "backtrack", "redundant")],

@@ -8,6 +8,7 @@ Behaviour vector: the mean of a behaviour's own columns, renormalised [summary].
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ import torch
 
 from analyses.rise.harvest import Harvest
 from analyses.rise.labels import BEHAVIOURS, LABELS
+from analyses.rise.quality import latent_auroc, sae_quality, step_silhouette
+from saes.io import check_fits
+from saes.stats import encode_all, sae_stats
 from thoughtscope.errors import BadInputError
 
 @dataclass
@@ -87,9 +91,7 @@ def _project(w: np.ndarray, method: str, seed: int, n_neighbors: int) -> np.ndar
     if method not in ("umap", "pca"):
         raise BadInputError(f"projection {method!r}; use umap or pca")
     if method == "umap" and w.shape[0] > 4:
-        import warnings
-
-        import umap
+        import umap  # lazy: umap (numba) takes seconds to import; only this needs it
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # umap warns that a seed disables parallelism
@@ -103,7 +105,7 @@ def _project(w: np.ndarray, method: str, seed: int, n_neighbors: int) -> np.ndar
 
 
 def _silhouette(x: np.ndarray, groups: Sequence[str], metric: str) -> float | None:
-    from sklearn.metrics import silhouette_score
+    from sklearn.metrics import silhouette_score  # lazy: scikit-learn takes seconds to import; only this needs it
 
     n_groups = len(set(groups))
     if n_groups < 2 or n_groups > len(groups) - 1:
@@ -178,10 +180,6 @@ def analyse(harvest: Harvest, saes: dict[str, Any], method: str = "umap", top_n:
     association; they measure the SAE (`quality["heldout"]`, `stats`), the best latent per label
     (`auroc`: chosen on the other rows, scored on these) and the held-out silhouette.
     """
-    from analyses.rise.quality import latent_auroc, sae_quality, step_silhouette
-    from saes.io import check_fits
-    from saes.stats import encode_all, sae_stats
-
     labels = harvest.labels
     held = sorted(set(int(r) for r in heldout_rows))
     train = [r for r in range(len(labels)) if r not in set(held)]

@@ -12,6 +12,7 @@ import torch
 from analyses.rise.harvest import Harvest
 from analyses.rise.labels import LABELS
 from probes.backend import Backend
+from saes.stats import encode_all
 from thoughtscope.errors import BadInputError
 
 # --------------------------------------------------------------------------- feature dashboard
@@ -40,8 +41,6 @@ def feature_dashboard(harvest: Harvest, sae: Any, site: str, latent: int, backen
                       bins: int = 20, latents: torch.Tensor | None = None) -> FeatureDashboard:
     """Dashboard data for `latent` of the SAE at `site`; with a `backend`, the tokens its decoder
     column promotes and suppresses through the model's unembedding (`Backend.readout`, no final norm)."""
-    from saes.stats import encode_all
-
     if not 0 <= latent < sae.cfg.d_sae:
         raise BadInputError(f"latent {latent} out of range; this SAE has latents 0..{sae.cfg.d_sae - 1}")
     z = (latents if latents is not None else encode_all(sae, harvest.acts[site]))[:, latent]

@@ -32,11 +32,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
+from analyses.evaluation import wilcoxon_test
+from analyses.families import default_task
+from analyses.organism import is_organism, step_kinds
 from analyses.rise.pipeline import RiseOptions, RisePipeline
+from analyses.rise.quality import latent_auroc
 from analyses.rise.steer import SteeringResult, steer
 from probes.backend import Backend
+from saes.stats import encode_all
 from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance
 
 DEFAULT_ALPHAS = (-0.4, -0.2, -0.1, 0.0, 0.1, 0.2, 0.4)
 DEFAULT_PROJECTION_ALPHAS = (-2.0, -1.0, 0.0, 1.0, 1.5)
@@ -69,8 +76,6 @@ class RiseOrganismReport:
 
 def _kinds_and_rows(pipeline: RisePipeline, found: dict[str, Any]) -> tuple[list[str], list[int], list[int]]:
     """Each harvested step's planted kind (the organism's labeller), the training rows and the held-out rows."""
-    from analyses.organism import step_kinds
-
     h = found["harvest"]
     kinds = []
     for r in range(len(h.step_rows)):
@@ -82,9 +87,6 @@ def _kinds_and_rows(pipeline: RisePipeline, found: dict[str, Any]) -> tuple[list
 
 def kind_auroc(pipeline: RisePipeline, found: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per site, per planted kind: the best latent on the training steps and its held-out AUROC."""
-    from analyses.rise.quality import latent_auroc
-    from saes.stats import encode_all
-
     h = found["harvest"]
     kinds, train, rows = _kinds_and_rows(pipeline, found)
     out = {}
@@ -98,11 +100,10 @@ def probe_auroc(pipeline: RisePipeline, found: dict[str, Any], seed: int = 0) ->
     """The ceiling for `kind_auroc`: a logistic-regression probe on the raw step vectors (one per kind, fitted
     on the training steps), scored by AUROC on the held-out steps. A latent far below it means the
     information is in the residual stream but the SAE spread it over several latents."""
-    import numpy as np
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import roc_auc_score
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
+    from sklearn.linear_model import LogisticRegression  # lazy: scikit-learn takes seconds to import
+    from sklearn.metrics import roc_auc_score  # lazy: scikit-learn takes seconds to import; only this needs it
+    from sklearn.pipeline import make_pipeline  # lazy: scikit-learn takes seconds to import; only this needs it
+    from sklearn.preprocessing import StandardScaler  # lazy: scikit-learn takes seconds to import; only this needs it
 
     h = found["harvest"]
     kinds, train, rows = _kinds_and_rows(pipeline, found)
@@ -124,8 +125,6 @@ def probe_auroc(pipeline: RisePipeline, found: dict[str, Any], seed: int = 0) ->
 
 def compare_alphas(result: SteeringResult, key: str) -> list[dict[str, Any]]:
     """Each alpha against alpha = 0 on the same problems: mean difference with its interval, Wilcoxon p."""
-    from analyses.evaluation import wilcoxon_test
-
     base = next((r for r in result.rows if r.alpha == 0.0), None)
     if base is None:
         return []
@@ -151,10 +150,6 @@ def evaluate_rise_organism(backend: Backend, *, n_harvest: int = 400, n_steer: i
     """RISE on the organism against its ground truth (module docstring). `layer` forces the steering layer;
     `control` adds the random-direction control. A behaviour without a vector of its own at the steering
     layer (no SAE column voted for it alone) is reported by its absence from `steering`."""
-    from analyses.families import default_task
-    from analyses.organism import is_organism
-    from thoughtscope.provenance import provenance
-
     if not is_organism(backend):
         raise BadInputError("eval rise-organism needs the organism: --model toy-reasoner (or toy-reasoner:small)")
     if mode not in ("add", "projection"):
@@ -188,8 +183,6 @@ def evaluate_rise_organism(backend: Backend, *, n_harvest: int = 400, n_steer: i
     _, problems = pipeline.problems(n_steer)
     directions = {b: la.vectors[b] for b in ("reflection", "backtracking") if b in la.vectors}
     if control:
-        import torch
-
         noise = torch.randn(h.acts[site].shape[1], generator=torch.Generator().manual_seed(seed + 991))
         directions["random direction"] = noise / noise.norm()
     steering, comparisons = {}, {}

@@ -14,17 +14,19 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from analyses.families import family_for
+from analyses.organism import rise_label
 from analyses.rise.labels import LABELS, Judge, label_step
 from analyses.steps import NAMED, Step, compile_delimiter, locate_step_tokens, split_steps
 from analyses.tasks import SYSTEM_PROMPT, Problem, cot_prompt, is_correct, one_shot_messages
 from probes.backend import Backend
+from probes.sampling import Sampling  # a plain dataclass (the backend may live elsewhere)
 from thoughtscope.errors import BadInputError
 
 # --------------------------------------------------------------------------- harvest
@@ -56,8 +58,6 @@ class HarvestSettings:
 
     def resolved(self, model_id: str) -> "HarvestSettings":
         """A copy with `auto` prompt and labeller replaced by the model family's."""
-        from dataclasses import replace
-
         family = family_for(model_id)
         return replace(self, prompt=family.prompt if self.prompt == "auto" else self.prompt,
                        labeller=family.labeller if self.labeller == "auto" else self.labeller)
@@ -174,8 +174,6 @@ def judge_for(labeller: str, model_id: str = "") -> Judge | None:
     if labeller == "auto":
         labeller = family_for(model_id).labeller
     if labeller == "toy-reasoner":
-        from analyses.organism import rise_label
-
         return rise_label
     return None
 
@@ -279,8 +277,6 @@ def generate_traces(backend: Backend, problems: Sequence[Problem], settings: Har
     pieces: list[list[str]] = [[] for _ in problems]
     sampling = None
     if settings.temperature > 0:
-        from probes.engine import Sampling  # a plain dataclass; the backend may live elsewhere
-
         sampling = Sampling(temperature=settings.temperature)
     stream = backend.generate(prompts=list(prompts), max_new_tokens=settings.max_new_tokens, chat=chat,
                               interventions=interventions, sampling=sampling, seed=seed)

@@ -25,17 +25,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import save_file
+
 from analyses.rise.columns import RiseAnalysis, analyse
 from analyses.rise.harvest import Harvest, HarvestSettings, harvest
 from analyses.rise.labels import BEHAVIOURS
+from analyses.rise.quality import sae_quality
 from analyses.rise.steer import steer
-from analyses.tasks import Problem, load_task
+from analyses.tasks import ORGANISM_TASKS, Problem, load_task
+from cache.store import ActivationStore
 from probes.backend import Backend
+from probes.zoo import user_cache_dir
+from saes.io import is_sae_folder, load_sae, save_sae
+from saes.stats import sae_stats
+from saes.train import SAETrainSettings, train_sae
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -110,8 +119,6 @@ def saved_saes(model_id: str | None = None, site: str | None = None, root: str |
     []
     """
     if root is None:
-        from probes.zoo import user_cache_dir
-
         root = user_cache_dir() / "rise"
     root = Path(root)
     if not root.is_dir():
@@ -166,8 +173,6 @@ class RisePipeline:
     def problems(self, n_heldout: int = 0) -> tuple[list[Problem], list[Problem]]:
         """The harvest problems, then `n_heldout` more that none of them equals (for steering): the
         organism's calibration and eval splits, or the first and the next problems of the task."""
-        from analyses.tasks import ORGANISM_TASKS
-
         o = self.options
         if o.task in ORGANISM_TASKS:
             return (load_task(o.task, o.n, seed=o.seed, split="calibration"),
@@ -177,8 +182,6 @@ class RisePipeline:
 
     def heldout_rows(self, h: Harvest) -> list[int]:
         """Rows (steps) of the seeded `heldout` share of traces: never used to train the SAEs."""
-        import random
-
         n_traces = len(h.traces)
         k = int(round(self.options.heldout * n_traces))
         if self.options.heldout > 0 and n_traces >= 2:
@@ -187,8 +190,6 @@ class RisePipeline:
         return [r for r, (t, _) in enumerate(h.step_rows) if t in held]
 
     def harvest(self) -> Harvest:
-        from cache.store import ActivationStore
-
         store = ActivationStore(self.options.store) if self.options.store else ActivationStore()
         problems, _ = self.problems()
         return harvest(self.backend, problems, self.settings, store=store, on_progress=self._stage("harvest"))
@@ -197,8 +198,6 @@ class RisePipeline:
     def folder(self) -> Path:
         if self.options.saes:
             return Path(self.options.saes)
-        from probes.zoo import user_cache_dir
-
         key = json.dumps({"fingerprint": self.info["fingerprint"], "model": self.info["model_id"],
                           "harvest": self.settings.to_dict(),
                           **{k: v for k, v in self.options.to_dict().items() if k not in ("saes", "store", "projection")}},
@@ -209,11 +208,6 @@ class RisePipeline:
         """One SAE per site, loaded from the folder when it is there (unless `retrain`), else trained on the
         training traces' steps and saved (with a `rise.json` naming its model, site and held-out quality).
         Returns the SAEs and their stats on the held-out steps (on all steps when none is held out)."""
-        from analyses.rise.quality import sae_quality
-        from saes.io import is_sae_folder, load_sae, save_sae
-        from saes.stats import sae_stats
-        from saes.train import SAETrainSettings, train_sae
-
         o = self.options
         held = self.heldout_rows(h)
         train_rows = sorted(set(range(len(h.step_rows))) - set(held))
@@ -244,8 +238,6 @@ class RisePipeline:
 
     def analyse(self, h: Harvest, saes: dict[str, Any]) -> RiseAnalysis:
         """Column association, geometry and behaviour vectors; the vectors are saved beside the SAEs."""
-        from safetensors.torch import save_file
-
         result = analyse(h, saes, method=self.options.projection, seed=self.options.seed,
                          heldout_rows=self.heldout_rows(h))
         vectors = {f"{la.site}/{label}": v.contiguous() for la in result.layers for label, v in la.vectors.items()}
@@ -284,8 +276,6 @@ class RisePipeline:
                 "label_counts": h.label_counts(), "site": site, "folder": str(self.folder)}
 
     def _steer_split(self) -> str:
-        from analyses.tasks import ORGANISM_TASKS
-
         return "eval (the generator's)" if self.options.task in ORGANISM_TASKS else "held-out (after the harvest)"
 
     # ----- progress -----

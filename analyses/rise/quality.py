@@ -32,7 +32,7 @@ POOR_EXPLAINED_VARIANCE = 0.5  # below this on held-out steps, the page warns th
 @torch.no_grad()
 def sae_quality(sae: Any, acts: torch.Tensor, batch_size: int = 4096) -> dict[str, float]:
     """Explained variance (SAELens' calculator and its legacy form), L0 and MSE of `sae` on `acts` [n, d]."""
-    from sae_lens.evals import ExplainedVarianceCalculator
+    from sae_lens.evals import ExplainedVarianceCalculator  # lazy: sae_lens takes seconds to import; only this needs it
 
     if acts.shape[0] == 0:
         return {"n": 0, "explained_variance": float("nan"), "explained_variance_legacy": float("nan"),
@@ -71,7 +71,7 @@ def quality_warning(heldout_ev: float | None, threshold: float = POOR_EXPLAINED_
 
 
 def _auroc(scores: np.ndarray, positive: np.ndarray) -> float | None:
-    from sklearn.metrics import roc_auc_score
+    from sklearn.metrics import roc_auc_score  # lazy: scikit-learn takes seconds to import; only this needs it
 
     if positive.all() or not positive.any():
         return None
@@ -82,7 +82,7 @@ def latent_auroc(train_latents: torch.Tensor, train_labels: Sequence[str], heldo
                  heldout_labels: Sequence[str], classes: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Per class: the latent with the highest training AUROC (class vs rest), its training AUROC, and
     its AUROC on the held-out steps (None where a split lacks positives or negatives)."""
-    from sklearn.metrics import roc_auc_score
+    from sklearn.metrics import roc_auc_score  # lazy: scikit-learn takes seconds to import; only this needs it
 
     z_train = torch.as_tensor(train_latents).float().numpy()
     z_held = torch.as_tensor(heldout_latents).float().numpy()
@@ -107,7 +107,7 @@ def latent_auroc(train_latents: torch.Tensor, train_labels: Sequence[str], heldo
 def step_silhouette(latents: torch.Tensor, labels: Sequence[str]) -> float | None:
     """Silhouette (cosine) of steps' latent codes grouped by label; None when undefined (one group,
     or as many groups as steps). Steps where no latent fires have no direction and are left out."""
-    from sklearn.metrics import silhouette_score
+    from sklearn.metrics import silhouette_score  # lazy: scikit-learn takes seconds to import; only this needs it
 
     z = torch.as_tensor(latents).float().numpy()
     keep = np.linalg.norm(z, axis=1) > 0

@@ -25,16 +25,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+from analyses.families import default_task
+from analyses.organism import is_organism
+from analyses.rise.columns import analyse
+from analyses.rise.harvest import Harvest, HarvestSettings, _make_trace, judge_for
+from analyses.rise.labels import label_step
+from analyses.rise.pipeline import RiseOptions, RisePipeline, default_layers
+from analyses.tasks import Problem
+from probes.engine import Engine
+from probes.zoo import user_cache_dir
+from saes.io import load_sae
+from saes.stats import sae_stats
+from safetensors.torch import load_file, save
+from thoughtscope import shipped
+from thoughtscope.provenance import provenance
+import torch
+
 NAME = "rise-saes"
 SMALL_MODELS = ("smollm2-135m", "tiny-random:")  # never reflect on their own: splice templated steps by default
 
 
 def page_options(model_id: str, n_layers: int, max_new_tokens: int = 48, seed: int = 0):
     """The RISE page's default options for a model (what the page opens on)."""
-    from analyses.families import default_task
-    from analyses.organism import is_organism
-    from analyses.rise.pipeline import RiseOptions, default_layers
-
     organism = is_organism(model_id)
     n = 40 if organism else 12
     return RiseOptions(task=default_task(model_id), n=n, seed=seed, layers=tuple(default_layers(n_layers)),
@@ -52,8 +64,6 @@ def comparable(options: Any) -> dict[str, Any]:
 
 def files_of(found: dict[str, Any], options: Any, heldout_rows: list[int]) -> dict[str, Any]:
     """The shipped files of a finished pipeline run (`RisePipeline.run()`)."""
-    from safetensors.torch import save
-
     h, analysis = found["harvest"], found["analysis"]
     files: dict[str, Any] = {
         "harvest.json": {"model_id": h.model_id, "settings": h.settings.to_dict(), "delimiter": h.delimiter,
@@ -74,8 +84,6 @@ def files_of(found: dict[str, Any], options: Any, heldout_rows: list[int]) -> di
 
 
 def default_sae_root(stored: Any) -> Path:
-    from probes.zoo import user_cache_dir
-
     return user_cache_dir() / "rise-shipped" / stored.manifest["files"]["acts.safetensors"][:16]
 
 
@@ -98,16 +106,6 @@ def load(stored: Any, sae_root: Path | None = None) -> dict[str, Any]:
     """The page's result (`harvest`, `saes`, `stats`, `analysis`, `folder`, `heldout_traces`) from a
     verified `thoughtscope.shipped.Shipped` of this name. The SAEs are put back into SAELens folders
     under `sae_root` (default: the user cache, one folder per shipped file set)."""
-    import torch
-    from safetensors.torch import load_file
-
-    from analyses.rise.columns import analyse
-    from analyses.rise.harvest import Harvest, HarvestSettings, _make_trace, judge_for
-    from analyses.rise.labels import label_step
-    from analyses.tasks import Problem
-    from saes.io import load_sae
-    from saes.stats import sae_stats
-
     meta = stored.json("harvest.json")
     settings = HarvestSettings(**{**meta["settings"], "layers": tuple(meta["settings"]["layers"])})
     judge = judge_for(settings.labeller, meta["model_id"])
@@ -134,13 +132,6 @@ def load(stored: Any, sae_root: Path | None = None) -> dict[str, Any]:
 
 
 def build(model_id: str, command: str, root: Path | None = None) -> Path:
-    import torch
-
-    from analyses.rise.pipeline import RisePipeline
-    from probes.engine import Engine
-    from thoughtscope import shipped
-    from thoughtscope.provenance import provenance
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     engine = Engine.from_id(model_id)

@@ -10,18 +10,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from analyses.evaluation import bootstrap_interval
+from analyses.families import family_for
+from analyses.organism import behaviour_counts
 from analyses.rise.harvest import HarvestSettings, TraceRecord, generate_traces, resolve_delimiter
 from analyses.rise.labels import count_behaviours
 from analyses.tasks import Problem
 from probes.backend import Backend
+from probes.interventions import AddVector, ProjectionRescale
 from thoughtscope.errors import BadInputError
 
 def steering_intervention(site: str, vector: torch.Tensor, alpha: float | list[float],
                           mode: str = "projection") -> Any:
     """ProjectionRescale (h - alpha w (w.h)) or AddVector (h + alpha w) at every generated token; `alpha` may
     be one value per batch row (the alpha grid of one batched generation)."""
-    from probes.interventions import AddVector, ProjectionRescale
-
     if mode == "projection":
         return ProjectionRescale(site, vector, alpha=alpha, where="generated")
     if mode == "add":
@@ -33,12 +35,8 @@ def behaviour_counter(labeller: str, delimiter: str, model_id: str = "") -> Call
     """Steps of each behaviour in one trace, as the family's labeller reads them: RISE's keyword list, or
     the organism's own labeller (its backtrack steps counted as `backtracking`)."""
     if labeller == "auto":
-        from analyses.families import family_for
-
         labeller = family_for(model_id).labeller
     if labeller == "toy-reasoner":
-        from analyses.organism import behaviour_counts
-
         def organism(text: str) -> dict[str, int]:
             c = behaviour_counts(text)
             return {"reflection": c["reflection"], "backtracking": c["backtrack"], "other": c["compute"] +
@@ -116,8 +114,6 @@ def steer(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, s
         >>> result = steer(engine, problems[:1], vector, "resid_post.2", alphas=[-1, 0, 1], batch_alphas=True)
         >>> result.traces[1.0][0].text  # the steered trace at alpha 1
     """
-    from analyses.evaluation import bootstrap_interval
-
     model_id = backend.info()["model_id"]
     settings = (settings or HarvestSettings()).resolved(model_id)
     if not problems:

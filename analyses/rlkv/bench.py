@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 
+from analyses.rlkv.heads import kv_fraction, random_full_heads
+from analyses.tasks import load_gsm8k
 from probes.backend import Backend
+from probes.engine import Engine
+from probes.kv_policy import HeadBudget
+from probes.server_bench import alternate
 
 SPARSITY, SINK, RECENT = 0.5, 4, 32
 
@@ -24,8 +29,6 @@ SPARSITY, SINK, RECENT = 0.5, 4, 32
 def bench_prompt(backend: Backend, context_tokens: int = 240) -> list[int]:
     """A long prompt that asks for a long answer: GSM8K questions as context (about `context_tokens` tokens),
     then a story to write, in the chat template."""
-    from analyses.tasks import load_gsm8k
-
     story = "\n\nIgnore the problems above. Write a long story about a lighthouse keeper who finds a message in a bottle."
     questions = []
     for p in load_gsm8k(40):
@@ -36,10 +39,6 @@ def bench_prompt(backend: Backend, context_tokens: int = 240) -> list[int]:
 
 
 def bench_kv_bytes(backend: Backend, tokens: int = 160, rounds: int = 2, seed: int = 0) -> list[dict[str, Any]]:
-    from analyses.rlkv.heads import kv_fraction, random_full_heads
-    from probes.kv_policy import HeadBudget
-    from probes.server_bench import alternate
-
     arch = backend.arch()
     full = random_full_heads((arch.n_layers, arch.n_kv_heads), SPARSITY, seed=seed)
     policy = HeadBudget(full_heads=torch.as_tensor(full), sink=SINK, recent=RECENT)
@@ -71,8 +70,6 @@ def bench_kv_bytes(backend: Backend, tokens: int = 160, rounds: int = 2, seed: i
 
 
 def run_rlkv(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
-    from probes.engine import Engine
-
     return bench_kv_bytes(Engine.from_id(model_id))
 
 

@@ -21,11 +21,17 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
                              group)
+from analyses.rlkv.data import task_problems
+from analyses.rlkv.evaluate import evaluate_rlkv, report_table
+from analyses.rlkv.head_map import HeadMap
+from analyses.rlkv.probe import HeadGateProbe
 from probes.backend import Backend
 from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance
 
 
 def parse_sparsities(values: list[str], extra: list[str]) -> list[float]:
@@ -46,8 +52,6 @@ def parse_sparsities(values: list[str], extra: list[str]) -> list[float]:
 
 
 def _provenance(engine: Backend, **kw):
-    from thoughtscope.provenance import provenance
-
     return provenance(engine.info(), **kw)
 
 
@@ -76,9 +80,6 @@ def register(cli: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Learn RLKV gates with GRPO (in this process); saves and resumes in --out."""
-        from analyses.rlkv.data import task_problems
-        from analyses.rlkv.probe import HeadGateProbe
-
         probe = HeadGateProbe(sink=sink, recent=recent, beta=beta, tau=tau, group_size=group_size, lr=lr, steps=steps,
                               prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens,
                               temperature=temperature, micro_batch=micro_batch, seed=seed)
@@ -117,9 +118,6 @@ def register(cli: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json"),
     ) -> None:
         """The layer x KV-head map: learned gates (--gates), else long-range attention from attention statistics."""
-        from analyses.rlkv.data import task_problems
-        from analyses.rlkv.head_map import HeadMap
-
         if sparsity is not None:
             parse_sparsities([str(sparsity)], [])  # refused before the model loads
         engine = backend(model, server, token)
@@ -164,8 +162,6 @@ def register(cli: typer.Typer) -> None:
         per_problem: bool = typer.Option(False, help="include per-problem rows in the JSON"),
     ) -> None:
         """Full cache vs RLKV vs baselines on the same KV budget: accuracy [95% CI], McNemar, KV bytes, tokens/s."""
-        from analyses.rlkv.evaluate import evaluate_rlkv, report_table
-
         levels = parse_sparsities(sparsity, list(ctx.args))
         windows = [int(w) for w in snapkv_windows.replace(" ", ",").split(",") if w]
         engine = backend(model, server, token)
@@ -178,8 +174,6 @@ def register(cli: typer.Typer) -> None:
         if as_json:
             print(json.dumps(payload))
             return
-        from rich.console import Console
-
         console = Console()
         console.print(report_table(report))
         for line in report.notes():

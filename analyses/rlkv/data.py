@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from analyses.tasks import arithmetic_problems, load_task
 from thoughtscope.errors import BadInputError
 
 OPS_TASKS = ("arith", "arith2")
@@ -35,8 +36,6 @@ def task_problems(task: str, n: int, seed: int = 0, ops: str | Iterable[str] | N
                   exclude: Iterable[str] = ()) -> list[Any]:
     """`n` problems of `task` (seeded), restricted to `ops` for the arithmetic tasks, none of whose
     questions is in `exclude`."""
-    from analyses.tasks import arithmetic_problems, load_task
-
     chosen = parse_ops(ops)
     if chosen is not None and task not in OPS_TASKS:
         raise BadInputError(f"--ops applies to {', '.join(OPS_TASKS)}; task {task!r} has its own problems")

@@ -41,9 +41,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from rich.table import Table
 
-from probes.backend import Backend
+from analyses.evaluation import (Splits, bootstrap_interval, choose_on_dev, compare, detectable_statement,
+                                 mcnemar_exact, paired_difference_interval, split_three)
+from analyses.families import family_for, task_prompt
+from analyses.rlkv.data import task_problems
+from analyses.rlkv.heads import (attention_head_scores, full_heads_from_scores, matched_entries, problem_texts,
+                                 random_full_heads)
+from analyses.rlkv.probe import read_gates
+from analyses.tasks import is_correct
+from probes.backend import Backend, require
+from probes.gates import check_window
+from probes.kv_policy import HeadBudget, KnormPolicy, SinkRecent, SnapKVPolicy
 from thoughtscope.errors import BadInputError
+from thoughtscope.provenance import provenance
 
 METHODS = ("rlkv", "attention", "random", "streaming", "snapkv", "knorm")
 # Controls run only when asked for by name: `rlkv-inverse` makes the heads with the HIGHEST gates local
@@ -102,8 +114,6 @@ def generate_run(backend: Backend, method: str, sparsity: float | None, setting:
                  prompts: list[list[int]], problems: Sequence[Any], *, max_new_tokens: int, batch_size: int,
                  progress: Callable[[str, int, int], None] | None = None, stage: str = "") -> Run:
     """Greedy generations of every prompt under `policy` (None: the full cache), scored."""
-    from analyses.tasks import is_correct
-
     interventions = [policy] if policy is not None else []
     eos = set(backend.eos_ids())
     n = len(prompts)
@@ -147,8 +157,6 @@ class RLKVReport:
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per method and sparsity (random seeds pooled into `random-mean` besides their own rows)."""
-        from analyses.evaluation import compare
-
         out = [self._row(self.full, None)]
         for run in self.runs:
             out.append(self._row(run, compare(run.method, run.setting, run.correct,
@@ -158,8 +166,6 @@ class RLKVReport:
         return out
 
     def _row(self, run: Run, comparison: Any) -> dict[str, Any]:
-        from analyses.evaluation import bootstrap_interval
-
         frac = [k / f if f else float("nan") for k, f in zip(run.kv_bytes, self.full.kv_bytes)]
         acc = bootstrap_interval(run.correct, seed=self.seed) if comparison is None else comparison.accuracy
         row = {"method": run.method, "sparsity": run.sparsity, "setting": run.setting, "policy": run.policy,
@@ -173,8 +179,6 @@ class RLKVReport:
 
     def curves(self) -> dict[str, list[dict[str, Any]]]:
         """Accuracy vs sparsity per method (random pooled over seeds), for the figure."""
-        from analyses.evaluation import bootstrap_interval
-
         curves: dict[str, list[dict[str, Any]]] = {}
         by = {}
         for run in self.runs:
@@ -194,8 +198,6 @@ class RLKVReport:
         """RLKV against every other method at each sparsity, on the same problems: the mean paired
         difference in accuracy with its bootstrap interval (a random baseline: the mean over its seeds
         per problem) and exact McNemar (against each random seed on its own; `seeds` lists them)."""
-        from analyses.evaluation import mcnemar_exact, paired_difference_interval
-
         out = []
         for s in self.sparsities:
             here = [r for r in self.runs if r.sparsity == s]
@@ -216,8 +218,6 @@ class RLKVReport:
 
     def notes(self) -> list[str]:
         """What n can tell apart, in words."""
-        from analyses.evaluation import detectable_statement
-
         n = len(self.full.correct)
         lines = [f"{n} evaluation problems: a 95% interval on an accuracy near "
                  f"{np.mean(self.full.correct):.0%} is about ±{1.96 * math.sqrt(max(np.mean(self.full.correct) * (1 - np.mean(self.full.correct)), 0.01) / n):.0%} wide."]
@@ -263,17 +263,6 @@ def evaluate_rlkv(backend: Backend, task: str, sparsities: Sequence[float], *, g
                   snapkv_kernel: int = 5, max_new_tokens: int = 64, batch_size: int = 16, methods: Any = "all",
                   progress: Callable[[str, int, int], None] | None = None) -> RLKVReport:
     """Run the comparison (see the module docstring). Every check runs before any model work."""
-    from analyses.evaluation import Splits, choose_on_dev, split_three
-    from analyses.families import family_for, task_prompt
-    from analyses.rlkv.data import task_problems
-    from analyses.rlkv.heads import (attention_head_scores, full_heads_from_scores, matched_entries,
-                                     random_full_heads)
-    from analyses.rlkv.probe import read_gates
-    from probes.backend import require
-    from probes.gates import check_window
-    from probes.kv_policy import HeadBudget, KnormPolicy, SinkRecent, SnapKVPolicy
-    from thoughtscope.provenance import provenance
-
     info = backend.info()
     arch = backend.arch()
     shape = (arch.n_layers, arch.n_kv_heads)
@@ -328,8 +317,6 @@ def evaluate_rlkv(backend: Backend, task: str, sparsities: Sequence[float], *, g
     if learned is not None:
         head_maps["rlkv"] = learned.tolist()
     if "attention" in chosen:
-        from analyses.rlkv.heads import problem_texts
-
         traces = problem_texts(backend, splits.calibration, max_new_tokens=max_new_tokens, batch_size=batch_size)
         head_maps["attention"] = attention_head_scores(backend, traces, sink, recent, progress=progress).tolist()
 
@@ -377,8 +364,6 @@ def evaluate_rlkv(backend: Backend, task: str, sparsities: Sequence[float], *, g
 
 def report_table(report: RLKVReport) -> Any:
     """A rich table of the report's rows."""
-    from rich.table import Table
-
     table = Table("sparsity", "method", "accuracy [95% CI]", "McNemar p (+/-)", "KV / full", "tokens/s ratio",
                   "repetition / over-length / wrong",
                   title=f"{report.model} on {report.task}: {len(report.full.correct)} evaluation problems, "
@@ -401,8 +386,6 @@ def compressed_generation(backend: Backend, prompt: Any, policy: Any, *, max_new
     """One prompt with the full cache and under `policy`: both texts, KV bytes per token, and the compressed
     generation's error mode (with a known `answer`; without one, correct/wrong cannot be told apart and a
     generation that is neither repetitive nor over-length is tagged 'finished')."""
-    from analyses.tasks import is_correct
-
     eos = set(backend.eos_ids())
     out: dict[str, Any] = {"policy": policy.describe(), "answer": answer}
     for key, interventions in (("full", []), ("compressed", [policy])):

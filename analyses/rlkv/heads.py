@@ -28,14 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from probes.backend import Backend
+from analyses.families import family_for, task_prompt
+from probes.backend import Backend, require
+from probes.gates import binarised
 from thoughtscope.errors import BadInputError
 
 
 def random_full_heads(shape: tuple[int, int], sparsity: float, seed: int = 0) -> np.ndarray:
     """bool [layers, kv_heads]: a random (1 - sparsity) fraction of heads keeps the full cache."""
-    from probes.gates import binarised
-
     scores = torch.rand(tuple(shape), generator=torch.Generator().manual_seed(int(seed)))
     return binarised(scores, sparsity).numpy()
 
@@ -43,8 +43,6 @@ def random_full_heads(shape: tuple[int, int], sparsity: float, seed: int = 0) ->
 def full_heads_from_scores(scores: Any, sparsity: float, tiebreak: Any = None) -> np.ndarray:
     """bool [layers, kv_heads]: the top (1 - sparsity) fraction of heads by score keeps the full cache
     (equal scores ordered by `tiebreak`, higher first)."""
-    from probes.gates import binarised
-
     second = None if tiebreak is None else torch.as_tensor(np.asarray(tiebreak, dtype=np.float32))
     return binarised(torch.as_tensor(np.asarray(scores, dtype=np.float32)), sparsity, second).numpy()
 
@@ -68,8 +66,6 @@ def kv_fraction(full_heads: Any, length: int, sink: int, recent: int) -> float:
 def problem_texts(backend: Backend, problems: Sequence[Any], max_new_tokens: int = 48,
                   batch_size: int = 16) -> list[list[int]]:
     """Token ids of prompt + greedy full-cache completion for each problem (the traces statistics are read from)."""
-    from analyses.families import family_for, task_prompt
-
     family = family_for(backend)
     prompts = [backend.encode(*task_prompt(p, family)[:1], chat=task_prompt(p, family)[1]) for p in problems]
     out = [list(p) for p in prompts]
@@ -98,8 +94,6 @@ def long_range_mass(pattern: torch.Tensor, sink: int, recent: int) -> tuple[torc
 def attention_head_scores(backend: Backend, sequences: Sequence[Sequence[int]], sink: int, recent: int,
                           progress: Callable[[str, int, int], None] | None = None) -> np.ndarray:
     """[layers, kv_heads]: mean attention mass outside the sink + recent window (see the module docstring)."""
-    from probes.backend import require
-
     require(backend, "attention")
     arch = backend.arch()
     layers, heads, kv_heads = arch.n_layers, arch.n_heads, arch.n_kv_heads

@@ -45,9 +45,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
+from analyses.families import family_for, task_prompt
 from analyses.rlkv.grpo import adaptive_l1_weight, group_advantages, policy_loss
-from probes.backend import Backend
+from analyses.rlkv.heads import full_heads_from_scores
+from analyses.tasks import is_correct
+from probes.backend import Backend, require
+from probes.engine import Sampling
+from probes.gates import check_gates
+from probes.kv_policy import HeadBudget
 from thoughtscope.errors import BadInputError
 
 GATES_FILE = "gates.safetensors"
@@ -58,16 +66,12 @@ RESUMABLE = ("steps", "micro_batch")  # settings a resumed run may change
 
 def default_prompt_fn(backend: Backend) -> Callable[[Any], tuple[Any, bool]]:
     """problem -> (prompt, chat) in the model family's prompt style (`analyses.families`)."""
-    from analyses.families import family_for, task_prompt
-
     family = family_for(backend)
     return lambda problem: task_prompt(problem, family)
 
 
 def default_reward(text: str, problem: Any) -> float:
     """1.0 when the completion's answer matches the problem's (`analyses.tasks.is_correct`), else 0.0."""
-    from analyses.tasks import is_correct
-
     return 1.0 if is_correct(text, problem) else 0.0
 
 
@@ -130,9 +134,6 @@ class HeadGateProbe:
         Runs in the process that holds the model (capability "head_gates"); a model server is refused.
         With `checkpoint_dir`, resumes a run of the same settings found there and saves as it goes.
         """
-        from probes.backend import require
-        from probes.engine import Sampling
-
         self._check(problems)
         if not backend.capabilities().get("head_gates", False):
             raise BadInputError("RLKV gate training runs in the process that holds the model (the issue's design); "
@@ -230,14 +231,10 @@ class HeadGateProbe:
     def keep_full(self, sparsity: float) -> np.ndarray:
         """bool [layers, kv_heads]: the top (1 - sparsity) fraction of heads by gate keep the full cache;
         gates clamped at 1 are ordered by `pressure_`, how hard the last steps still pushed them up."""
-        from analyses.rlkv.heads import full_heads_from_scores
-
         return full_heads_from_scores(self._fitted(), sparsity, getattr(self, "pressure_", None))
 
     def policy(self, sparsity: float, sink: int = 16, recent: int = 64) -> Any:
         """The KV-cache policy of RLKV inference at `sparsity` (evaluation windows: the paper's 16 + 64)."""
-        from probes.kv_policy import HeadBudget
-
         return HeadBudget(full_heads=torch.as_tensor(self.keep_full(sparsity)), sink=sink, recent=recent)
 
     def save(self, directory: str | Path) -> Path:
@@ -287,8 +284,6 @@ def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
 def save_checkpoint(directory: str | Path, gates: np.ndarray, optimizer: dict | None, log: list[dict],
                     meta: dict[str, Any]) -> Path:
     """gates.safetensors (gates + AdamW state) and log.json (settings, problems, per-step rows), written atomically."""
-    from safetensors.torch import save_file
-
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {"gates": torch.as_tensor(gates, dtype=torch.float32).contiguous()}
@@ -308,11 +303,6 @@ def save_checkpoint(directory: str | Path, gates: np.ndarray, optimizer: dict | 
 def read_gates(path: str | Path, backend: Backend | None = None) -> dict[str, Any]:
     """{gates (numpy [layers, kv_heads]), meta, log} of a gates file or folder; with `backend`, checked against
     its model's shape before any model work (a file for another model is refused)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from probes.gates import check_gates
-
     p = Path(path)
     gates_path = p / GATES_FILE if p.is_dir() else p
     if not gates_path.is_file():

@@ -38,7 +38,10 @@ import numpy as np
 import torch
 
 from analyses.visual_attribution.regions import Region, positions
-from probes.backend import Backend
+from probes.attention_masks import RowMask
+from probes.backend import Backend, require
+from probes.interventions import MaskAttention
+from probes.vision import expand, spec_of
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[int, int], None] | None
@@ -60,9 +63,6 @@ def check_spans(spans: Sequence[Sequence[int]], n_tokens: int, image_end: int) -
 
 
 def _spec_and_trace(backend: Backend, text: Any, image: Any, capture: Sequence[str] = ()):
-    from probes.backend import require
-    from probes.vision import spec_of
-
     require(backend, "vision", "trace", "interventions")
     spec = spec_of(backend)
     return spec, backend.trace(text, capture=list(capture), images=[image])
@@ -82,9 +82,6 @@ def exhaustive_effects(backend: Backend, text: Any, image: Any, spans: Sequence[
     `RowMask` per region, probes.attention_masks), the first forward also the unmasked row, so K
     regions cost ceil((K + 1) / batch_size) forwards of up to `batch_size` rows. `batch_size=1`
     runs one unmasked pass plus one masked `trace` per region (the unbatched reference)."""
-    from probes.backend import require
-    from probes.vision import expand, spec_of
-
     require(backend, "vision", "trace", "interventions")
     if not regions:
         raise BadInputError("give at least one region")
@@ -101,9 +98,6 @@ def masked_drops(backend: Backend, text: Any, image: Any, spans: Sequence[tuple[
     """[n_sets, n_spans]: each span's log-prob drop (nats) with attention to one set of token positions
     masked in every layer, the sets `batch_size` rows per forward (RowMask; row 0 of the first forward
     unmasked); `batch_size=1`: one `trace` per set with a plain MaskAttention."""
-    from probes.attention_masks import RowMask
-    from probes.interventions import MaskAttention
-
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise BadInputError(f"batch_size must be a positive integer, got {batch_size!r}")
     sets = [list(p) for p in position_sets]
@@ -142,8 +136,6 @@ def attention_features(backend: Backend, text: Any, image: Any, spans: Sequence[
     """[n_spans, n_regions, n_layers * n_heads]: attention from the span's tokens to the region's
     tokens, per layer and head (mean over the span's queries, sum over the region's keys). Pass a
     `trace` that captured every `attn_pattern.L` to reuse it (streaming does)."""
-    from probes.vision import spec_of
-
     spec = spec_of(backend)
     n_layers = backend.arch().n_layers
     sites = [f"attn_pattern.{layer}" for layer in range(n_layers)]
@@ -176,9 +168,6 @@ def gradient_scores(backend: Backend, text: Any, image: Any, spans: Sequence[Seq
     at the language model's input (`resid_pre.0`, where the image tokens hold the projected patch
     features), summed over each region's tokens. One forward and backward pass per span (the
     gradient slot, probes.gradients)."""
-    from probes.backend import require
-    from probes.vision import spec_of
-
     require(backend, "vision", "grad")
     spec = spec_of(backend)
     ids = backend.trace(text, images=[image]).token_ids

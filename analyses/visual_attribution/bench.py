@@ -21,17 +21,22 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
+from analyses.visual_attribution.attribution import attention_features, exhaustive_effects
+from analyses.visual_attribution.estimator import AmortizedAttribution
 from analyses.visual_attribution.evaluate import toy_scene
+from analyses.visual_attribution.regions import grid_regions
+from analyses.visual_attribution.stream import stream_attribution
 from probes.backend import Backend
+from probes.engine import Engine
+from probes.toys import vlm
+from probes.vision import spec_of
+from probes.zoo import ModelHandle, arch_from_config
 
 
 def _scene(backend: Backend, example: Any, grid: int) -> tuple[str, Any, list[tuple[int, int]], list[Any]]:
     """(text, image, description spans, grid regions) of a toy example on a model with grid x grid tokens."""
-    from analyses.visual_attribution.regions import grid_regions
-    from probes.toys import vlm
-    from probes.vision import spec_of
-
     text = f"{vlm.prompt_text(example.question)} {example.trace} <eos>"
     shift = grid * grid - vlm.N_IMAGE_TOKENS  # the spans move with the extra image tokens
     spans = [(example.input_positions(s).start + shift, example.input_positions(s).stop + shift)
@@ -40,9 +45,6 @@ def _scene(backend: Backend, example: Any, grid: int) -> tuple[str, Any, list[tu
 
 
 def _fit(backend: Backend, scenes: list[tuple], seed: int) -> Any:
-    from analyses.visual_attribution.attribution import attention_features, exhaustive_effects
-    from analyses.visual_attribution.estimator import AmortizedAttribution
-
     X, y = [], []
     for text, image, spans, regions in scenes:
         feats = attention_features(backend, text, image, spans, regions)
@@ -55,9 +57,6 @@ def bench_speedup(backend: Backend, grid: int, n_scenes: int = 6, seed: int = 0,
                   note: str = "") -> dict[str, Any]:
     """Seconds per span of exhaustive ablation (batched over regions, and unbatched) / of the amortized
     estimate, over `n_scenes` toy eval scenes on a model with grid x grid visual tokens."""
-    from analyses.visual_attribution.attribution import attention_features, exhaustive_effects
-    from probes.toys import vlm
-
     est = _fit(backend, [_scene(backend, ex, grid) for ex in vlm.examples("train", 2, seed=seed)], seed)
     scenes = [_scene(backend, ex, grid) for ex in vlm.examples("eval", n_scenes, seed=seed)]
     text, image, spans, regions = scenes[0]
@@ -100,12 +99,6 @@ def bench_speedup(backend: Backend, grid: int, n_scenes: int = 6, seed: int = 0,
 
 def random_toy_vlm(grid: int = 4) -> Any:
     """An engine over toy-vlm's full architecture with grid x grid visual tokens, random weights (seeded)."""
-    import torch
-
-    from probes.engine import Engine
-    from probes.toys import vlm
-    from probes.zoo import ModelHandle, arch_from_config
-
     tok = vlm.make_tokenizer()
     model = vlm.build_model(vlm.CONFIGS["full"], tok, grid=grid).eval()
     return Engine(ModelHandle(f"toy-vlm-architecture:random-{grid}x{grid}", model, tok,
@@ -116,12 +109,6 @@ def bench_stream_overhead(backend: Backend, n_scenes: int = 4, repeats: int = 3,
     """vis_attr_stream_overhead: seconds per token of streaming attribution (attention captured in every
     layer, per-span features and amortized predictions) / of plain greedy generation (target <= 1.3);
     the two alternate on the same scenes."""
-    from analyses.visual_attribution.estimator import AmortizedAttribution
-    from analyses.visual_attribution.regions import grid_regions
-    from analyses.visual_attribution.stream import stream_attribution
-    from probes.toys import vlm
-    from probes.vision import spec_of
-
     regions = grid_regions(spec_of(backend), vlm.GRID, vlm.GRID)
     train = [toy_scene(backend, ex) for ex in vlm.examples("train", 2, seed=seed)]
     est = AmortizedAttribution(epochs=50, seed=seed).fit(
@@ -153,9 +140,6 @@ def bench_stream_overhead(backend: Backend, n_scenes: int = 4, repeats: int = 3,
 
 
 def run_vis_attr(model_id: str = "toy-vlm") -> list[dict[str, Any]]:
-    from probes.engine import Engine
-    from probes.toys import vlm
-
     engine = Engine.from_id(model_id, device="cpu")
     return [bench_speedup(random_toy_vlm(4), 4, note="K = 16: toy-vlm's architecture with 16 visual tokens, random "
                           "weights (a cost ratio; the weights do not change the compute)"),

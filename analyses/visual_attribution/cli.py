@@ -19,6 +19,8 @@ from typing import Optional
 import typer
 
 from analyses.clikit import SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group
+from analyses.visual_attribution.evaluate import run_study
+from thoughtscope.provenance import provenance, with_provenance
 
 
 def register(cli: typer.Typer) -> None:
@@ -43,9 +45,6 @@ def register(cli: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Amortized attribution, raw attention and exhaustive ablation against the true regions."""
-        from analyses.visual_attribution.evaluate import run_study
-        from thoughtscope.provenance import provenance, with_provenance
-
         b = backend(model, server, token)
         with TerminalProgress(enabled=not as_json) as progress:
             result = run_study(b, n_train=n_train, n_eval=n, seed=seed, epochs=epochs, n_subsets=lds_subsets,

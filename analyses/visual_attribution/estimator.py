@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from thoughtscope.errors import BadInputError
 
@@ -141,8 +142,6 @@ class AmortizedAttribution:
 
     def save(self, path: str | Path) -> Path:
         """Write `<path>.safetensors` (weights, mean, scale) and `<path>.json` (settings); returns the JSON path."""
-        from safetensors.torch import save_file
-
         if not hasattr(self, "weights_"):
             raise BadInputError("fit the estimator before saving it")
         stem = Path(path).with_suffix("")
@@ -158,8 +157,6 @@ class AmortizedAttribution:
 
     @classmethod
     def load(cls, path: str | Path) -> "AmortizedAttribution":
-        from safetensors.torch import load_file
-
         stem = Path(path).with_suffix("")
         try:
             meta = json.loads(stem.with_suffix(".json").read_text())

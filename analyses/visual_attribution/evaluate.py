@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,10 +37,14 @@ from typing import Any
 
 import numpy as np
 
-from analyses.visual_attribution.attribution import attention_features, exhaustive_effects, raw_attention
+from analyses.evaluation import bootstrap_interval, sign_test
+from analyses.visual_attribution.attribution import (attention_features, exhaustive_effects, gradient_scores,
+                                                     masked_drops as drops, raw_attention)
 from analyses.visual_attribution.estimator import AmortizedAttribution
-from analyses.visual_attribution.regions import grid_regions
-from probes.backend import Backend
+from analyses.visual_attribution.regions import Region, cluster_regions, grid_regions, positions
+from probes.backend import Backend, require
+from probes.toys import vlm
+from probes.vision import expand, image_token_groups, spec_of
 from thoughtscope.errors import BadInputError
 
 
@@ -76,9 +81,6 @@ def toy_scene(backend: Backend, example: Any, k: int | None = None) -> SceneResu
     """Exhaustive effects and attention features of one toy-vlm example's description spans, over the
     9 cells or, with `k`, over k Ward clusters of the visual tokens' features (`resid_pre.0`, the
     projected patch features); a span's true region is the one holding its cell."""
-    from probes.toys import vlm
-    from probes.vision import spec_of
-
     spec = spec_of(backend)
     if spec.grid != vlm.GRID:
         raise BadInputError(f"this study needs toy-vlm (a {vlm.GRID}x{vlm.GRID} token grid); this model has "
@@ -86,9 +88,6 @@ def toy_scene(backend: Backend, example: Any, k: int | None = None) -> SceneResu
     text = f"{vlm.prompt_text(example.question)} {example.trace} <eos>"
     spans = [(example.input_positions(s).start, example.input_positions(s).stop) for s in example.spans]
     if k:
-        from analyses.visual_attribution.regions import cluster_regions
-        from probes.vision import image_token_groups
-
         trace = backend.trace(text, capture=["resid_pre.0"], images=[example.image])
         group = image_token_groups(spec, trace.token_ids)[0]
         regions = cluster_regions(spec, trace.activations["resid_pre.0"][group].double().numpy(), k)
@@ -107,10 +106,6 @@ def masked_drops(backend: Backend, scene: SceneResult, region_sets: list[tuple[i
     """[sets, spans]: each span's log-prob drop (nats) with attention to a set of the scene's regions
     masked in every layer, all of them at once (the sets batched as rows of few forwards, every span
     read from them)."""
-    from analyses.visual_attribution.attribution import masked_drops as drops
-    from analyses.visual_attribution.regions import Region, positions
-    from probes.vision import expand, spec_of
-
     spec = spec_of(backend)
     ids = expand(spec, backend.encode(scene.text), 1)[0]
     sets = [positions(spec, ids, Region("set", tuple(sorted(c for j in chosen for c in scene.regions[j].cells))))
@@ -170,8 +165,6 @@ def choose_settings(train: list[SceneResult], dev: list[SceneResult], seed: int 
     exhaustive effects of `dev` (ties: the first in grid order). Returns {"chosen": params, "criterion",
     "candidates": [{params, dev_spearman}], "n_dev_scenes", "n_dev_spans"}; the evaluation scenes are
     never seen here."""
-    import itertools
-
     grid = dict(DEV_GRID if grid is None else grid)
     if not dev:
         raise BadInputError("choosing settings needs at least one development scene")
@@ -196,7 +189,7 @@ def choose_settings(train: list[SceneResult], dev: list[SceneResult], seed: int 
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
-    from scipy.stats import spearmanr
+    from scipy.stats import spearmanr  # lazy: scipy.stats takes seconds to import; only this needs it
 
     if np.std(a) == 0 or np.std(b) == 0:
         return 0.0
@@ -216,11 +209,6 @@ def run_study(backend: Backend, n_train: int = 40, n_eval: int = 40, seed: int =
     (with `n_subsets` random cell sets per scene for the LDS, 0 to skip it, and top-k deletion).
     With `n_dev` > 0 the estimator's settings (features, epochs, l2: DEV_GRID) are chosen on that many
     development-split scenes (`choose_settings`) and `epochs` is unused; else the defaults with `epochs`."""
-    from analyses.evaluation import bootstrap_interval, sign_test
-    from analyses.visual_attribution.attribution import gradient_scores
-    from probes.backend import require
-    from probes.toys import vlm
-    
     require(backend, "vision", "trace", "interventions")
     clusters = k  # `k` is also the comprehension variable below
     if not (isinstance(n_train, int) and isinstance(n_eval, int) and n_train >= 2 and n_eval >= 2):
@@ -334,8 +322,6 @@ def fit_estimator(backend: Backend, n_train: int = 10, seed: int = 0, epochs: in
     """The amortized estimator fitted on `n_train` toy-vlm training scenes with exhaustive effects as targets:
     the same scenes, pairs and settings as `run_study(n_train=..., epochs=..., seed=...)` without a development
     choice, so it equals that study's estimator. `progress(stage, done, total)` after each scene and epoch."""
-    from probes.toys import vlm
-
     if not (isinstance(n_train, int) and n_train >= 1):
         raise BadInputError("n_train must be an integer >= 1")
     scenes = []

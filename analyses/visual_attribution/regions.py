@@ -59,8 +59,8 @@ def grid_regions(spec: VisionSpec, rows: int, cols: int) -> list[Region]:
 
 def cluster_regions(spec: VisionSpec, features: Any, k: int) -> list[Region]:
     """`k` connected clusters of the visual tokens by Ward linkage on their features [grid^2, d]."""
-    from sklearn.cluster import AgglomerativeClustering
-    from sklearn.feature_extraction.image import grid_to_graph
+    from sklearn.cluster import AgglomerativeClustering  # lazy: scikit-learn takes seconds to import
+    from sklearn.feature_extraction.image import grid_to_graph  # lazy: scikit-learn takes seconds to import
 
     n = spec.grid * spec.grid
     x = np.asarray(features, dtype=np.float64)

@@ -17,10 +17,18 @@ small toy (also shipped).
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from analyses.visual_attribution.estimator import AmortizedAttribution
+from analyses.visual_attribution.evaluate import run_study
+from probes import Engine
 from probes.backend import Backend
+from thoughtscope import shipped
+from thoughtscope.provenance import provenance
 
 NAME = "visual-attribution"
 DEFAULT_MODEL = "toy-vlm"
@@ -30,15 +38,6 @@ EPOCHS = 300
 
 def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None) -> Path:
     """The page's default study on `model_id` (one thread, seed 0), with its estimator, as a shipped result."""
-    import tempfile
-
-    import torch
-
-    from analyses.visual_attribution.evaluate import run_study
-    from probes import Engine
-    from thoughtscope import shipped
-    from thoughtscope.provenance import provenance
-
     torch.set_num_threads(1)
     backend = backend if backend is not None else Engine.from_id(model_id)
     info = backend.info()
@@ -57,8 +56,6 @@ def build(model_id: str, command: str, root: Path | None = None, backend: Backen
 
 def load_estimator(found: Any) -> Any:
     """The shipped estimator (`AmortizedAttribution.load` reads `<stem>.json` + `<stem>.safetensors`)."""
-    from analyses.visual_attribution.estimator import AmortizedAttribution
-
     return AmortizedAttribution.load(found.path("estimator.json"))
 
 

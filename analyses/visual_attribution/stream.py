@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from analyses.visual_attribution.regions import Region, positions
-from probes.backend import Backend
+from probes.backend import Backend, require
+from probes.vision import expand, spec_of
 
 DELIMITERS = (",", ".", ":")
 
@@ -67,9 +68,6 @@ def stream_attribution(backend: Backend, prompt: Any, image: Any, regions: Seque
                        max_new_tokens: int = 64, delimiters: Sequence[str] = DELIMITERS) -> Iterator[StreamEvent]:
     """Generate greedily from `prompt` (with `<image>`) and `image`, yielding one event per token; a
     span's attribution arrives with the token that ends it."""
-    from probes.backend import require
-    from probes.vision import expand, spec_of
-
     require(backend, "vision", "generate", "attention")
     spec = spec_of(backend)
     ids, _ = expand(spec, backend.encode(prompt), 1)

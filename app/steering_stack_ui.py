@@ -15,7 +15,7 @@ from typing import Any
 import streamlit as st
 
 from analyses.steering_stack import (MAX_TERMS, SteeringStack, StackTerm, preset_from_bytes, reference_norms,
-                                     stack_generation, to_preset)
+                                     stack_generation, to_preset, token_divergence)
 from app.context import compute, shows_errors
 from app.export import show_figure
 from app.figures.trace import display_text
@@ -121,22 +121,33 @@ def stack_section(ctx, key: str, stops: list[float], unsteered: Any = None) -> N
         return
     s = ctx.settings
     prompt = ctx.model_input()
+    can_freeze = bool(ctx.backend.capabilities().get("frozen_attention"))
+    frozen = st.toggle("Also with frozen attention", False, key="stack_frozen", disabled=not can_freeze,
+                       help="the same stack again, with every layer's attention probabilities those of the unsteered "
+                            "model on the same tokens: the edits reach later positions only through the residual "
+                            "stream (docs/steering.md)" + ("" if can_freeze else ". This model or server does not "
+                                                                                 "offer it."))
+    frozen = bool(frozen and can_freeze)
 
     def work():
         return stack_generation(ctx.backend, prompt, stack, max_new_tokens=s.max_new_tokens, seed=ctx.seed,
-                                chat=ctx.chat, sampling=s.sampling(), unsteered=unsteered,
+                                chat=ctx.chat, sampling=s.sampling(), unsteered=unsteered, frozen=frozen,
                                 norms=reference_norms(ctx.backend, prompt, stack, ctx.chat))
 
-    result = compute(f"stack|{key}|{stack.key()}", work, start=True, spinner="Steering with the stack\u2026",
+    result = compute(f"stack|{key}|{stack.key()}|{frozen}", work, start=True, spinner="Steering with the stack\u2026",
                      kind="steering-stack", page="steering")
     if result is None:
         return
     eos = ctx.backend.eos_ids()
-    with st.container(border=True, key="stack-steered-text"):
-        st.markdown(f"**Steered with the stack** ({len(result.active)} active term(s), multiplier "
-                    f"{stack.multiplier:g})")
-        st.text(display_text(result.steered.tokens, result.steered.token_ids, eos))
-        st.caption(f"{len(result.steered.tokens)} tokens; every one's record says which terms acted there")
+    texts = [("Steered with the stack", result.steered, "stack-steered-text")]
+    if result.frozen is not None:
+        texts.append(("Steered, attention frozen", result.frozen, "stack-frozen-text"))
+    for col, (title, part, box) in zip(st.columns(len(texts)), texts):
+        differs = sum(token_divergence(result.unsteered, part))
+        with col.container(border=True, key=box):
+            st.markdown(f"**{title}** ({len(result.active)} active term(s), multiplier {stack.multiplier:g})")
+            st.text(display_text(part.tokens, part.token_ids, eos))
+            st.caption(f"{len(part.tokens)} tokens, {differs} differ from the unsteered text at their position")
     strip(result)
     record = ctx.provenance(interventions=result.interventions,
                             settings={"stack": to_preset(stack, model_id=ctx.model_id)})

@@ -285,14 +285,36 @@ def test_every_steered_token_records_which_terms_acted(llama):
 
     v1, v2 = _v(1), _v(2)
     stack = SteeringStack([StackTerm("resid_post.0", v1, 4.0, unit="raw", label="a"),
-                           StackTerm("resid_post.1", v2, 1.0, unit="raw", label="b", start=1000)], multiplier=0.5)
+                           StackTerm("resid_post.1", v2, 1.0, unit="raw", label="b", start=0, stop=1)], multiplier=0.5)
     gen = stack_generation(llama, "Today I feel", stack, max_new_tokens=4)
     assert len(gen.applied) == len(gen.steered.token_ids) == 4
     assert all(a["1. a"] == pytest.approx(2.0 * float(v1.norm()), rel=1e-5) for a in gen.applied)
-    assert all("2. b" not in a for a in gen.applied) and gen.never_acted() == ["2. b"]  # its range is past the text
+    assert all("2. b" not in a for a in gen.applied) and gen.never_acted() == ["2. b"]  # it acts on position 0 only
     plain = generate_text(llama, "Today I feel", max_new_tokens=4,
                           interventions=[Additive("resid_post.0", v1, 2.0, term="x")])
     assert gen.steered.token_ids == plain.token_ids
     assert gen.unsteered.token_ids == generate_text(llama, "Today I feel", max_new_tokens=4).token_ids
     off = stack_generation(llama, "Today I feel", SteeringStack(stack.terms, 0.0), max_new_tokens=4)
     assert off.steered.token_ids == off.unsteered.token_ids and off.never_acted() == []
+
+
+def test_frozen_attention_beside_the_steered_text(llama):
+    from analyses.steering import generate_text
+    from analyses.steering_stack import stack_generation, token_divergence
+    from probes.edits import Additive
+    from probes.frozen_attention import FrozenAttention
+
+    v = _v(1)
+    stack = SteeringStack([StackTerm("resid_post.0", v, 3.0, unit="raw", label="a")])
+    gen = stack_generation(llama, "Today I feel", stack, max_new_tokens=4, frozen=True)
+    frozen = generate_text(llama, "Today I feel", max_new_tokens=4,
+                           interventions=[Additive("resid_post.0", v, 3.0, term="x"), FrozenAttention()])
+    assert gen.frozen.token_ids == frozen.token_ids and len(gen.frozen_applied) == len(frozen.token_ids)
+    data = gen.to_dict()
+    assert data["frozen_divergence"] == token_divergence(gen.unsteered, gen.frozen)
+    assert data["divergence"] == [int(a != b) for a, b in zip(gen.unsteered.token_ids, gen.steered.token_ids)]
+    empty = stack_generation(llama, "Today I feel", SteeringStack(stack.terms, 0.0), max_new_tokens=4, frozen=True)
+    assert empty.unsteered.token_ids == empty.steered.token_ids == empty.frozen.token_ids  # an empty stack: all three agree
+    from analyses.steering import GeneratedText
+
+    assert token_divergence(GeneratedText(["a"], [0.0], [0.0], [1]), GeneratedText(["a", "b"], [0.0] * 2, [0.0] * 2, [1, 2])) == [0, 1]

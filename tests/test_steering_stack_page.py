@@ -60,3 +60,13 @@ def test_the_pages_direction_goes_into_the_stack_and_its_sliders_steer(llama):
         else:
             assert "(strength 0: off)" in strip and not at.warning  # an inactive term is not a silent one
     assert len(set(texts)) > 1
+    # the same stack with attention frozen to the unsteered model's, beside the steered text
+    from analyses.steering import generate_text
+    from probes.frozen_attention import FrozenAttention
+
+    at.select_slider(key="stack_multiplier").set_value(1.0).run()
+    at.toggle(key="stack_frozen").set_value(True).run()
+    assert_clean(at)
+    frozen = generate_text(llama, prompt, max_new_tokens=6, chat=True,
+                           interventions=[Additive(site, v / v.norm() * norm, 1.5, term="x"), FrozenAttention()])
+    assert at.text[3].value == display_text(frozen.tokens, frozen.token_ids, eos).strip()

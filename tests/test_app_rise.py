@@ -25,13 +25,11 @@ MODEL = "tiny-random:llama"
 def _tiny_model(monkeypatch, tmp_path):
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", MODEL)
     monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))  # the harvest's ActivationStore
-    page.results.clear()
     jobs.registry.clear()
     yield
     for job in jobs.registry().running():  # a job a page started on opening (RISE's steering): end it here
         job.stop("the test ended")
         job.thread.join(120)
-    page.results.clear()
     jobs.registry.clear()
 
 

@@ -132,12 +132,11 @@ def test_cot_page_on_smollm2_opens_on_the_shipped_calibration_with_the_known_ans
 
 
 def test_rise_page_opens_on_the_shipped_run_and_refuses_other_weights_or_damage(monkeypatch, tmp_path):
-    import app.views.rise as rise_page
     from analyses.rise import ship as rise_ship
 
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", TINY)
     monkeypatch.setenv(shipped.ENV, str(tmp_path / "shipped"))
-    rise_page.results.clear()
+    jobs.registry.clear()
     folder = rise_ship.build(TINY, "test", root=tmp_path / "shipped")  # the page's defaults, 48 tokens
     stored = shipped.find(rise_ship.NAME, TINY, _engine(TINY).info()["fingerprint"])
     assert stored, stored.reason
@@ -162,7 +161,7 @@ def test_rise_page_opens_on_the_shipped_run_and_refuses_other_weights_or_damage(
 
     manifest = json.loads((folder / shipped.MANIFEST).read_text())
     (folder / shipped.MANIFEST).write_text(json.dumps({**manifest, "fingerprint": "0123456789abcdef"}))
-    rise_page.results.clear()
+    jobs.registry.clear()
     at = helpers.open_page("rise", 48)
     helpers.assert_clean(at)
     assert not any(t.startswith("Decoder columns at") for t in helpers.chart_titles(at))

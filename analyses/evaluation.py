@@ -262,8 +262,7 @@ def bootstrap_interval(values: Sequence[float], statistic: str | Callable[[np.nd
     x = np.asarray(values, dtype=float)
     if x.ndim != 1 or x.size == 0:
         raise BadInputError("the bootstrap needs a non-empty list with one value per problem")
-    if not 0 < confidence < 1:
-        raise BadInputError(f"confidence must lie in (0, 1), got {confidence}")
+    checks.number("confidence", confidence, low=0, high=1, low_open=True, high_open=True)
     stat = _statistic(statistic)
     draws = stat(x[resample_indices(x.size, n_resamples, seed)])
     tail = (1 - confidence) / 2 * 100

@@ -222,8 +222,7 @@ def _check_ops(ops: Sequence[str]) -> tuple[str, ...]:
 
 
 def _check_count(n: Any) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise BadInputError(f"The number of problems must be a positive integer, got {n!r}.")
+    checks.integer("the number of problems", n, low=1)
 
 
 # --------------------------------------------------------------------------- GSM8K
@@ -343,14 +342,11 @@ def split_problems(
 
 
 def _calibration_size(n_calibration: int | float, total: int) -> int:
-    if isinstance(n_calibration, float) and not isinstance(n_calibration, bool):
-        if not 0 < n_calibration < 1:
-            raise BadInputError(f"A calibration fraction must lie in (0, 1), got {n_calibration}.")
-        size = round(n_calibration * total)
-    elif isinstance(n_calibration, int) and not isinstance(n_calibration, bool):
-        size = n_calibration
+    if isinstance(n_calibration, float):
+        size = round(checks.number("a calibration fraction", n_calibration, low=0, high=1, low_open=True,
+                                   high_open=True) * total)
     else:
-        raise BadInputError(f"n_calibration must be an int or a float, got {n_calibration!r}.")
+        size = checks.integer("n_calibration", n_calibration, why="a count, or a fraction in (0, 1) as a float")
     if not 0 < size < total:
         raise BadInputError(
             f"Both parts need at least one problem: {size} of {total} problems for calibration; "

@@ -70,6 +70,7 @@ from safetensors.torch import load as safetensors_from_bytes  # safetensors only
 from safetensors.torch import save as safetensors_to_bytes
 import torch
 
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError, CacheError
 
 log = logging.getLogger(__name__)
@@ -174,8 +175,7 @@ class ActivationStore:
     """
 
     def __init__(self, root: Path | str | None = None, max_bytes: int | None = None):
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
-            raise BadInputError(f"max_bytes must be a positive int or None, got {max_bytes!r}.")
+        checks.integer("max_bytes", max_bytes, low=1, none_ok=True)
         self.root = Path(root) if root is not None else default_root()
         self.max_bytes = max_bytes
         self.shards_dir = self.root / SHARDS_DIR

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from probes.sites import Site, get_module
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 TARGETS = ("logprob", "logit", "logit_diff")
@@ -74,8 +75,7 @@ def check_target(target: str, n_tokens: int, vocab_size: int, positions: Sequenc
     if target not in TARGETS:
         raise BadInputError(f"target {target!r}; use one of {', '.join(TARGETS)}")
     for name, tid in (("token", token), ("foil", foil)):
-        if tid is not None and (isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab_size):
-            raise BadInputError(f"{name} must be a token id in 0..{vocab_size - 1}, got {tid!r}")
+        checks.integer(f"{name} (a token id)", tid, low=0, high=vocab_size - 1, none_ok=True)
     if target == "logit_diff" and foil is None:
         raise BadInputError("target 'logit_diff' needs foil= (the token id whose logit is subtracted)")
     if positions is None:
@@ -84,7 +84,7 @@ def check_target(target: str, n_tokens: int, vocab_size: int, positions: Sequenc
     if not positions:
         raise BadInputError("give at least one target position")
     top = n_tokens if token is not None else n_tokens - 1
-    bad = [p for p in positions if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= top]
+    bad = [p for p in positions if not checks.is_integer(p) or not 1 <= p <= top]
     if bad:
         hint = "" if token is not None else f" (position {n_tokens}, after the text, needs token=)"
         raise BadInputError(f"target positions {bad[:5]} are outside 1..{top}{hint}; a position p is predicted "

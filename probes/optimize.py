@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from probes.sites import get_module, parse_site
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 MAX_BASIS = 65_536
@@ -60,12 +60,9 @@ def check_entropy_fit(arch: Any, sequences: Sequence[Sequence[int]], starts: Seq
     for seq, start in zip(sequences, starts):
         if not 1 <= int(start) < len(seq):
             raise BadInputError(f"start {start} must be inside its sequence of {len(seq)} tokens (after the prompt)")
-    if not (isinstance(iterations, int) and 1 <= iterations <= 100_000):
-        raise BadInputError(f"iterations must be an integer in 1..100000, got {iterations!r}")
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise BadInputError(f"the learning rate must be a positive number, got {lr!r}")
-    if not (isinstance(batch_size, int) and 1 <= batch_size <= 1024):
-        raise BadInputError(f"batch_size must be an integer in 1..1024, got {batch_size!r}")
+    checks.integer("iterations", iterations, low=1, high=100_000)
+    checks.number("the learning rate", lr, low=0, low_open=True)
+    checks.integer("batch_size", batch_size, low=1, high=1024)
     return basis
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from saes.stats import SAEStats, sae_stats
 
@@ -101,12 +102,11 @@ class SAETrainSettings:
         if self.architecture not in ARCHITECTURES:
             raise BadInputError(f"SAE architecture {self.architecture!r}; use one of {ARCHITECTURES}")
         for name in ("d_sae", "batch_size", "steps"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise BadInputError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            checks.integer(name, getattr(self, name), low=1)
         if self.architecture == "topk" and not 1 <= self.k <= self.d_sae:
             raise BadInputError(f"TopK needs 1 <= k <= d_sae ({self.d_sae}), got k={self.k}")
-        if not (self.lr > 0 and math.isfinite(self.lr)) or not (self.l1_coefficient >= 0):
-            raise BadInputError(f"lr must be > 0 and l1_coefficient >= 0, got {self.lr}, {self.l1_coefficient}")
+        checks.number("lr", self.lr, low=0, low_open=True)
+        checks.number("l1_coefficient", self.l1_coefficient, low=0)
         if n_samples < 2:
             raise BadInputError(f"an SAE needs at least 2 activation vectors, got {n_samples}")
         if d_in < 1:

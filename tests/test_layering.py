@@ -3,7 +3,7 @@
 | package | must not import |
 |---|---|
 | probes | analyses, app (not even through importlib with a string) |
-| cache | probes, analyses, app, saes (only the leaf thoughtscope.errors) |
+| cache | probes, analyses, app, saes (only the leaves thoughtscope.errors and thoughtscope.checks) |
 | saes | app |
 | analyses | app, streamlit |
 | thoughtscope.errors, thoughtscope.provenance | anything of the project (leaf modules) |

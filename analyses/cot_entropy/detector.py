@@ -35,6 +35,7 @@ import numpy as np
 
 from analyses.families import ModelFamily
 from analyses.steps import StepSegmenter
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 # ----------------------------------------------------------------------------- entropy curve
@@ -47,8 +48,7 @@ def entropy_per_token(records: Iterable[Any]) -> np.ndarray:
 
 def moving_average(values: Sequence[float], window: int = 5, centered: bool = False) -> np.ndarray:
     """Mean over a window: trailing (what a live view can know) or centered (offline display)."""
-    if window < 1:
-        raise BadInputError(f"the smoothing window must be >= 1 token, got {window}")
+    checks.integer("the smoothing window (tokens)", window, low=1)
     x = np.asarray(values, dtype=float)
     if x.size == 0:
         return x
@@ -185,18 +185,13 @@ class CusumDetector:
         self._check_params()
 
     def _check_params(self) -> None:
-        if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold > 0):
-            raise BadInputError(f"the CUSUM threshold h must be a positive number, got {self.threshold!r}")
-        if self.density not in DENSITIES:
-            raise BadInputError(f"density {self.density!r}: use one of {', '.join(DENSITIES)}")
-        if self.bandwidth is not None and not (isinstance(self.bandwidth, (int, float)) and self.bandwidth > 0):
-            raise BadInputError(f"the KDE bandwidth must be a positive number of nats, got {self.bandwidth!r}")
-        if not isinstance(self.bins, int) or self.bins < 2:
-            raise BadInputError(f"the histograms need at least 2 bins, got {self.bins!r}")
-        if not self.smoothing > 0:
-            raise BadInputError("smoothing must be > 0 so that every log density is finite")
-        if not 0 < self.floor < 1:
-            raise BadInputError(f"floor (the uniform share of each density) must lie in (0, 1), got {self.floor!r}")
+        checks.number("the CUSUM threshold h", self.threshold, low=0, low_open=True)
+        checks.choice("density", self.density, DENSITIES)
+        checks.number("the KDE bandwidth (nats)", self.bandwidth, low=0, low_open=True, none_ok=True)
+        checks.integer("bins", self.bins, low=2, why="a histogram needs at least 2 bins")
+        checks.number("smoothing", self.smoothing, low=0, low_open=True, why="so that every log density is finite")
+        checks.number("floor (the uniform share of each density)", self.floor, low=0, high=1, low_open=True,
+                      high_open=True)
 
     @staticmethod
     def labelled_steps(calibration_traces: Iterable[Any]) -> tuple[np.ndarray, np.ndarray]:

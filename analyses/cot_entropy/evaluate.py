@@ -38,6 +38,7 @@ from analyses.families import ModelFamily, family_for
 from analyses.tasks import Problem, is_correct, load_splits
 from probes.backend import Backend
 from probes.sampling import Sampling  # a plain dataclass (the backend may live elsewhere)
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance
 
@@ -430,8 +431,7 @@ def evaluate_cot_vote(backend: Backend, task: str = "arith", n: int = 20, n_cali
                       batch_size: int = 16, density: str = "kde", bins: int = 10,
                       progress: Progress | None = None) -> VoteReport:
     """`samples` sampled trajectories per problem; majority vote vs votes weighted by final CUSUM statistic."""
-    if samples < 1:
-        raise BadInputError(f"samples must be >= 1, got {samples}")
+    checks.integer("samples", samples, low=1)
     family = family or family_for(backend)
     calibration, evaluation = _split(task, n, n_calibration, seed)
     t0 = time.perf_counter()

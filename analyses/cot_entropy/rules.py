@@ -24,6 +24,7 @@ from analyses.families import ModelFamily, family_for, task_prompt
 from analyses.steps import StepEnd, StepSegmenter, step_ends
 from analyses.tasks import Problem, extract_answer, is_correct
 from probes.backend import Backend
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 HESITATION_WORDS = ("wait", "hmm", "but", "however", "alternatively", "maybe", "not sure", "double-check")
@@ -321,8 +322,7 @@ def probe_traces(backend: Backend, problems: Sequence[Problem], family: ModelFam
     """
     if not problems:
         raise BadInputError("no problems to run")
-    if batch_size < 1:
-        raise BadInputError(f"batch_size must be >= 1, got {batch_size}")
+    checks.integer("batch_size", batch_size, low=1)
     out: list[ProbedTrace] = []
     total = len(problems) * n_samples
     per_batch = max(1, batch_size // n_samples)

@@ -47,6 +47,7 @@ from analyses.organism import is_organism
 from analyses.steps import step_ends
 from analyses.tasks import Problem, load_splits
 from probes.backend import Backend
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance
 
@@ -183,8 +184,7 @@ def evaluate_settling(backend: Backend, task: str | None = None, n: int = 100, n
     task = task or default_task(backend)
     if not is_organism(task):
         raise BadInputError(f"task {task!r} has no known settling step; use toy-reasoner or toy-reasoner:small")
-    if bound < 0:
-        raise BadInputError(f"the delay bound must be >= 0 steps, got {bound}")
+    checks.integer("the delay bound (steps)", bound, low=0)
     family = family or family_for(backend)
     t0 = time.perf_counter()
     splits = load_splits(task, n_calibration, n_dev, n, seed=seed)

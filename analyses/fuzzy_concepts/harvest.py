@@ -41,6 +41,7 @@ import torch
 from analyses.tasks import load_gsm8k, load_task
 from probes.backend import Backend
 from probes.engine import Sampling
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]
@@ -158,8 +159,7 @@ class TextSource:
             raise BadInputError(f"source {self.kind!r}; use one of {', '.join(SOURCES)}")
         if self.where not in WHERE:
             raise BadInputError(f"where={self.where!r}; use one of {WHERE}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise BadInputError(f"the number of samples must be a positive integer, got {self.n!r}")
+        checks.integer("the number of samples", self.n, low=1)
         if self.kind == "texts" and not any(t.strip() for t in self.texts):
             raise BadInputError("the texts source needs at least one text (one per line)")
         if self.batch_size < 1 or self.max_new_tokens < 1:

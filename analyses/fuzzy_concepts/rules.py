@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 MEMBERSHIPS = ("gaussian", "product")
@@ -76,8 +77,7 @@ def standardiser(x: torch.Tensor) -> tuple[torch.Tensor, float]:
 def check_rules_fit(n_rules: int, n_samples: int, x: torch.Tensor | None = None) -> None:
     """K larger than the number of samples (or of distinct samples in `x`) cannot be fitted: say so before
     any work."""
-    if not isinstance(n_rules, (int, np.integer)) or n_rules < 1:
-        raise BadInputError(f"the number of concepts K must be a positive integer, got {n_rules!r}")
+    checks.integer("the number of concepts K", n_rules, low=1)
     if n_rules > n_samples:
         raise BadInputError(f"K = {n_rules} concepts but only {n_samples} training samples: each concept needs at "
                             f"least one sample. Lower K to at most {n_samples} or harvest more samples.")
@@ -190,18 +190,12 @@ class FuzzyRuleLayer:
     def _check_params(self) -> None:
         if self.membership not in MEMBERSHIPS:
             raise BadInputError(f"membership {self.membership!r}; use one of {MEMBERSHIPS}")
-        if self.n_features is not None and (not isinstance(self.n_features, (int, np.integer)) or self.n_features < 1):
-            raise BadInputError(f"n_features (m) must be a positive integer or None, got {self.n_features!r}")
-        if not (isinstance(self.sparsity, (int, float)) and math.isfinite(self.sparsity) and self.sparsity >= 0):
-            raise BadInputError(f"sparsity must be a finite number >= 0, got {self.sparsity!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise BadInputError(f"lr must be a positive number, got {self.lr!r}")
-        if not isinstance(self.steps, (int, np.integer)) or self.steps < 0:
-            raise BadInputError(f"steps must be an integer >= 0, got {self.steps!r}")
-        if not (isinstance(self.tol, (int, float)) and math.isfinite(self.tol) and self.tol >= 0):
-            raise BadInputError(f"tol must be a finite number >= 0, got {self.tol!r}")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise BadInputError(f"batch_size must be positive or None (full batch), got {self.batch_size!r}")
+        checks.integer("n_features (m)", self.n_features, low=1, none_ok=True)
+        checks.number("sparsity", self.sparsity, low=0)
+        checks.number("lr", self.lr, low=0, low_open=True)
+        checks.integer("steps", self.steps, low=0)
+        checks.number("tol", self.tol, low=0)
+        checks.integer("batch_size", self.batch_size, low=1, none_ok=True, why="None: the full batch")
 
     # ----- fitting -----
 

@@ -45,6 +45,7 @@ from analyses.fuzzy_concepts.rules import FuzzyRuleLayer, Rule, check_rules_fit
 from analyses.fuzzy_concepts.scenes import SceneSource
 from cache.store import ActivationStore
 from probes.backend import Backend
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]
@@ -109,10 +110,8 @@ class FuzzyOptions:
         self.representation_source().validate()
         if not 0 < self.dev_fraction < 1 or not 0 < self.eval_fraction < 1 or self.dev_fraction + self.eval_fraction >= 1:
             raise BadInputError("dev_fraction and eval_fraction must be in (0, 1) and leave samples for training")
-        if not 0 < self.subsample <= 1:
-            raise BadInputError(f"subsample must be in (0, 1], got {self.subsample}")
-        if not isinstance(self.seeds, int) or self.seeds < 1:
-            raise BadInputError(f"seeds must be a positive integer, got {self.seeds!r}")
+        checks.number("subsample", self.subsample, low=0, high=1, low_open=True)
+        checks.integer("seeds", self.seeds, low=1)
         if not (self.sparsity_grid and self.features_grid and self.lr_grid and self.nmf_alpha_grid):
             raise BadInputError("every tuning grid needs at least one value")
         # The most training rows n samples can give; the exact count is checked again after the harvest.

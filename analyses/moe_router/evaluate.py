@@ -29,7 +29,6 @@ the token sampler and Expert-Sample's noise; results depend on `batch_rows` too,
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -45,6 +44,7 @@ from probes.arch import ArchInfo
 from probes.backend import Backend, require
 from probes.engine import Sampling
 from probes.routing import EVERY_LAYER, ExpertSample, TopK
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 TEMPERATURES = (0.3, 0.6, 1.0)
@@ -66,9 +66,9 @@ class ExpertSetting:
         """Refuse a setting that is not Expert-Sample at a model with top-`k` routing: the head must leave at
         least one expert to sample (k_h < k; k_h = k is the model's own routing, run it as greedy). The rule's
         own checks (m >= k - k_h, T_e finite and > 0, k_h + m <= experts) follow in `check_methods`."""
-        if isinstance(self.k_h, bool) or not isinstance(self.k_h, int) or not 0 <= self.k_h < k:
-            raise BadInputError(f"Expert-Sample needs 0 <= k_h < k = {k} (the model's top-k), got k_h={self.k_h!r}: "
-                                "the head keeps k_h experts and the other k - k_h are sampled")
+        checks.integer("Expert-Sample's k_h", self.k_h, low=0, high=k - 1,
+                       why=f"k_h < k = {k}, the model's top-k: the head keeps k_h experts and the other k - k_h "
+                           "are sampled")
         return self
 
     def rule(self, seed: int = 0) -> Any:
@@ -401,13 +401,15 @@ def evaluate_expert_sample(backend: Backend, task: str = "auto", n: int = 100, n
     temperature, Expert-Sample and Expert-Sample + temperature once on evaluation. All inputs are checked
     before any model work."""
     arch = require_moe(backend)
-    for name, value, low in (("n", n, 1), ("n_dev", n_dev, 1), ("n_samples", n_samples, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise BadInputError(f"{name} must be an integer >= {low}, got {value!r}")
-    temperatures = [float(t) for t in temperatures]
-    combined = [float(t) for t in (combined_temperatures if combined_temperatures is not None else temperatures)]
-    if not temperatures or not combined or any(not (math.isfinite(t) and t > 0) for t in [*temperatures, *combined]):
-        raise BadInputError("temperatures must be finite numbers > 0 (greedy runs anyway)")
+    for name, value in (("n", n), ("n_dev", n_dev), ("n_samples", n_samples)):
+        checks.integer(name, value, low=1)
+    temperatures = list(temperatures)
+    combined = list(combined_temperatures if combined_temperatures is not None else temperatures)
+    if not temperatures or not combined:
+        raise BadInputError("give at least one temperature > 0 (greedy runs anyway)")
+    temperatures = [float(checks.number("a temperature", t, low=0, low_open=True, why="greedy runs anyway"))
+                    for t in temperatures]
+    combined = [float(checks.number("a combined temperature", t, low=0, low_open=True)) for t in combined]
     grid = list(grid) if grid is not None else default_grid(arch.experts_top_k, arch.n_experts)
     if not grid:
         raise BadInputError("the Expert-Sample grid is empty")
@@ -469,8 +471,7 @@ def evaluate_active_experts(backend: Backend, task: str = "auto", n: int = 100, 
     arch = require_moe(backend)
     k = arch.experts_top_k
     ks = sorted({int(x) for x in (ks if ks is not None else range(1, k + 1))}, reverse=True)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise BadInputError(f"n must be an integer >= 1, got {n!r}")
+    checks.integer("n", n, low=1)
     methods = [Method(f"top-{x}", active_experts=x) for x in ks]
     check_methods(methods, arch)
     if k not in ks:

@@ -35,6 +35,7 @@ from analyses.moe_router.problems import load_items, resolve_task
 from analyses.moe_router.stats import HeadTail, RouterProfile, sorted_probabilities
 from probes.arch import ArchInfo
 from probes.backend import Backend, require
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 
@@ -87,8 +88,7 @@ def generation_map(backend: Backend, prompt: Any, *, n_samples: int = 1, max_new
     require(backend, "generate", "router")
     arch = backend.arch()
     layers = _moe_layers(arch)
-    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
-        raise BadInputError(f"n_samples must be an integer >= 1, got {n_samples!r}")
+    checks.integer("n_samples", n_samples, low=1)
     if rule is not None:
         rule.validate(arch_of(backend))  # a bad rule is refused before any model work
     sites = [f"{kind}.{layer}" for layer in layers for kind in ("router", "experts", "expert_gates")]
@@ -188,8 +188,7 @@ def score_view(rmap: RouterMap, sample: int, step: int, layer_index: int, k_h: i
         raise BadInputError(f"no token at sample {sample}, step {step}")
     if not 0 <= layer_index < len(rmap.layers):
         raise BadInputError(f"layer index {layer_index} out of range 0..{len(rmap.layers) - 1}")
-    if isinstance(k_h, bool) or not isinstance(k_h, int) or not 0 <= k_h <= rmap.k:
-        raise BadInputError(f"k_h must be an integer in 0..{rmap.k} (the model's top-k), got {k_h!r}")
+    checks.integer("k_h", k_h, low=0, high=rmap.k, why="the model's top-k")
     logits = torch.as_tensor(rmap.logits[sample, step, layer_index])
     order = torch.argsort(logits, descending=True)
     probs = sorted_probabilities(logits)

@@ -27,6 +27,7 @@ from analyses.families import family_for, task_prompt
 from analyses.tasks import TASK_NAMES, extract_answer, is_correct, load_task
 from probes.backend import Backend
 from probes.toys import moe
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 TOY_TASKS = ("toy-moe", "toy-moe:small")
@@ -75,8 +76,7 @@ def load_items(task: str, split: str, n: int, seed: int = 0, backend: Backend | 
     """`n` problems of one split (`development` or `evaluation`) of `task` (resolved with `resolve_task`)."""
     if split not in SPLITS:
         raise BadInputError(f"split {split!r}; use one of {SPLITS}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise BadInputError(f"the number of problems must be an integer >= 1, got {n!r}")
+    checks.integer("the number of problems", n, low=1)
     task = resolve_task(task, backend)
     if task in TOY_TASKS:
         return _toy_items(task, split, n, seed)

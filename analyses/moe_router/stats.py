@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from probes.backend import Backend, require
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 RULES = ("fixed", "cumulative", "gap")
@@ -67,12 +68,11 @@ class HeadTail:
     def check(self, n_experts: int | None = None) -> "HeadTail":
         if self.rule not in RULES:
             raise BadInputError(f"head/tail rule {self.rule!r}; use one of {', '.join(RULES)}")
-        if self.rule == "fixed" and (isinstance(self.k_h, bool) or not isinstance(self.k_h, int) or self.k_h < 1):
-            raise BadInputError(f"k_h must be an integer >= 1, got {self.k_h!r}")
-        if self.rule == "cumulative" and not (isinstance(self.p, (int, float)) and 0 < self.p <= 1):
-            raise BadInputError(f"the cumulative rule's p must lie in (0, 1], got {self.p!r}")
-        if self.max_head is not None and (not isinstance(self.max_head, int) or self.max_head < 1):
-            raise BadInputError(f"max_head must be an integer >= 1 or None, got {self.max_head!r}")
+        if self.rule == "fixed":
+            checks.integer("k_h", self.k_h, low=1)
+        if self.rule == "cumulative":
+            checks.number("the cumulative rule's p", self.p, low=0, high=1, low_open=True)
+        checks.integer("max_head", self.max_head, low=1, none_ok=True)
         if n_experts is not None and self.rule == "fixed" and self.k_h > n_experts:
             raise BadInputError(f"k_h={self.k_h} but the router has {n_experts} experts")
         return self
@@ -114,8 +114,7 @@ def token_statistics(logits: torch.Tensor, k: int, rule: HeadTail = HeadTail()) 
     mass, and the head size and head mass under `rule`."""
     probs = sorted_probabilities(logits)
     n_experts = probs.shape[-1]
-    if not isinstance(k, int) or not 1 <= k <= n_experts:
-        raise BadInputError(f"k must be an integer in 1..{n_experts}, got {k!r}")
+    checks.integer("k", k, low=1, high=n_experts)
     head = rule.head_size(probs, k)
     cum = probs.cumsum(-1)
     return {

@@ -27,6 +27,7 @@ from analyses.steps import NAMED, Step, compile_delimiter, locate_step_tokens, s
 from analyses.tasks import SYSTEM_PROMPT, Problem, cot_prompt, is_correct, one_shot_messages
 from probes.backend import Backend
 from probes.sampling import Sampling  # a plain dataclass (the backend may live elsewhere)
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 # --------------------------------------------------------------------------- harvest
@@ -72,8 +73,7 @@ class HarvestSettings:
             raise BadInputError(f"prompt {self.prompt!r}; use one of {', '.join(PROMPTS)}")
         if self.labeller not in LABELLERS:
             raise BadInputError(f"labeller {self.labeller!r}; use one of {', '.join(LABELLERS)}")
-        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
-            raise BadInputError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        checks.number("temperature", self.temperature, low=0, why="0 = greedy")
         if self.augment not in ("none", "templated"):
             raise BadInputError(f"augment {self.augment!r}; use none or templated")
         if self.batch_size < 1 or self.max_new_tokens < 1:

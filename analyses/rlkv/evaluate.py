@@ -52,8 +52,8 @@ from analyses.rlkv.heads import (attention_head_scores, full_heads_from_scores, 
 from analyses.rlkv.probe import read_gates
 from analyses.tasks import is_correct
 from probes.backend import Backend, require
-from probes.gates import check_window
 from probes.kv_policy import HeadBudget, KnormPolicy, SinkRecent, SnapKVPolicy
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance
 
@@ -269,12 +269,11 @@ def evaluate_rlkv(backend: Backend, task: str, sparsities: Sequence[float], *, g
     levels = sorted(dict.fromkeys(float(s) for s in sparsities))
     if not levels or any(not (0 <= s < 1) for s in levels):
         raise BadInputError(f"sparsities must lie in [0, 1) (the fraction of heads made local), got {list(sparsities)}")
-    check_window(sink, recent, arch.context_length)
+    checks.window(sink, recent, arch.context_length, hint="a local head would read everything; choose a smaller window")
     for name, value, low in (("n", n, 1), ("n_dev", n_dev, 1), ("n_calibration", n_calibration, 1),
                              ("random_seeds", random_seeds, 0), ("max_new_tokens", max_new_tokens, 1),
                              ("batch_size", batch_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise BadInputError(f"{name} must be an integer >= {low}, got {value!r}")
+        checks.integer(name, value, low=low)
     windows = sorted(dict.fromkeys(int(w) for w in snapkv_windows))
     if not windows or min(windows) < 1:
         raise BadInputError("give at least one SnapKV window >= 1")

@@ -31,6 +31,7 @@ import torch
 from analyses.families import family_for, task_prompt
 from probes.backend import Backend, require
 from probes.gates import binarised
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 
@@ -50,8 +51,7 @@ def full_heads_from_scores(scores: Any, sparsity: float, tiebreak: Any = None) -
 def matched_entries(reference_length: float, sparsity: float, sink: int, recent: int) -> int:
     """Entries per head that give every head the KV bytes head-level compression gives on average:
     (1 - s) * L + s * min(L, sink + recent) for sequences of length L."""
-    if not 0 <= sparsity < 1:
-        raise BadInputError(f"sparsity must lie in [0, 1), got {sparsity}")
+    checks.number("sparsity", sparsity, low=0, high=1, high_open=True)
     length = float(reference_length)
     return max(sink + 1, int(round((1 - sparsity) * length + sparsity * min(length, sink + recent))))
 

@@ -33,7 +33,6 @@ Example (a tiny random model: a few seconds):
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import tempfile
@@ -56,6 +55,7 @@ from probes.backend import Backend, require
 from probes.engine import Sampling
 from probes.gates import check_gates
 from probes.kv_policy import HeadBudget
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 GATES_FILE = "gates.safetensors"
@@ -107,19 +107,12 @@ class HeadGateProbe:
                                                                                       "checkpoint_every")}
 
     def _check(self, problems: Sequence[Any]) -> None:
-        def positive_int(name: str, low: int = 1) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise BadInputError(f"{name} must be an integer >= {low}, got {v!r}")
-
         for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch", "checkpoint_every"):
-            positive_int(name)
-        positive_int("group_size", 2)
+            checks.integer(name, getattr(self, name), low=1)
+        checks.integer("group_size", self.group_size, low=2)
         for name, low, high in (("lr", 0, 10), ("beta", 0, 10), ("tau", 0, 1), ("temperature", 0, 10),
                                 ("top_p", 0, 1), ("init", 0, 1), ("weight_decay", 0, 10)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
-                raise BadInputError(f"{name} must be a number in [{low}, {high}], got {v!r}")
+            checks.number(name, getattr(self, name), low=low, high=high)
         if self.temperature == 0:
             raise BadInputError("GRPO needs sampled completions: temperature must be > 0")
         if not problems:

@@ -42,6 +42,7 @@ from probes.attention_masks import RowMask
 from probes.backend import Backend, require
 from probes.interventions import MaskAttention
 from probes.vision import expand, spec_of
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[int, int], None] | None
@@ -98,8 +99,7 @@ def masked_drops(backend: Backend, text: Any, image: Any, spans: Sequence[tuple[
     """[n_sets, n_spans]: each span's log-prob drop (nats) with attention to one set of token positions
     masked in every layer, the sets `batch_size` rows per forward (RowMask; row 0 of the first forward
     unmasked); `batch_size=1`: one `trace` per set with a plain MaskAttention."""
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise BadInputError(f"batch_size must be a positive integer, got {batch_size!r}")
+    checks.integer("batch_size", batch_size, low=1)
     sets = [list(p) for p in position_sets]
     out = np.zeros((len(sets), len(spans)))
     if batch_size == 1:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 VERSION = 1
@@ -92,10 +93,10 @@ class AmortizedAttribution:
     def fit(self, X: Any, y: Any, groups: Any = None, feature_names: list[str] | None = None,
             on_progress: Any = None) -> "AmortizedAttribution":
         """Fit on pairs: X [n, F] features, y [n] effects, groups [n] (span ids; default: one group)."""
-        if not (isinstance(self.epochs, int) and self.epochs >= 1) or not self.lr > 0 or self.l2 < 0:
-            raise BadInputError("epochs must be a positive integer, lr > 0 and l2 >= 0")
-        if self.features not in self.FEATURES:
-            raise BadInputError(f"features must be one of {self.FEATURES}, got {self.features!r}")
+        checks.integer("epochs", self.epochs, low=1)
+        checks.number("lr", self.lr, low=0, low_open=True)
+        checks.number("l2", self.l2, low=0)
+        checks.choice("features", self.features, self.FEATURES)
         x = self._check_x(X, fitting=True)
         t = np.asarray(y, dtype=np.float64).reshape(-1)
         if len(t) != len(x):

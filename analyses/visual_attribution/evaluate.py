@@ -45,6 +45,7 @@ from analyses.visual_attribution.regions import Region, cluster_regions, grid_re
 from probes.backend import Backend, require
 from probes.toys import vlm
 from probes.vision import expand, image_token_groups, spec_of
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 
@@ -211,10 +212,9 @@ def run_study(backend: Backend, n_train: int = 40, n_eval: int = 40, seed: int =
     development-split scenes (`choose_settings`) and `epochs` is unused; else the defaults with `epochs`."""
     require(backend, "vision", "trace", "interventions")
     clusters = k  # `k` is also the comprehension variable below
-    if not (isinstance(n_train, int) and isinstance(n_eval, int) and n_train >= 2 and n_eval >= 2):
-        raise BadInputError("n_train and n_eval must be integers >= 2")
-    if not (isinstance(n_dev, int) and n_dev >= 0):
-        raise BadInputError("n_dev must be an integer >= 0 (0: no development choice)")
+    checks.integer("n_train", n_train, low=2)
+    checks.integer("n_eval", n_eval, low=2)
+    checks.integer("n_dev", n_dev, low=0, why="0: no development choice")
     if clusters is not None and not (isinstance(clusters, int) and 2 <= clusters <= vlm.GRID * vlm.GRID):
         raise BadInputError(f"K={clusters} regions: toy-vlm has {vlm.GRID * vlm.GRID} visual tokens, so K must be "
                             f"2..{vlm.GRID * vlm.GRID}")
@@ -322,8 +322,7 @@ def fit_estimator(backend: Backend, n_train: int = 10, seed: int = 0, epochs: in
     """The amortized estimator fitted on `n_train` toy-vlm training scenes with exhaustive effects as targets:
     the same scenes, pairs and settings as `run_study(n_train=..., epochs=..., seed=...)` without a development
     choice, so it equals that study's estimator. `progress(stage, done, total)` after each scene and epoch."""
-    if not (isinstance(n_train, int) and n_train >= 1):
-        raise BadInputError("n_train must be an integer >= 1")
+    checks.integer("n_train", n_train, low=1)
     scenes = []
     for i, ex in enumerate(vlm.examples("train", n_train, seed=seed)):
         scenes.append(toy_scene(backend, ex))

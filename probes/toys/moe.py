@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError, UnknownModelError
 from probes.toys.common import ChainProblem, read_folder, ready_folder, training, training_report, word_tokenizer
 
@@ -139,8 +140,7 @@ def problems(split: str, n: int, seed: int = 0, config: TaskConfig | None = None
 
     `config` defaults to the full model's task; use `task_config(size)` for the problems a size saw.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise BadInputError(f"n must be a non-negative integer, got {n!r}")
+    checks.integer("n", n, low=0, why="a non-negative count")
     return list(islice(iter_problems(split, seed, config or TaskConfig()), n))
 
 

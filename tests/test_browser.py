@@ -242,6 +242,41 @@ def page_names() -> list[str]:
     return [module.__name__.rsplit(".", 1)[-1] for _, module in discover_pages()]
 
 
+def test_a_steering_stack_from_two_sources_answers_its_sliders(page, app_url, tmp_path):
+    """The page's difference-of-means direction and an uploaded vector go into the stack; moving the first
+    term's slider changes the stack's text and the strip of what each term added per token."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"vector": torch.randn(64, generator=torch.Generator().manual_seed(3))}, str(tmp_path / "v.safetensors"))
+    page.goto(f"{app_url}/steering")
+    page.locator(".st-key-steered-text [data-testid='stText']").wait_for()
+    page.locator(".st-key-steer_add_to_stack button").first.click()
+    page.locator(".st-key-stack_strength_0").wait_for()
+    page.locator(".st-key-steer_source").get_by_text("a .safetensors vector").click()
+    page.locator(".st-key-steer_upload input[type='file']").set_input_files(str(tmp_path / "v.safetensors"))
+    page.locator(".st-key-steered-text [data-testid='stText']").wait_for()
+    page.locator(".st-key-steer_add_to_stack button").first.click()
+    page.locator(".st-key-stack_strength_1").wait_for()
+    strip = page.locator(".st-key-stack-strip [data-testid='stText']")
+    page.wait_for_function("(sel) => { const e = document.querySelector(sel); return e && e.innerText.includes('2. '); }",
+                           arg=".st-key-stack-strip [data-testid='stText']", timeout=SLOW)
+    text = page.locator(".st-key-stack-steered-text [data-testid='stText']")
+    before, strip_before = text.inner_text(), strip.inner_text()
+    assert "1. difference of means: acted at" in strip_before and "2. v.safetensors: acted at" in strip_before
+    page.screenshot(path=str(ARTIFACTS / "steering_stack_before.png"), full_page=True)
+    page.locator(".st-key-stack_strength_0 input[type='range']").focus()
+    page.keyboard.press("Home")  # the first term to the slider's first stop
+    page.wait_for_function(
+        "([sel, old]) => { const e = document.querySelector(sel); return e && e.innerText !== old; }",
+        arg=[".st-key-stack-strip [data-testid='stText']", strip_before], timeout=SLOW)
+    page.wait_for_function(
+        "([sel, old]) => { const e = document.querySelector(sel); return e && e.innerText !== old; }",
+        arg=[".st-key-stack-steered-text [data-testid='stText']", before], timeout=SLOW)
+    assert text.inner_text().strip() and strip.inner_text() != strip_before
+    page.screenshot(path=str(ARTIFACTS / "steering_stack_after.png"), full_page=True)
+
+
 def test_no_page_load_asks_anything_of_another_host(browser, app_url, generated):
     """Offline by construction: every request a page makes goes to the app itself, and none fails
     (opening a page by its URL once asked for /<page>/_stcore/health and got 404s)."""

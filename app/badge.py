@@ -11,6 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from probes.backend import Backend
+from probes.engine import Engine
+from probes.validate import background_error, badge
+from thoughtscope.errors import ThoughtscopeError
 
 COLOURS = {"pass": "green", "warn": "orange", "fail": "red"}
 ICONS = {"pass": "verified", "warn": "warning", "fail": "error"}
@@ -48,23 +51,17 @@ def badge_tooltip(summary: dict[str, Any]) -> str:
 
 def in_process_engine(backend: Backend) -> Any | None:
     """The backend when it is an engine of this process with local weights (it can validate itself)."""
-    from probes.engine import Engine
-
     return backend if isinstance(backend, Engine) and not backend.handle.remote else None
 
 
 def current_badge(backend: Backend, start: bool = True) -> dict[str, Any] | None:
     """The cached badge, or None; with `start`, an in-process model without one begins validating in the background."""
-    from thoughtscope.errors import ThoughtscopeError
-
     try:
         summary = backend.info().get("validation")
     except ThoughtscopeError:  # a model server out of reach: the page says so elsewhere; no badge, no crash
         return None
     engine = in_process_engine(backend)
     if summary is None and start and engine is not None:
-        from probes.validate import badge
-
         summary = badge(engine, background=True)
     return summary
 
@@ -73,7 +70,6 @@ def show_badge(ctx: Any) -> None:
     """Draw the badge (call it after the page's first figure): it polls while a background validation runs."""
     import streamlit as st
 
-    from probes.validate import background_error
 
     summary = current_badge(ctx.backend)
     pending = summary is None and in_process_engine(ctx.backend) is not None

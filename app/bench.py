@@ -36,12 +36,30 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import statistics
+import subprocess
+import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+import torch
+
+from analyses.cot_entropy import ship as cot_ship
+from analyses.cot_entropy.calibration import calibrate
+from analyses.families import default_task, family_for
+from analyses.feature_browser import SAELatent, VectorDirection, browse, build_index, load_corpus
+from analyses.steering import diff_of_means_direction, generate_text, site_norm, steering_grid, steering_vector
+from analyses.tasks import one_shot_messages
+from app.cli import streamlit_command
 from probes.backend import Backend
+from probes.engine import Engine
+from probes.interventions import AddVector
+from saes.train import SAETrainSettings, train_sae
 
 GOALS = {"page_first_figure_switch": 1.0, "page_first_figure_new_tab": 2.0, "steer_slider": 1.5, "feature_browse": 1.0,
          "job_stop": 2.0, "page_first_result": 2.0}
@@ -90,12 +108,8 @@ def bench_steer_slider(backend: Backend, moves: tuple[float, ...] = (0.75, 1.0, 
     """What the Steering page does (greedy): the first draw of a direction generates every slider stop in
     one batch; a move reads it. Timed: that batch, the page's rerun after each move (with `page`), and
     each moved-to scale generated from scratch on its own (the cost of a move without the grid)."""
-    from analyses.steering import diff_of_means_direction, generate_text, site_norm, steering_grid, steering_vector
-    from analyses.tasks import one_shot_messages
     from app.sidebar import EXAMPLE_QUESTION
     from app.views.steering import GRID, SET_A, SET_B
-    from probes.interventions import AddVector
-
     prompt = one_shot_messages(EXAMPLE_QUESTION)
     site = f"resid_post.{backend.arch().n_layers // 2}"
     direction = diff_of_means_direction(backend, SET_A.splitlines(), SET_B.splitlines(), site)
@@ -135,18 +149,54 @@ def bench_steer_slider(backend: Backend, moves: tuple[float, ...] = (0.75, 1.0, 
     return row
 
 
+def bench_stack_slider(model_id: str, moves: tuple[float, ...] = (0.75, -0.5, 1.0, 0.25), max_new_tokens: int = 48,
+                       layers: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """The Steering page's stack under `streamlit.testing`: the page's direction added at two layers (two
+    terms), then the rerun after each move of the first term's slider timed (one generation with the whole
+    stack and its per-token records; the unsteered text is the page's, already made)."""
+    from streamlit.testing.v1 import AppTest
+
+    before = os.environ.get("THOUGHTSCOPE_MODEL")
+    os.environ["THOUGHTSCOPE_MODEL"] = model_id
+    try:
+        at = AppTest.from_string("from app.main import main\nmain(only='steering')\n", default_timeout=1800)
+        at.session_state["max_new_tokens"] = max_new_tokens
+        at.run()
+        n_layers = len(at.selectbox(key="steer_layer").options)
+        layers = layers or (n_layers // 3, (2 * n_layers) // 3)
+        started = time.perf_counter()
+        for layer in layers:
+            at.selectbox(key="steer_layer").set_value(layer).run()
+            at.button(key="steer_add_to_stack").click().run()
+        first = time.perf_counter() - started
+        runs, texts = [], []
+        for strength in moves:
+            started = time.perf_counter()
+            at.select_slider(key="stack_strength_0").set_value(strength).run()
+            runs.append(time.perf_counter() - started)
+            if at.exception or at.error:
+                raise RuntimeError(f"the stack failed at strength {strength}: "
+                                   f"{[e.value for e in [*at.exception, *at.error]]}")
+            texts.append(at.text[2].value)
+    finally:
+        if before is None:
+            os.environ.pop("THOUGHTSCOPE_MODEL", None)
+        else:
+            os.environ["THOUGHTSCOPE_MODEL"] = before
+    seconds = _median(runs)
+    return {"bench": "steer_slider_s", "page": "steering stack", "terms": len(layers), "model": model_id,
+            "moves": list(moves), "max_new_tokens": max_new_tokens, "seconds": seconds,
+            "runs_s": [round(t, 3) for t in runs], "stack_first_draw_s": round(first, 3),
+            "distinct_texts": len(set(texts)), "goal_s": GOALS["steer_slider"],
+            "ratio": round(seconds / GOALS["steer_slider"], 3), "target": 1.0,
+            "what": "page rerun after a stack slider move (streamlit.testing, no browser)", "load_avg_1m": _load()}
+
+
 def bench_feature_browse(backend: Backend, n_contexts: int = 10_000, latents: int = 5, k: int = 20,
                          layer: int | None = None) -> list[dict[str, Any]]:
     """Index `n_contexts` generated problems once (cached), train a small SAE on a sample of the rows,
     then time browses of `latents` latents and of one vector. The site defaults to a quarter of the
     depth: a browse costs the same at any layer (rows x d_model), the one-time index less."""
-    from tqdm.auto import tqdm
-
-    from analyses.feature_browser import SAELatent, VectorDirection, browse, build_index, load_corpus
-    from saes.train import SAETrainSettings, train_sae
-
-    import torch
-
     corpus = load_corpus("arith-problems", n=n_contexts)
     site = f"resid_post.{backend.arch().n_layers // 4 if layer is None else layer}"
     bar = tqdm(total=n_contexts, desc=f"indexing {corpus.name} at {site}", unit="context")
@@ -347,12 +397,10 @@ def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, An
 
 def run_views(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
     """Every views benchmark on `model_id` (ratios are seconds / goal: <= 1 meets the goal)."""
-    from probes.engine import Engine
-
     engine = Engine.from_id(model_id)
     rows = [bench_steer_slider(engine), *bench_feature_browse(engine)]
     del engine
-    return [*rows, *bench_page_first_figure(model_id)]
+    return [*rows, bench_stack_slider(model_id), *bench_page_first_figure(model_id)]
 
 
 class _StampedBackend:
@@ -390,12 +438,6 @@ class _StampedBackend:
 def bench_job_stop(backend: Backend, stop_after_s: tuple[float, ...] = (3.0, 8.0, 15.0, 25.0)) -> dict[str, Any]:
     """Start the CoT calibration as a job (`app.jobs.JobRegistry`), press Stop `stop_after_s` seconds in
     (a fresh job each time), and time Stop -> the job's last model call ended, and -> its thread ended."""
-    import tempfile
-    from pathlib import Path
-
-    from analyses.cot_entropy import ship as cot_ship
-    from analyses.cot_entropy.calibration import calibrate
-    from analyses.families import default_task, family_for
     from app.jobs import STOPPED, JobRegistry
 
     model_id = backend.info()["model_id"]
@@ -431,10 +473,6 @@ def bench_job_stop(backend: Backend, stop_after_s: tuple[float, ...] = (3.0, 8.0
 
 def run_jobs(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
     """The jobs benchmark on `model_id`: how soon Stop ends a real job's model work."""
-    import torch
-
-    from probes.engine import Engine
-
     torch.set_num_threads(1)
     return [bench_job_stop(Engine.from_id(model_id))]
 
@@ -449,13 +487,6 @@ FIRST_RESULT_PAGES = ("cot_entropy", "rise", "fuzzy_concepts", "moe_router", "vi
 @contextlib.contextmanager
 def _app(model_id: str, env: dict[str, str] | None = None, start_s: float = 120.0) -> Iterator[str]:
     """`streamlit run` of the workbench on a free loopback port, on `model_id`; yields its URL."""
-    import socket
-    import subprocess
-    import urllib.request
-    from pathlib import Path
-
-    from app.cli import streamlit_command
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -12,12 +12,18 @@ provenance record kept).
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
+import webbrowser
 from pathlib import Path
 from typing import Any, Optional
 
@@ -61,8 +67,6 @@ def _link_or_copy(src: str, dst: str) -> None:
 def pinned_static_dir(root: Path) -> Path | None:
     """A copy (hard links) of Streamlit's static folder whose index.html sets the backend base URL; made
     once per Streamlit version under `root`. None when Streamlit's page does not have the expected shape."""
-    import hashlib
-
     import streamlit
     from streamlit import file_util
 
@@ -109,11 +113,6 @@ def run_streamlit(argv: list[str]) -> None:
 
 def _open_when_ready(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """Open the browser once Streamlit answers its health check (in a thread; never blocks)."""
-    import threading
-    import time
-    import urllib.request
-    import webbrowser
-
     def wait_then_open() -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
@@ -130,8 +129,6 @@ def _open_when_ready(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) 
 def _die_with_parent() -> None:
     """In the child, before exec: on Linux, receive SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
         except OSError:  # another libc: the signal handlers below still stop the child
@@ -155,8 +152,6 @@ def run_app(cmd: list[str], env: dict[str, str], on_start: Any = None, grace_s: 
 
     A stop signal only asks the child to terminate (a handler must not wait on it: the main loop
     below is inside `wait` already); the loop kills it if it is still there after `grace_s`."""
-    import time
-
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if os.name == "posix" else None)
     stopping: list[float] = []
 

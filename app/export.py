@@ -23,10 +23,12 @@ import contextlib
 import contextvars
 import csv
 import hashlib
+import importlib
 import io
 import json
 import math
 import os
+import pkgutil
 import re
 import shutil
 import threading
@@ -34,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import app.figures as figures
 from app.figures.template import EXPORT_SIZE
 from thoughtscope.errors import ThoughtscopeError
 from thoughtscope.provenance import KEY as PROVENANCE_KEY
@@ -147,11 +150,6 @@ def path_note() -> str:
 
 
 def _registry(attribute: str) -> dict[str, Any]:
-    import importlib
-    import pkgutil
-
-    import app.figures as figures
-
     merged: dict[str, Any] = {}
     for info in sorted(pkgutil.iter_modules(figures.__path__), key=lambda i: (i.name != "trace", i.name)):
         module = importlib.import_module(f"app.figures.{info.name}")

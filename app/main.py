@@ -46,7 +46,7 @@ def apply_launch_args(argv: list[str]) -> None:
 def page_icon():
     """The tab icon, drawn here and served by the app itself: a `:material/...:` icon would make the
     browser fetch an SVG from fonts.gstatic.com, and this app works offline."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw  # lazy: drawn once per session; PIL stays out of the first paint
 
     img = Image.new("RGBA", (64, 64), (0, 0, 0, 0))
     draw = ImageDraw.Draw(img)

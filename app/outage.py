@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from probes.arch import ArchInfo
 from probes.backend import Backend
@@ -75,8 +76,6 @@ def note(url: str, err: BaseException) -> None:
 
 def note_error(err: BaseException) -> None:
     """A page's error: when it is the client's "no answer from the model server", the banner says so."""
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
-
     url = getattr(err, "server_url", None)
     if url is not None and get_script_run_ctx(suppress_warning=True) is not None:  # not from a job's thread
         note(url, err)
@@ -121,7 +120,7 @@ def _reconnect(url: str) -> None:
 
 
 def server_answers(url: str, timeout_s: float = 1.5) -> bool:
-    import httpx
+    import httpx  # lazy: asked only when a server is down; keeps the first paint from importing it
 
     try:
         return httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s).status_code == 200

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import streamlit as st
+from streamlit.runtime.state.session_state_proxy import get_session_state
 
 HELD = "_ts_held"  # a plain session-state key, not a widget's: it survives runs that do not draw a widget
 # Value widgets: their state may be set through session state. Buttons, uploads and chart selections
@@ -35,8 +36,6 @@ def held() -> dict[str, Any]:
 
 def _widget_values() -> dict[str, Any]:
     """The current value of every keyed value widget this session knows (Streamlit's own records)."""
-    from streamlit.runtime.state.session_state_proxy import get_session_state
-
     state = get_session_state()
     found = {}
     for key in list(st.session_state.keys()):

@@ -10,6 +10,8 @@ import pkgutil
 from dataclasses import dataclass
 from types import ModuleType
 
+import app.views as views
+
 
 @dataclass(frozen=True)
 class PageSpec:
@@ -24,8 +26,6 @@ class PageSpec:
 
 def discover_pages() -> list[tuple[PageSpec, ModuleType]]:
     """(spec, module) for every module in app.views that defines PAGE and render, in `order`."""
-    import app.views as views
-
     found = []
     for info in pkgutil.iter_modules(views.__path__):
         module = importlib.import_module(f"app.views.{info.name}")

@@ -12,12 +12,15 @@ import os
 import threading
 
 import streamlit as st
+import torch
 
 from app import outage
 from app.context import (CONFIRM_LABEL, FinishedGenerations, GenerationSettings, PageContext, prompt_warn_default)
 from app.persist import keep, kept, mirror_to_url, seed_from_url
+from app.switch import apply_request
+from probes.engine import Engine
 from thoughtscope.errors import ThoughtscopeError
-from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, local_hf_models, toy_model_ids
+from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, local_hf_models, needs_training, prepare_model, toy_model_ids
 
 MODEL_ENV = "THOUGHTSCOPE_MODEL"  # set by `thoughtscope app --model` (or by hand)
 SERVER_ENV = "THOUGHTSCOPE_SERVER"  # set by `thoughtscope app --server`
@@ -31,8 +34,6 @@ _loaded_model: list[str] = []  # the id whose engine `_engine` holds (module sta
 
 @st.cache_resource(max_entries=1, show_spinner="Loading the model (once per process)\u2026")
 def _engine(model_id: str):
-    from probes.engine import Engine
-
     return Engine.from_id(model_id)
 
 
@@ -50,8 +51,6 @@ def in_process_backend(model_id: str):
 
 def _train_with_progress(model_id: str) -> None:
     """A toy model neither shipped nor cached trains here, outside the cached `_engine`, with a bar."""
-    from probes.zoo import needs_training, prepare_model
-
     if not needs_training(model_id):
         return
     bar = st.progress(0.0, text=f"Training {model_id} once (then cached)\u2026")
@@ -61,8 +60,6 @@ def _train_with_progress(model_id: str) -> None:
 
 
 def _free_gpu_cache() -> None:
-    import torch
-
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -88,8 +85,6 @@ def model_choices() -> list[str]:
 
 
 def _pick_model() -> str:
-    from app.switch import apply_request  # a page's "switch to <model>" button (app/switch.py)
-
     apply_request()
     choices = model_choices()
     wanted = os.environ.get(MODEL_ENV, DEFAULT_MODEL)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import streamlit as st
 
+from app.persist import keep
+
 PICK_KEY = "model_pick"  # app/sidebar.py's model selectbox
 _REQUEST = "_switch_model_request"
 
@@ -24,8 +26,6 @@ def apply_request() -> str | None:
     """Called by the sidebar before its model box draws: the requested model becomes the box's value."""
     wanted = st.session_state.pop(_REQUEST, None)
     if wanted:
-        from app.persist import keep
-
         st.session_state[PICK_KEY] = wanted
         keep(PICK_KEY, wanted)  # the value the sidebar holds for the box (app/persist.py) moves with it
     return wanted

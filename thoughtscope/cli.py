@@ -26,6 +26,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+import analyses
 from thoughtscope.errors import BadInputError, ThoughtscopeError
 
 CORE_COMMANDS = ("probes.cli", "probes.validate_cli", "probes.server_cli", "app.cli")
@@ -36,8 +37,6 @@ console = Console(stderr=True)
 
 def method_packages() -> list[str]:
     """Every method package: a sub-package of `analyses` (e.g. `analyses.rise`)."""
-    import analyses
-
     return sorted(f"analyses.{info.name}" for info in pkgutil.iter_modules(analyses.__path__) if info.ispkg)
 
 

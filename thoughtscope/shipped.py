@@ -17,6 +17,7 @@ Budget: everything under `docs/shipped/` together stays under `BUDGET_BYTES` (ch
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -139,8 +140,6 @@ def write(name: str, model_id: str, fingerprint: str, files: dict[str, Path | by
           provenance: dict[str, Any] | None = None, root: Path | None = None, **extra: Any) -> Path:
     """Write a shipped result (replacing an older one): `files` maps a file name (`.json` or
     `.safetensors`) to a path to copy, raw bytes, or (for `.json`) a JSON-able value."""
-    import datetime
-
     folder = folder_for(name, model_id, root)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

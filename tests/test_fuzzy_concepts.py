@@ -405,18 +405,15 @@ def _steer(at, scale: float | None = None):
 
 def _open_page(monkeypatch, tmp_path, **env: str):
     """The page on the backend `env` names (THOUGHTSCOPE_MODEL or THOUGHTSCOPE_SERVER), with a store of its own
-    and no results from earlier tests; checked clean. Callers clear `page.results` when done."""
+    and no results from earlier tests; checked clean. Callers clear `jobs.registry` when done."""
     from tests import apptest_helpers as helpers
 
-    import app.views.fuzzy_concepts as page
+    from app import jobs
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
-    page.results.clear()
-    from app import jobs
-
-    jobs.registry.clear()  # no finished job of an earlier test
+    jobs.registry.clear()  # no finished result of an earlier test
     at = helpers.open_page("fuzzy_concepts", 6)
     helpers.assert_clean(at)
     return at
@@ -425,7 +422,7 @@ def _open_page(monkeypatch, tmp_path, **env: str):
 def test_the_page_runs_a_study_and_draws_cards_firing_overlap_and_steering(monkeypatch, tmp_path):
     from tests import apptest_helpers as helpers
 
-    import app.views.fuzzy_concepts as page
+    from app import jobs
 
     at = _open_page(monkeypatch, tmp_path, THOUGHTSCOPE_MODEL="tiny-random:llama")
     assert any("Harvest + fit" in i.value for i in at.info) and not at.get("plotly_chart")
@@ -454,13 +451,13 @@ def test_the_page_runs_a_study_and_draws_cards_firing_overlap_and_steering(monke
     helpers.finish_jobs(at.button(key="fz_run").click().run())
     helpers.assert_clean(at)
     assert helpers.metric(at, "Site") == "resid_post.1"
-    page.results.clear()
+    jobs.registry.clear()
 
 
 def test_the_page_runs_through_the_model_server(served_url, monkeypatch, tmp_path):
     from tests import apptest_helpers as helpers
 
-    import app.views.fuzzy_concepts as page
+    from app import jobs
 
     at = _open_page(monkeypatch, tmp_path, THOUGHTSCOPE_SERVER=served_url)
     _run_page(at, "texts", k=2, n=20, word="dog", texts=DOG_TEXTS)
@@ -471,7 +468,7 @@ def test_the_page_runs_through_the_model_server(served_url, monkeypatch, tmp_pat
     helpers.assert_clean(at)
     unsteered, steered = [t.value for t in at.text][-2:]
     assert steered != unsteered
-    page.results.clear()
+    jobs.registry.clear()
 
 
 # ----------------------------------------------------------------------------- the embedded model

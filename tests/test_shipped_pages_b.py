@@ -28,14 +28,13 @@ REPO_SHIPPED = Path(__file__).resolve().parents[1] / "docs" / "shipped"
 def _fresh(monkeypatch, tmp_path):
     """A private store and cache, and no finished jobs or page results of earlier tests."""
     import app.views.fuzzy_concepts as fz
-    import app.views.moe_router as moe
     from app import jobs
 
     monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
-    for clear in (fz.results.clear, fz._shipped_found.clear, jobs.registry.clear):
+    for clear in (fz._shipped_found.clear, jobs.registry.clear):
         clear()
     yield
-    for clear in (fz.results.clear, fz._shipped_found.clear, jobs.registry.clear):
+    for clear in (fz._shipped_found.clear, jobs.registry.clear):
         clear()
 
 

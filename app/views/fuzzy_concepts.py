@@ -3,8 +3,9 @@ samples, against semi-NMF (CoX-LMM), k-means and PCA on held-out samples (METHOD
 
 The computation is one call, `analyses.fuzzy_concepts.run_study` (the same as `thoughtscope eval
 fuzzy-concepts`); this page reads widgets, calls it, and draws: the metric table with baselines, one card
-per rule, the firing of a chosen sample, the overlap heat map, and steering with a concept. Results are
-kept per process, keyed by everything they depend on, so moving between layers already run is instant.
+per rule, the firing of a chosen sample, the overlap heat map (`app.sections.fuzzy_concepts`), and steering
+with a concept. Results are jobs' results (`app.jobs`), kept by everything they depend on, so moving between
+layers already run is instant.
 
 On a model with a shipped study (`thoughtscope ship fuzzy-concepts`: SmolLM2 at the page's defaults) the
 page opens on it, labelled as stored; the harvest + fit and the steered generations run as jobs
@@ -17,28 +18,23 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import streamlit as st
 
-from analyses.fuzzy_concepts import METHODS, SOURCES_HELP, FuzzyOptions, run_study
+from analyses.fuzzy_concepts import SOURCES_HELP, FuzzyOptions, run_study
 from analyses.fuzzy_concepts.harvest import SOURCES, default_layer
 from analyses.fuzzy_concepts.scenes import SceneSource
-from app.context import FinishedGenerations
-from app.export import show_figure
-from app.figures.fuzzy_concepts import firing_figure, metrics_figure, overlap_figure, tuning_figure
+from analyses.fuzzy_concepts.ship import NAME, comparable, load_study
+from analyses.steering import steered_comparison
+from analyses.steering_stack import from_fuzzy_concept
+from app.context import shows_errors
+from app.jobs import run_job
 from app.registry import PageSpec
-from thoughtscope.errors import BadInputError, ThoughtscopeError
+from app.sections.fuzzy_concepts import metrics_section, overlap_section, rules_section, sample_section
+from app.steering_stack_ui import add_button
+from thoughtscope import shipped
 from thoughtscope.provenance import provenance
 
 PAGE = PageSpec("Neuro-fuzzy concepts", ":material/hub:", 45, requires=("generate", "capture_batch", "readout"))
-METRIC_LABELS = {"reconstruction_error": "reconstruction error", "active_concepts": "active concepts",
-                 "word_overlap": "word overlap", "stability": "stability"}
-
-
-@st.cache_resource
-def results() -> FinishedGenerations:
-    """Studies and steered generations of this process, newest 32 kept."""
-    return FinishedGenerations(max_entries=32)
 
 
 # ----------------------------------------------------------------------------- 1. settings and the run
@@ -75,11 +71,9 @@ def settings_section(ctx) -> FuzzyOptions:
                         batch_size=16, seed=ctx.seed)
 
 
-def run_section(ctx, store, options: FuzzyOptions) -> dict[str, Any] | None:
+def run_section(ctx, options: FuzzyOptions) -> dict[str, Any] | None:
     """The study for these settings: a finished job's, else the shipped one when the settings are the ones it
     was made with; "Harvest + fit" runs the study as a job (progress, time left, Stop)."""
-    from app.jobs import run_job
-
     key = ctx.result_key("fuzzy-study", options=options.to_dict(), texts=list(options.texts))
     stored = shipped_study(ctx, options)
     label = "Run again with these settings" if stored.get("study") else "Harvest + fit"
@@ -92,13 +86,9 @@ def run_section(ctx, store, options: FuzzyOptions) -> dict[str, Any] | None:
                 "provenance": provenance(info, data=f"{options.source}:{options.word}", split="eval",
                                          seed=options.seed, settings=options.to_dict(), site=study.reps.site)}
 
-    found = store.get(key)
-    if found is None:
-        found = run_job(key, work, label=f"Harvesting {options.word!r} at layer {options.resolved_layer(n_layers(ctx))} "
-                                         f"and fitting {options.k} rules", kind="fuzzy-study", page="fuzzy_concepts",
-                        start=run_now)
-        if found is not None:
-            store.put(key, found)
+    found = run_job(key, work, label=f"Harvesting {options.word!r} at layer {options.resolved_layer(n_layers(ctx))} "
+                                     f"and fitting {options.k} rules", kind="fuzzy-study", page="fuzzy_concepts",
+                    start=run_now)
     if found is not None:
         return found
     if stored.get("study") is not None:
@@ -119,9 +109,6 @@ def n_layers(ctx) -> int:
 def shipped_study(ctx, options: FuzzyOptions) -> dict[str, Any]:
     """{"study": the shipped result as the page's `found`, "label"} when one ships for this model and these
     settings; else {"note": why not (other settings, another fingerprint, damaged), "damaged"}."""
-    from analyses.fuzzy_concepts.ship import NAME, comparable
-    from thoughtscope import shipped
-
     found = shipped.find(NAME, ctx.model_id, ctx.backend.info()["fingerprint"])
     if not found:
         if found.damaged or "other weights" in found.reason:
@@ -136,123 +123,12 @@ def shipped_study(ctx, options: FuzzyOptions) -> dict[str, Any]:
 @st.cache_resource(show_spinner=False, max_entries=4)
 def _shipped_found(folder: str, digest: str) -> dict[str, Any]:
     """The verified shipped study as the page's `found`, read once per process (`digest`: study.json's sha256)."""
-    from analyses.fuzzy_concepts.ship import load_study
-    from thoughtscope.shipped import Shipped
-
-    shipped = Shipped(Path(folder), json.loads((Path(folder) / "manifest.json").read_text()))
-    study = load_study(shipped)
-    return {"study": study, "data": shipped.json("study.json"), "key": f"shipped:{folder}:{digest}",
-            "provenance": shipped.provenance, "shipped": shipped.label()}
+    stored = shipped.Shipped(Path(folder), json.loads((Path(folder) / shipped.MANIFEST).read_text()))
+    return {"study": load_study(stored), "data": stored.json("study.json"), "key": f"shipped:{folder}:{digest}",
+            "provenance": stored.provenance, "shipped": stored.label()}
 
 
-# ----------------------------------------------------------------------------- 2. metrics
-
-
-def metrics_section(found: dict[str, Any]) -> None:
-    study, data = found["study"], found["data"]
-    st.subheader("2. Metrics on held-out samples, against the baselines")
-    reps = study.reps
-    cols = st.columns(4)
-    cols[0].metric("Samples", len(reps.samples))
-    cols[1].metric("Site", reps.site)
-    cols[2].metric("Train / dev / eval", " / ".join(str(len(study.splits[s])) for s in ("train", "dev", "eval")))
-    chosen = study.tuning["fuzzy"].chosen
-    cols[3].metric("Chosen on dev", f"m={chosen['n_features']}, \u03bb={chosen['sparsity']:g}, lr={chosen['lr']:g}")
-    table = []
-    for row in study.metric_table():
-        shown = {"method": row["method"]}
-        for name in [*METRIC_LABELS, *(k for k in row if k.startswith("ami_") and not k.endswith(("_low", "_high")))]:
-            label = METRIC_LABELS.get(name, f"AMI ({name[4:]})")
-            shown[label] = _interval(row[name], row[f"{name}_low"], row[f"{name}_high"])
-        table.append(shown)
-    st.dataframe(table, hide_index=True, key="fz_metric_table")
-    figure_data = {"metric_table": data["metric_table"], "seeds": study.options.seeds, "provenance": found["provenance"]}
-    show_figure(metrics_figure(figure_data), figure_data, "fuzzy_metrics")
-    tests = [f"vs {m}: {t['wilcoxon']['verdict']}" for m, t in study.paired.items()]
-    st.caption("Reconstruction error, paired over the evaluation samples (mean over seeds; Wilcoxon): "
-               + "; ".join(tests))
-    with st.expander("Development choices (tuned on the development split, never on evaluation)"):
-        for method, choice in study.tuning.items():
-            d = choice.to_dict()
-            st.markdown(f"**{method}**: {d['objective']} \u2192 `{d['chosen']}`")
-            if method == "fuzzy":
-                show_figure(tuning_figure({**d, "provenance": found["provenance"]}), d, "fuzzy_tuning")
-            st.dataframe([{**g["setting"], "dev FVU": round(g["dev_reconstruction_error"], 4),
-                           "dev active": round(g["dev_active_concepts"], 3)} for g in d["grid"]],
-                         hide_index=True, key=f"fz_tuning_{method}")
-
-
-def _interval(mean: float | None, low: float | None, high: float | None) -> str:
-    if mean is None or not np.isfinite(mean):
-        return "n/a"
-    return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
-
-
-# ----------------------------------------------------------------------------- 3. rule cards
-
-
-def rules_section(found: dict[str, Any]) -> None:
-    study = found["study"]
-    st.subheader("3. The rules (seed 0)")
-    st.caption("Each rule reads all m projected features; the card shows its most distinctive clauses "
-               "(centre \u00b1 width, named by where the centre sits among the training samples), the words its "
-               "concept promotes through the unembedding, and the samples on which it fires most.")
-    samples = study.reps.samples
-    top = study.top_samples["fuzzy"]
-    usage = np.bincount(study.fuzzy.transform(study.reps.Z).argmax(1).numpy(), minlength=len(study.rules))
-    columns = st.columns(2)
-    for rule in study.rules:
-        with columns[rule.index % 2].container(border=True, key=f"fz_rule_{rule.index}"):
-            st.markdown(f"**Rule {rule.index + 1}** \u00b7 strongest for {int(usage[rule.index])} samples")
-            st.code(rule.text(), language=None, wrap_lines=True)
-            st.markdown("**Words:** " + (", ".join(rule.words) if rule.words else "_(none survive the filter)_"))
-            for i in top[rule.index][:3]:
-                split = next(s for s, rows in study.splits.items() if i in rows)
-                st.caption(f"{samples[i].snippet(50)}  ({split})")
-
-
-# ----------------------------------------------------------------------------- 4. one sample
-
-
-def sample_section(found: dict[str, Any]) -> None:
-    study = found["study"]
-    st.subheader("4. Why a held-out sample fires the rules it does")
-    rows = study.splits["eval"]
-    row = st.selectbox("Evaluation sample", rows, key="fz_sample",
-                       format_func=lambda i: study.reps.samples[i].snippet(45))
-    explanation = study.explain(int(row))
-    data = {"firing": explanation["firing"], "memberships": explanation["memberships"],
-            "chain": explanation["chain"], "snippet": study.reps.samples[int(row)].snippet(40),
-            "rule_labels": [f"rule {r + 1}" for r in range(len(explanation["firing"]))],
-            "provenance": found["provenance"]}
-    show_figure(firing_figure(data), data, "fuzzy_firing")
-    st.text(explanation["text"])
-    st.caption(f"cosine(reconstruction, sample) around the training mean: {explanation['reconstruction_cosine']:.3f}")
-
-
-# ----------------------------------------------------------------------------- 5. overlap
-
-
-def overlap_section(found: dict[str, Any]) -> None:
-    study = found["study"]
-    st.subheader("5. Overlap of grounded words between concepts")
-    method = st.radio("Method", METHODS, horizontal=True, key="fz_overlap_method")
-    matrix = study.overlap_matrix[method]
-    k = len(matrix)
-    mean = float(np.sum(matrix) / (k * (k - 1))) if k > 1 else 0.0
-    data = {"method": method, "overlap_matrix": matrix, "mean": mean, "words": study.words[method],
-            "provenance": found["provenance"]}
-    show_figure(overlap_figure(data), data, "fuzzy_overlap")
-    st.dataframe([{"concept": i + 1, "words": ", ".join(w)} for i, w in enumerate(study.words[method])],
-                 hide_index=True, key="fz_words")
-
-
-# ----------------------------------------------------------------------------- 6. steering
-
-
-def steering_section(ctx, store, found: dict[str, Any]) -> None:
-    from analyses.steering import steered_comparison
-
+def steering_section(ctx, found: dict[str, Any]) -> None:
     study = found["study"]
     st.subheader("6. Steer with a concept")
     st.caption("The concept's consequent (relative to the training mean) is added at the layer it came from, at "
@@ -262,9 +138,6 @@ def steering_section(ctx, store, found: dict[str, Any]) -> None:
                           format_func=lambda r: f"rule {r + 1}: {', '.join(study.rules[r].words[:3])}")
     scale = right.slider("Scale", -8.0, 8.0, 0.0, 0.5, key="fz_steer_scale",
                          help="adds scale \u00d7 (u_r - mean) at every position")
-    from analyses.steering_stack import from_fuzzy_concept
-    from app.steering_stack_ui import add_button
-
     add_button("fz_add_to_stack", lambda: from_fuzzy_concept(study.fuzzy, int(rule), study.reps.site, strength=0.5))
     if not ctx.prompt.strip():
         st.info("Type a prompt in the sidebar.")
@@ -273,26 +146,20 @@ def steering_section(ctx, store, found: dict[str, Any]) -> None:
     s = ctx.settings
     key = ctx.result_key("fuzzy-steer", study=found["key"], rule=int(rule), scale=float(scale),
                          input=ctx.model_input(), settings=s.to_dict(), seed=ctx.seed)
-    result = store.get(key)
+    backend, model_input, site = ctx.backend, ctx.model_input(), study.reps.site
+
+    def work(job):
+        job.progress("generate with and without the concept", 0, 1)
+        out = steered_comparison(backend, model_input, site, direction, float(scale), max_new_tokens=s.max_new_tokens,
+                                 sampling=s.sampling(), seed=ctx.seed, chat=ctx.chat)
+        job.progress("generate with and without the concept", 1, 1)
+        return out
+
+    start = st.button("Generate with and without the concept", key="fz_steer_run", icon=":material/play_arrow:")
+    result = run_job(key, work, label=f"Generating with and without rule {int(rule) + 1}'s concept (scale {scale:g})",
+                     kind="fuzzy-steer", page="fuzzy_concepts", start=start)
     if result is None:
-        from app.jobs import run_job
-
-        backend, model_input, site = ctx.backend, ctx.model_input(), study.reps.site
-
-        def work(job):
-            job.progress("generate with and without the concept", 0, 1)
-            out = steered_comparison(backend, model_input, site, direction, float(scale),
-                                     max_new_tokens=s.max_new_tokens, sampling=s.sampling(), seed=ctx.seed,
-                                     chat=ctx.chat)
-            job.progress("generate with and without the concept", 1, 1)
-            return out
-
-        start = st.button("Generate with and without the concept", key="fz_steer_run", icon=":material/play_arrow:")
-        result = run_job(key, work, label=f"Generating with and without rule {int(rule) + 1}'s concept (scale "
-                                          f"{scale:g})", kind="fuzzy-steer", page="fuzzy_concepts", start=start)
-        if result is None:
-            return
-        store.put(key, result)
+        return
     left, right = st.columns(2)
     with left.container(border=True, key="fz-unsteered"):
         st.markdown("**Unsteered**")
@@ -311,17 +178,12 @@ def render(ctx) -> None:
                "features are near a rule's centres THEN the representation is that rule's concept, a point in the "
                "model's hidden space grounded in words (a reconstruction of the ICML 2026 neuro-fuzzy concept "
                "learner, compared with CoX-LMM's semi-NMF dictionary, k-means and PCA).")
-    store = results()
     options = settings_section(ctx)
-    found = run_section(ctx, store, options)
+    found = run_section(ctx, options)
     if found is None:
         return
     for section in (metrics_section, rules_section, sample_section, overlap_section):
-        try:
+        with shows_errors():
             section(found)
-        except ThoughtscopeError as err:
-            st.error(str(err))
-    try:
-        steering_section(ctx, store, found)
-    except (ThoughtscopeError, BadInputError) as err:
-        st.error(str(err))
+    with shows_errors():
+        steering_section(ctx, found)

@@ -70,3 +70,11 @@ def test_the_pages_direction_goes_into_the_stack_and_its_sliders_steer(llama):
     frozen = generate_text(llama, prompt, max_new_tokens=6, chat=True,
                            interventions=[Additive(site, v / v.norm() * norm, 1.5, term="x"), FrozenAttention()])
     assert at.text[3].value == display_text(frozen.tokens, frozen.token_ids, eos).strip()
+
+
+def test_the_stack_slider_benchmark_row():
+    from app.bench import GOALS, bench_stack_slider
+
+    row = bench_stack_slider(MODEL, moves=(1.0, -0.5), max_new_tokens=4, layers=(0, 1))
+    assert (row["bench"], row["page"], row["terms"], len(row["runs_s"])) == ("steer_slider_s", "steering stack", 2, 2)
+    assert row["ratio"] == pytest.approx(row["seconds"] / GOALS["steer_slider"], abs=1e-3)

@@ -44,3 +44,40 @@ def test_the_contrast_page_opens_on_the_stored_result_then_runs_its_own(monkeypa
     at = helpers.finish_jobs(at)
     assert not at.exception
     assert any("choose at least one site" in e.value for e in at.error)
+
+
+@pytest.mark.model
+def test_trace_explorer_lists_the_latents_of_a_token_equal_to_a_direct_encode(monkeypatch, tmp_path):
+    """An SAE saved for the model (as RISE saves them) appears on the trace explorer; the latents listed for
+    the chosen token are the SAE's encode of that token's residual row in a plain capture of the trace."""
+    import ast
+
+    import torch
+
+    from analyses.rise import pipeline
+    from probes import Engine
+    from saes.io import save_sae
+    from saes.train import SAETrainSettings, make_training_sae
+
+    engine = Engine.from_id(TOY)
+    sae = make_training_sae(64, SAETrainSettings(d_sae=32, seed=3), metadata={"model_name": TOY,
+                                                                            "hook_name": "resid_post.1"}).eval()
+    folder = save_sae(sae, tmp_path / "sae")
+    saved = pipeline.SavedSAE(str(folder), TOY, "resid_post.1", 64, 32, None, None, {})
+    monkeypatch.setattr("app.sections.sae_latents.saved_saes", lambda model_id, site=None: [saved])
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", TOY)
+    at = helpers.open_page("trace_explorer", max_new_tokens=12)
+    at.button(key="generate").click().run()
+    helpers.assert_clean(at)
+    token_box = next(s for s in at.selectbox if str(s.key).startswith("te_token_"))
+    tokens = [ast.literal_eval(option.split(": ", 1)[1]) for option in token_box.options]
+    ids = engine.encode("".join(tokens))
+    assert engine.token_texts(ids) == tokens  # the word-level vocabulary reads the shown tokens back exactly
+    position = int(token_box.value)
+    with torch.no_grad():
+        row = sae.encode(engine.capture(ids, ["resid_post.1"])["resid_post.1"][position].float())
+    want = sorted(((float(row[j]), j) for j in range(32) if row[j] > 0), key=lambda t: (-t[0], t[1]))[:20]
+    assert want, "no latent fires at the chosen token: the comparison would be empty"
+    shown = next(d.value for d in at.dataframe if "activation" in d.value.columns)
+    assert list(shown["latent"]) == [j for _, j in want]
+    assert list(shown["activation"]) == pytest.approx([round(v, 4) for v, _ in want], abs=1e-4)

@@ -86,13 +86,18 @@ class TraceLatents:
 
 
 @torch.no_grad()
-def trace_latents(backend: Backend, token_ids: Sequence[int], sae: Any, site: str) -> TraceLatents:
-    """Capture `site` at every token of `token_ids` (one pass) and encode each row with `sae`."""
+def trace_latents(backend: Backend, token_ids: Sequence[int], sae: Any, site: str,
+                  rows: torch.Tensor | None = None) -> TraceLatents:
+    """Capture `site` at every token of `token_ids` (one pass) and encode each row with `sae`; with `rows`
+    (the site's [T, d] activations a trace already holds, e.g. the trace explorer's pass) no pass runs."""
     ids = [int(i) for i in token_ids]
     if not ids:
         raise BadInputError("the trace has no tokens: generate or paste one first")
     check_sae(sae, backend, site)
-    rows = backend.capture_batch([ids], [site], positions=[list(range(len(ids)))])[site]
-    z = sae.encode(rows.to(sae.W_enc.dtype))
+    if rows is None:
+        rows = backend.capture_batch([ids], [site], positions=[list(range(len(ids)))])[site]
+    elif rows.shape[0] != len(ids):
+        raise BadInputError(f"{rows.shape[0]} stored rows for {len(ids)} tokens: read the trace again")
+    z = sae.encode(rows.float().to(sae.W_enc.dtype))
     z = (z.to_dense() if z.is_sparse else z).float().cpu()
     return TraceLatents(site, ids, backend.token_texts(ids), z)

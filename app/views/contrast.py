@@ -15,12 +15,16 @@ import streamlit as st
 from analyses.contrast import ContrastSettings, export_direction, save_direction
 from analyses.contrast import ship as contrast_ship
 from analyses.contrast.run import run_contrast
+from analyses.feature_browser import VectorDirection
 from analyses.organism import is_organism
 from analyses.rise import saved_saes
+from analyses.steering_stack import from_feature_browser
 from app import jobs
 from app.export import plain, show_figure
 from app.figures.contrast import top_table
 from app.registry import PageSpec
+from app.steering_stack_ui import add_button
+from probes.interventions import load_vector_bytes
 from thoughtscope import shipped
 
 PAGE = PageSpec("Contrast", ":material/compare_arrows:", 35, requires=("capture_batch",))
@@ -77,7 +81,7 @@ def own_result(ctx, chosen: dict[str, Any], run: bool) -> Any:
     return jobs.run_job(key, work, label="Contrasting two sets of steps", kind="contrast", page="contrast", start=run)
 
 
-def draw(data: dict[str, Any], record: dict[str, Any] | None, direction: tuple[bytes, str] | None) -> None:
+def draw(data: dict[str, Any], record: dict[str, Any] | None, direction: tuple[bytes, str, str] | None) -> None:
     n = data["n"]
     cols = st.columns(4)
     cols[0].metric("Set A steps (dev / held-out)", f"{n['dev_a']} / {n['heldout_a']}")
@@ -101,9 +105,18 @@ def draw(data: dict[str, Any], record: dict[str, Any] | None, direction: tuple[b
                 for c in row["contexts"]:
                     st.markdown(f"- **{c['activation']:.3g}** (set {c['set']}) `{c['text']}`")
     if direction is not None:
-        payload, label = direction
-        st.download_button(f"Use as direction: {label} (.safetensors, for the Steering page)", payload,
-                           file_name="contrast_direction.safetensors", key="ct_export", icon=":material/download:")
+        payload, label, site = direction
+        left, right = st.columns(2)
+        with left:
+            add_button("ct_add_to_stack", lambda: stack_term(payload, label, site))
+        right.download_button(f"Use as direction: {label} (.safetensors, for the Steering page)", payload,
+                              file_name="contrast_direction.safetensors", key="ct_export", icon=":material/download:")
+
+
+def stack_term(payload: bytes, label: str, site: str) -> Any:
+    """The exported direction as a steering-stack term at its site."""
+    vector = load_vector_bytes(payload)
+    return from_feature_browser(VectorDirection(vector, site, f"contrast: {label}"), int(vector.numel()), strength=0.5)
 
 
 def stored_section(ctx) -> None:
@@ -117,7 +130,9 @@ def stored_section(ctx) -> None:
         st.markdown(f"**Below: the stored contrast of `{contrast_ship.MODEL}`, not of `{ctx.model_id}`.**")
     st.success(stored.label(), icon=":material/inventory_2:")
     data = stored.json("contrast.json")["result"]
-    draw(data, stored.provenance, (stored.path("direction.safetensors").read_bytes(), "the top direction"))
+    payload = stored.path("direction.safetensors").read_bytes()
+    site = next(r["site"] for r in data["top"] if r["kind"] == "direction").split(":", 1)[1]  # what ship.py exported
+    draw(data, stored.provenance, (payload, f"the top direction ({site})", site))
 
 
 def render(ctx) -> None:
@@ -137,6 +152,6 @@ def render(ctx) -> None:
     if exportable is not None:
         vector, site = export_direction(result, exportable, sites)
         direction = (save_direction(vector, site, None, meta={"rule": result.rule, "row": exportable["site"]}),
-                     f"{exportable['site']} #{exportable['feature']}")
+                     f"{exportable['site']} #{exportable['feature']}", site)
     st.caption(f"{steps.describe()['n_steps']:,} steps of {steps.describe()['n_traces']} traces.")
     draw(data, ctx.provenance(settings={"contrast": {k: v for k, v in chosen.items() if k != "lines"}}), direction)

@@ -1,4 +1,5 @@
-"""Trace explorer: stream a generation live, then read its trace (entropy, logit lens, residual norms, attention).
+"""Trace explorer: stream a generation live, then read its trace (entropy, logit lens, residual norms, attention,
+and an SAE's latents: the top ones of the whole trace and those active at each token).
 
 After a generation, one teacher-forced pass records what every view needs (the residual stream at
 every layer and, while they fit in memory, every layer's attention); moving a window, a layer or a
@@ -16,6 +17,7 @@ from app.context import shows_errors
 from app.export import plain, show_figure
 from app.figures.trace import records_data, tokens_html
 from app.registry import PageSpec
+from app.sections.sae_latents import trace_latents_section
 from app.sidebar import finished_generations
 
 PAGE = PageSpec("Trace explorer", ":material/timeline:", 10)
@@ -173,3 +175,4 @@ def render(ctx) -> None:
     st.subheader("Residual stream")
     show_figure(None, norms_of(ctx, key, ids), "residual_norms")
     attention_section(ctx, key, ids, done)
+    trace_latents_section(ctx, key, done)  # pick an SAE: the trace's top latents, and a token's

@@ -20,6 +20,7 @@ import typer
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, group
 from analyses.feature_browser import (CORPORA, IndexSettings, Neuron, VectorDirection, browse, build_index,
                                       file_corpus, load_corpus, sae_latent)
+from analyses.feature_browser.search_cli import register_search
 from probes.interventions import load_vector
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance, with_provenance
@@ -51,9 +52,8 @@ def _direction(site: str, sae: Optional[str], latent: int, neuron: Optional[int]
 
 def register(cli: typer.Typer) -> None:
     app = group(cli, "features", "Corpus feature browser: where a direction fires over a stored corpus.")
-    from analyses.feature_browser.search_cli import register_search  # an import circle (search_cli reads _corpus)
 
-    register_search(app)  # labels, search, tokens
+    register_search(app, _corpus)  # labels, search, tokens
 
     @app.command("index")
     def index_cmd(corpus: str = CORPUS_OPTION, site: str = SITE_OPTION,

@@ -11,19 +11,20 @@ feature browser link that opens it (`?latent=J`); output (JSON with --json) carr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import typer
 
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit
 from analyses.feature_browser import IndexSettings, build_index
-from analyses.feature_browser.cli import _corpus
 from analyses.feature_browser.labels import labels_for
 from analyses.feature_browser.search import LabelSearch, check_query
 from analyses.feature_browser.token_latents import check_sae, trace_latents
 from saes.io import load_sae
 from thoughtscope.provenance import provenance, with_provenance
 
+CorpusOf = Callable[[str, Optional[int], str], Any]  # (name or file, first n texts, unit) -> Corpus
 SAE_OPTION = typer.Option(..., "--sae", help="SAELens folder (cfg.json + sae_weights.safetensors)")
 SITE_OPTION = typer.Option(..., "--site", help="the SAE's hook site, e.g. resid_post.15")
 CORPUS_OPTION = typer.Option("gsm8k-questions", "--corpus", help="a corpus name or a UTF-8 text file")
@@ -34,10 +35,11 @@ def latent_link(latent: int, site: str) -> str:
     return f"/feature_browser?site={site}&latent={latent}"
 
 
-def _labels(b: Any, corpus: str, n: Optional[int], site: str, sae_folder: str, max_tokens: int) -> tuple[Any, Any]:
+def _labels(b: Any, corpus_of: CorpusOf, corpus: str, n: Optional[int], site: str, sae_folder: str,
+            max_tokens: int) -> tuple[Any, Any]:
     sae = load_sae(sae_folder)
     check_sae(sae, b, site)
-    c = _corpus(corpus, n, "paragraph")
+    c = corpus_of(corpus, n, "paragraph")
     with TerminalProgress() as progress:
         index = build_index(b, c, site, IndexSettings(max_tokens=max_tokens),
                             on_progress=lambda done, total: progress("index", done, total))
@@ -45,7 +47,9 @@ def _labels(b: Any, corpus: str, n: Optional[int], site: str, sae_folder: str, m
     return index, labels
 
 
-def register_search(app: typer.Typer) -> None:
+def register_search(app: typer.Typer, corpus_of: CorpusOf) -> None:
+    """Add the commands to the `features` group; `corpus_of(name, n, unit)` is the group's corpus reader."""
+
     @app.command("labels")
     def labels_cmd(site: str = SITE_OPTION, sae: str = SAE_OPTION, corpus: str = CORPUS_OPTION,
                    n: Optional[int] = typer.Option(None, "--n", help="keep the first n texts"),
@@ -54,7 +58,7 @@ def register_search(app: typer.Typer) -> None:
                    token: Optional[str] = TOKEN_OPTION, as_json: bool = typer.Option(False, "--json")) -> None:
         """Label every latent (tokens it fires on, top contexts, decoder words); kept beside the SAE."""
         b = backend(model, server, token)
-        index, labels = _labels(b, corpus, n, site, sae, max_tokens)
+        index, labels = _labels(b, corpus_of, corpus, n, site, sae, max_tokens)
         out = {"key": labels.key, "counts": labels.counts(),
                "labels": [{"latent": lab.latent, "summary": lab.summary, "quality": lab.quality,
                            "n_active": lab.n_active} for lab in labels.labels[:k]]}
@@ -72,7 +76,7 @@ def register_search(app: typer.Typer) -> None:
         """Latents whose labels match the query best (TF-IDF), each with its feature browser link."""
         check_query(query)
         b = backend(model, server, token)
-        index, labels = _labels(b, corpus, n, site, sae, max_tokens)
+        index, labels = _labels(b, corpus_of, corpus, n, site, sae, max_tokens)
         hits = [{**hit.to_dict(), "link": latent_link(hit.latent, site)}
                 for hit in LabelSearch(labels).search(query, k=k)]
         record = provenance(b.info(), data=index.corpus.get("name"), split=index.corpus.get("split"),

@@ -139,8 +139,9 @@ class Backend(Protocol):
         prompt's `images` (then forks start after the image tokens)."""
 
     def fork(self, state: Any, suffix: str | list[int], max_new_tokens: int = 16, capture: Sequence[str] = (),
-             top_k: int = 5, stop: Sequence[str] = (), at: int | None = None) -> list[TokenRecord]:
-        """Greedy continuation of `state` (or of its first `at` tokens) plus `suffix`."""
+             top_k: int = 5, stop: Sequence[str] = (), at: int | None = None,
+             interventions: Sequence[Any] = ()) -> list[TokenRecord]:
+        """Greedy continuation of `state` (or of its first `at` tokens) plus `suffix`, under `interventions`."""
 
     def free(self, state: Any) -> None:
         """Release a prefix state."""

@@ -286,10 +286,11 @@ class RemoteBackend:
         return RemotePrefix(out["state_id"], list(out["ids"]), out["fingerprint"], out["n_bytes"], self.url)
 
     def fork(self, state: Any, suffix: str | list[int], max_new_tokens: int = 16, capture: Sequence[str] = (),
-             top_k: int = 5, stop: Sequence[str] = (), at: int | None = None) -> list[TokenRecord]:
+             top_k: int = 5, stop: Sequence[str] = (), at: int | None = None,
+             interventions: Sequence[Any] = ()) -> list[TokenRecord]:
         body = {"state": self._state_id(state), "suffix": suffix if isinstance(suffix, str) else [int(t) for t in suffix],
                 "max_new_tokens": max_new_tokens, "capture": list(capture), "top_k": top_k, "stop": list(stop),
-                "at": at}
+                "at": at, "interventions": [intervention_to_spec(iv) for iv in interventions]}
         return [record_from_json(row) for row in self._call("POST", "/fork", json=body)["records"]]
 
     def free(self, state: Any) -> None:

@@ -726,11 +726,12 @@ class Engine:
     @torch.no_grad()
     def fork(self, state: PrefixState, suffix: str | list[int], max_new_tokens: int = 16,
              capture: Sequence[str] = (), top_k: int = 5, stop: Sequence[str] = (),
-             at: int | None = None) -> list[TokenRecord]:
+             at: int | None = None, interventions: Sequence[Any] = ()) -> list[TokenRecord]:
         """Append `suffix` to a saved state (or to its first `at` tokens) and decode greedily.
 
         Costs the tokens not yet in the cache plus the suffix plus the decoded tokens, never the
-        prefix. The state is read through a view of its cache, so it is never changed.
+        prefix. The state is read through a view of its cache, so it is never changed. `interventions`
+        act on the positions the fork computes (steering edits: the prefix and suffix are its prompt).
         """
         self._check_state(state)
         if isinstance(suffix, str):
@@ -761,7 +762,8 @@ class Engine:
         seq = prefix_ids + list(suffix_ids)
         step = _Step([seq], torch.ones(1, len(seq), dtype=torch.long, device=dev), None, [False], [""])
         records: list[TokenRecord] = []
-        with self.lock, Call(self.handle, "fork", capture=sites) as call:
+        call = self._bind("fork", interventions, lengths=[len(seq)], batch_rows=1, capture=sites)
+        with self.lock, call:
             runner = call.runner
             runner.ctx.last_only, runner.ctx.phase = True, "decode"
             feed = torch.tensor([todo], device=dev)

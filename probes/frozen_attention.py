@@ -144,13 +144,16 @@ class FrozenRun(Part):
 
                     self._cache = DynamicCache(config=self.model.config)
                 shadow[name] = self._cache
-        shadow["logits_to_keep"] = 1
+        shadow.pop("logits_to_keep", None)
+        shadow.pop("labels", None)
+        # the decoder alone (`base_model`): the shadow needs every layer's attention, never the logits
+        decoder = getattr(module, "base_model", module)
         steer = self.call.parts.get(SteerRun.KEY)
         self.in_shadow = True
         if steer is not None:
             steer.shadow = True
         try:
-            module(*args, **shadow)
+            decoder(*args, **shadow)
         finally:
             self.in_shadow = False
             if steer is not None:

@@ -723,9 +723,10 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
         state.check_tokens(body.max_new_tokens)
         await state.within_budget(lambda budget: budget.check_fork(body))
         prefix = state.states.get(body.state)
+        interventions = [intervention_from_spec(s) for s in body.interventions]
         records = await state.run(request, lambda: engine.fork(
             prefix, body.suffix, max_new_tokens=body.max_new_tokens, capture=body.capture, top_k=body.top_k,
-            stop=body.stop, at=body.at))
+            stop=body.stop, at=body.at, interventions=interventions))
         return strict({"records": records_to_json(records)})
 
     @app.post("/free/{state_id}")

@@ -184,6 +184,7 @@ class ForkRequest(_Body):
     top_k: int = Field(5, ge=0, le=100)
     stop: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=32)
     at: int | None = Field(None, ge=1)
+    interventions: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_INTERVENTIONS)
 
 
 class CaptureBatchRequest(_Body):

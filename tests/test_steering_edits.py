@@ -228,9 +228,12 @@ def test_through_the_server_equal_records(llama):
     local = list(llama.generate(prompts=prompts, max_new_tokens=5, interventions=stack))
     traced = [Additive(SITE, v1, strength=2.0, start=2, term="a"), NormScaled("resid_post.1", v2, strength=0.2, term="n")]
     local_trace = llama.trace(TEXT, interventions=traced)
+    fork_term = [Additive(SITE, v1, strength=1.5, term="f")]
+    local_fork = llama.fork(llama.prefill(TEXT), " seven", max_new_tokens=4, interventions=fork_term)
     with serving_in_thread(create_app(llama)) as url, RemoteBackend(url, timeout=60) as remote:
         served = list(remote.generate(prompts=prompts, max_new_tokens=5, interventions=stack))
         served_trace = remote.trace(TEXT, interventions=traced)
+        served_fork = remote.fork(remote.prefill(TEXT), " seven", max_new_tokens=4, interventions=fork_term)
         with pytest.raises(BadInputError):
             list(remote.generate(TEXT, max_new_tokens=2, interventions=[Additive(SITE, torch.ones(63))]))
     assert [(r.batch_index, r.token_id) for r in served] == [(r.batch_index, r.token_id) for r in local]
@@ -240,6 +243,9 @@ def test_through_the_server_equal_records(llama):
             assert b.fired[k] == pytest.approx(a.fired[k], rel=1e-5, abs=1e-6)
     assert all(r.fired.keys() == ({"a", "n", "cap"} if r.batch_index == 0 else {"n", "s", "cap"}) for r in local)
     assert served_trace.fired.keys() == local_trace.fired.keys() == {"a", "n"}
+    # a fork: every decoded token carries its term, in process and through the server alike
+    assert len(local_fork) == 4 and all(r.fired == {"f": pytest.approx(1.5 * float(v1.norm()))} for r in local_fork)
+    assert [(r.token_id, r.fired) for r in served_fork] == [(r.token_id, r.fired) for r in local_fork]
     for k in local_trace.fired:
         torch.testing.assert_close(served_trace.fired[k], local_trace.fired[k], equal_nan=True)
 

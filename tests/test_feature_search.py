@@ -150,3 +150,30 @@ def test_labels_and_token_latents_through_the_server_equal_in_process(llama, ind
     assert [lab.top_tokens for lab in remote_labels.labels] == [lab.top_tokens for lab in
                                                                 build_labels(index, planted, llama).labels]
     assert remote_labels.labels[3].output_words == build_labels(index, planted, llama).labels[3].output_words
+
+
+def test_the_feature_browser_page_searches_latents_and_opens_the_match(monkeypatch, tmp_path, llama, planted):
+    """Search box on the page: the planted latent's token finds it first, and choosing it browses it."""
+    import json as _json
+
+    from saes.io import save_sae
+    from tests import apptest_helpers as helpers
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
+    monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = save_sae(planted, tmp_path / "cache" / "rise" / "run0" / SITE)
+    (folder / "rise.json").write_text(_json.dumps({"model_id": "tiny-random:llama", "site": SITE}))
+    at = helpers.open_page("feature_browser")
+    at.selectbox(key="fb_site_kind").set_value("resid_pre").run()
+    at.selectbox(key="fb_layer").set_value(0).run()
+    at.number_input(key="fb_n").set_value(24).run()
+    at.button(key="fb_index").click().run()
+    at = helpers.finish_jobs(at)
+    at.radio(key="fb_kind").set_value("SAE latent").run()
+    helpers.assert_clean(at)
+    at.text_input(key="fb_query").input("she").run()
+    helpers.assert_clean(at)
+    assert at.radio(key="fb_hit").value == 7  # PLANTED[7] == " she"
+    assert "SAE latent 7" in " ".join(helpers.chart_titles(at))
+    at.text_input(key="fb_query").input("x" * 600).run()  # over the box's limit: refused, the page goes on
+    assert not at.exception

@@ -27,15 +27,16 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from thoughtscope.errors import BadInputError
 
-if TYPE_CHECKING:  # the policies build on this module, not the other way round
-    from probes.kv_policies import KVPolicy
+# A `probes.kv_policies.KVPolicy` (keep / visible / local_heads / max_entries); not imported: the policies
+# build on this module, not the other way round.
+KVPolicy = Any
 
 ATTENTION_NAME = "thoughtscope_kv_policy"
 # Model types whose attention modules follow the functional pattern this cache relies on

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ from thoughtscope.errors import BadInputError
 
 MAX_TERMS = 32  # steering terms of one call (probes.edits re-exports it); more is a BadInputError
 _MARKERS = ("Alpha", "Bravo", "Charlie", "Delta")
-_PIECES: dict[int, list[tuple[int, ...]]] = {}  # id(tokenizer) -> its template pieces
+_PIECES: "weakref.WeakKeyDictionary[Any, list[tuple[int, ...]]]" = weakref.WeakKeyDictionary()  # tokenizer -> pieces
 
 
 def special_ids(tokenizer: Any) -> set[int]:
@@ -67,9 +68,11 @@ def _rendered_pieces(tokenizer: Any, messages: list[dict[str, str]], special: se
 def template_pieces(tokenizer: Any) -> list[tuple[int, ...]]:
     """The chat template's own token runs (each starting with a special token), longest first; cached per
     tokenizer. Empty for a tokenizer without a chat template (then only special ids are excluded)."""
-    key = id(tokenizer)
-    if key in _PIECES:
-        return _PIECES[key]
+    try:
+        if tokenizer in _PIECES:
+            return _PIECES[tokenizer]
+    except TypeError:  # a tokenizer that cannot be weakly referenced: computed each time
+        pass
     pieces: set[tuple[int, ...]] = set()
     if getattr(tokenizer, "chat_template", None):
         special = special_ids(tokenizer)
@@ -78,8 +81,12 @@ def template_pieces(tokenizer: Any) -> list[tuple[int, ...]]:
                           {"role": "user", "content": c}],
                          [{"role": "system", "content": d}, {"role": "user", "content": a}]):
             pieces.update(_rendered_pieces(tokenizer, messages, special))
-    _PIECES[key] = sorted(pieces, key=len, reverse=True)
-    return _PIECES[key]
+    found = sorted(pieces, key=len, reverse=True)
+    try:
+        _PIECES[tokenizer] = found
+    except TypeError:
+        pass
+    return found
 
 
 def excluded_positions(tokenizer: Any, ids: Sequence[int]) -> set[int]:
@@ -123,6 +130,13 @@ class SteerRun(Part):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise BadInputError(f"steering terms need distinct names (term=); {dupes} name more than one term")
+        rows = call.batch_rows if call.batch_rows is not None else call.rows  # a teacher-forced pass: its rows
+        for m in self.members:
+            count = m.per_row_count()
+            if count is not None and count != rows:
+                raise BadInputError(f"{m.name()} has {count} per-row strengths but the call runs {rows} rows")
+            if m.rows is not None and max(m.rows) >= rows:
+                raise BadInputError(f"{m.name()} names rows {m.rows} but the call runs {rows} rows")
 
     def open(self) -> None:
         self._hook = self.handle.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)

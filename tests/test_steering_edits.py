@@ -317,7 +317,14 @@ def test_frozen_attention_per_row_in_one_batch(llama):
 ])
 def test_bad_input_is_refused_before_model_work(llama, make, match):
     with pytest.raises(BadInputError, match=match):
-        llama.generate(TEXT, max_new_tokens=2, interventions=make())
+        llama.generate(TEXT, max_new_tokens=2, interventions=make())  # the call, not the first record
+
+
+def test_bad_input_in_a_trace(llama):
+    with pytest.raises(BadInputError, match="per-row strengths"):
+        llama.trace(TEXT, interventions=[Additive(SITE, torch.ones(64), strength=[1.0, 2.0])])
+    with pytest.raises(BadInputError, match="rows"):
+        llama.trace(TEXT, interventions=[Additive(SITE, torch.ones(64), rows=[1])])
 
 
 def test_frozen_attention_is_a_capability(llama):

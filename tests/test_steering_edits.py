@@ -161,6 +161,26 @@ def test_template_pieces_come_from_the_template(llama):
     assert kept == _content_positions(llama, messages)[1]
 
 
+def test_template_pieces_follow_another_template(llama):
+    """Another family's template (no default system prompt, role names after the marker token): the
+    excluded positions follow it, with no hand list."""
+    import copy
+
+    tok = copy.deepcopy(llama.tok)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>model:{% endif %}")
+    messages = [{"role": "user", "content": "count the sheep please"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    lo_c = text.find(messages[0]["content"])
+    # a token that straddles the boundary (" count": the template's space and the content's word) is content
+    content = [p for p, (lo, hi) in enumerate(enc["offset_mapping"])
+               if lo < lo_c + len(messages[0]["content"]) and hi > lo_c]
+    ids = enc["input_ids"]
+    assert [p for p in range(len(ids)) if p not in excluded_positions(tok, ids)] == content
+    assert len(content) < len(ids) - 4  # the template's own tokens were there to exclude
+
+
 def test_prompt_and_generated_tokens(llama):
     v = _dir(10)
     n = len(llama.encode(TEXT))

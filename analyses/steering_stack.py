@@ -574,3 +574,98 @@ def stack_generation(backend: Backend, prompt: Any, stack: SteeringStack, *, max
                            GeneratedText.from_records(records), [dict(r.fired) for r in records], norms,
                            [e.term for e in edits], GeneratedText.from_records(frozen_records) if frozen else None,
                            [dict(r.fired) for r in frozen_records])
+
+
+# ----------------------------------------------------------------------------- one term's slider stops in one batch
+
+def grid_key(stack: SteeringStack, index: int) -> str:
+    """What a term's grid depends on: the whole stack except term `index`'s strength."""
+    stack._index(index)
+    preset = to_preset(stack, inline=True)
+    preset["terms"][index]["strength"] = "grid"
+    return hashlib.sha256(json.dumps(preset, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class StackGrid:
+    """Term `index` at every strength of `stops`, the rest of the stack as it was, made in ONE batched greedy
+    generation (one row per stop, the term's strength per row); `generation(strength)` is a lookup."""
+
+    key: str
+    index: int
+    stops: list[float]
+    rows: dict[float, StackGeneration]
+    seconds: float = 0.0
+
+    def generation(self, strength: float) -> StackGeneration:
+        strength = float(strength)
+        if strength not in self.rows:
+            raise BadInputError(f"strength {strength:g} is not a stop of this grid; its stops are "
+                                f"{', '.join(f'{s:g}' for s in self.stops)}")
+        return self.rows[strength]
+
+
+def stack_grid(backend: Any, prompt: Any, stack: SteeringStack, index: int, stops: Sequence[float], *,
+               max_new_tokens: int = 32, seed: int = 0, chat: bool = False, unsteered: Any = None,
+               norms: dict[str, float] | None = None, frozen: bool = False) -> StackGrid:
+    """Greedy generations of the stack with term `index` at each of `stops`, in one batched generation (and,
+    with `frozen`, one more with attention frozen): the prompt once per stop, that term's edit with one
+    strength per row. Each row is the stack's single-row generation at that strength (tested on
+    tiny-random:llama; rows of one prompt need no padding)."""
+    import time
+
+    from analyses.steering import GeneratedText, generate_text
+    from probes.frozen_attention import FrozenAttention
+
+    d_model = backend.arch().d_model
+    stack.check(d_model)
+    stack._index(index)
+    values = sorted({_number(s, "a grid stop") + 0.0 for s in stops})
+    if not values or len(values) > 64:
+        raise BadInputError(f"a term's grid needs 1..64 stops, got {len(values)}")
+    norms = dict(norms) if norms is not None else reference_norms(backend, prompt, stack, chat)
+    base = unsteered if unsteered is not None else generate_text(backend, prompt, max_new_tokens=max_new_tokens,
+                                                                 seed=seed, chat=chat)
+    varied = SteeringStack([replace(t, strength=1.0) if i == index else t for i, t in enumerate(stack.terms)],
+                           stack.multiplier)
+    edits = varied.interventions(norms, d_model)
+    name = varied.term_name(index)
+    factors = [v * float(stack.multiplier) for v in values]
+    for e in edits:
+        if e.term == name:
+            e.strength = factors
+    started = time.perf_counter()
+
+    def batch(extra: list[Any]) -> list[list[Any]]:
+        rows: list[list[Any]] = [[] for _ in values]
+        if not any(e.term == name for e in edits):  # multiplier 0: every row is the unsteered text
+            return rows
+        for rec in backend.generate(prompt, n_samples=len(values), max_new_tokens=max_new_tokens, seed=seed,
+                                    chat=chat, top_k=0, interventions=[*edits, *extra]):
+            rows[rec.batch_index].append(rec)
+        return rows
+
+    steered = batch([])
+    frozen_rows = batch([FrozenAttention()]) if frozen else None
+    names = [stack.term_name(i) for i in range(len(stack.terms))]
+    out = {}
+    for b, (value, factor) in enumerate(zip(values, factors)):
+        active = [e.term for e in edits if e.term != name or factor != 0.0]
+        if not active:  # nothing acts in this row: the unsteered text, as `stack_generation` gives it
+            one = replace(stack, terms=[replace(t, strength=value) if i == index else t
+                                        for i, t in enumerate(stack.terms)])
+            out[value] = stack_generation(backend, prompt, one, max_new_tokens=max_new_tokens, seed=seed, chat=chat,
+                                          unsteered=base, norms=norms, frozen=frozen)
+            continue
+
+        def records(recs: list[Any]) -> tuple[Any, list[dict[str, float]]]:
+            fired = [{k: v for k, v in r.fired.items() if k in active} for r in recs]
+            return GeneratedText.from_records(recs), fired
+
+        text, applied = records(steered[b])
+        frozen_text, frozen_applied = records(frozen_rows[b]) if frozen_rows is not None else (None, [])
+        one = replace(stack, terms=[replace(t, strength=value) if i == index else t for i, t in enumerate(stack.terms)])
+        descriptions = [iv.describe() for iv in one.interventions(norms, d_model)]
+        out[value] = StackGeneration(one.key(), float(stack.multiplier), names, descriptions, base, text, applied,
+                                     norms, active, frozen_text, frozen_applied)
+    return StackGrid(grid_key(stack, index), index, values, out, time.perf_counter() - started)

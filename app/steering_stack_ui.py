@@ -14,8 +14,8 @@ from typing import Any
 
 import streamlit as st
 
-from analyses.steering_stack import (MAX_TERMS, SteeringStack, StackTerm, preset_from_bytes, reference_norms,
-                                     stack_generation, to_preset, token_divergence)
+from analyses.steering_stack import (MAX_TERMS, StackTerm, SteeringStack, grid_key, preset_from_bytes,
+                                     reference_norms, stack_generation, stack_grid, to_preset, token_divergence)
 from app.context import compute, shows_errors
 from app.export import show_figure
 from app.figures.trace import display_text
@@ -80,8 +80,9 @@ def _term_row(i: int, term: StackTerm, slot: int, stops: list[float]) -> None:
     if right.button("Remove", key=f"stack_remove_{slot}", icon=":material/delete:"):
         _remove(i)
         st.rerun()
-    if float(strength) != term.strength:
+    if float(strength) != value:  # moved (a preset's off-stop strength stays as given until then)
         _state()["stack"] = session_stack().with_strength(i, float(strength))
+        _state()["moved"] = slot  # greedy: this term's stops are made in one batch, later moves read it
 
 
 def presets(ctx, stack: SteeringStack) -> None:
@@ -110,10 +111,10 @@ def stack_section(ctx, key: str, stops: list[float], unsteered: Any = None) -> N
     for i, (term, slot) in enumerate(zip(list(stack.terms), list(state["ids"]))):
         _term_row(i, term, slot, stops)
     stack = session_stack()
-    multiplier = st.select_slider("Global multiplier (every term's strength \u00d7 this)", MULTIPLIERS,
-                                  min(MULTIPLIERS, key=lambda m: abs(m - stack.multiplier)),
+    shown = min(MULTIPLIERS, key=lambda m: abs(m - stack.multiplier))
+    multiplier = st.select_slider("Global multiplier (every term's strength \u00d7 this)", MULTIPLIERS, shown,
                                   format_func=lambda v: f"{v:g}", key="stack_multiplier")
-    if float(multiplier) != stack.multiplier:
+    if float(multiplier) != shown:
         stack = state["stack"] = SteeringStack(stack.terms, float(multiplier))
     presets(ctx, stack)
     if not stack.terms:
@@ -134,8 +135,21 @@ def stack_section(ctx, key: str, stops: list[float], unsteered: Any = None) -> N
                                 chat=ctx.chat, sampling=s.sampling(), unsteered=unsteered, frozen=frozen,
                                 norms=reference_norms(ctx.backend, prompt, stack, ctx.chat))
 
-    result = compute(f"stack|{key}|{stack.key()}|{frozen}", work, start=True, spinner="Steering with the stack\u2026",
-                     kind="steering-stack", page="steering")
+    moved = state.get("moved")
+    index = state["ids"].index(moved) if moved in state["ids"] else None
+    if index is not None and s.sampling().greedy and stack.terms[index].strength in stops:
+        def grid_work():
+            return stack_grid(ctx.backend, prompt, stack, index, stops, max_new_tokens=s.max_new_tokens, seed=ctx.seed,
+                              chat=ctx.chat, unsteered=unsteered, frozen=frozen,
+                              norms=reference_norms(ctx.backend, prompt, stack, ctx.chat))
+
+        grid = compute(f"stack-grid|{key}|{grid_key(stack, index)}|{frozen}", grid_work, start=True, kind="steering-stack",
+                       spinner=f"Term {index + 1} at all {len(stops)} stops of its slider in one batch (once; later "
+                               "moves of this slider read it)\u2026", page="steering")
+        result = None if grid is None else grid.generation(stack.terms[index].strength)
+    else:
+        result = compute(f"stack|{key}|{stack.key()}|{frozen}", work, start=True,
+                         spinner="Steering with the stack\u2026", kind="steering-stack", page="steering")
     if result is None:
         return
     eos = ctx.backend.eos_ids()

@@ -318,3 +318,25 @@ def test_frozen_attention_beside_the_steered_text(llama):
     from analyses.steering import GeneratedText
 
     assert token_divergence(GeneratedText(["a"], [0.0], [0.0], [1]), GeneratedText(["a", "b"], [0.0] * 2, [0.0] * 2, [1, 2])) == [0, 1]
+
+
+def test_a_terms_grid_rows_are_the_single_row_stack_generations(llama):
+    from analyses.steering_stack import grid_key, stack_generation, stack_grid
+
+    stack = SteeringStack([StackTerm("resid_post.0", _v(1), 0.5, label="a"),
+                           StackTerm("resid_post.1", _v(2), 1.0, label="b", method="norm_scaled")], multiplier=2.0)
+    stops = [-1.0, 0.0, 0.5, 1.5]
+    grid = stack_grid(llama, "Today I feel", stack, 0, stops, max_new_tokens=5, frozen=True)
+    assert grid.stops == stops and grid.key == grid_key(stack.with_strength(0, 1.5), 0) != grid_key(stack, 1)
+    for s in stops:
+        alone = stack_generation(llama, "Today I feel", stack.with_strength(0, s), max_new_tokens=5, frozen=True)
+        row = grid.generation(s)
+        assert row.steered.token_ids == alone.steered.token_ids, s
+        assert row.frozen.token_ids == alone.frozen.token_ids, s
+        assert row.active == alone.active and row.stack_key == alone.stack_key
+        assert [sorted(a) for a in row.applied] == [sorted(a) for a in alone.applied]
+        for got, want in zip(row.applied, alone.applied):
+            assert got == pytest.approx(want, rel=1e-4)
+    assert grid.generation(0.0).active == ["2. b"]  # a term at strength 0 does not act
+    with pytest.raises(BadInputError, match="not a stop"):
+        grid.generation(0.25)

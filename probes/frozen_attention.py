@@ -85,6 +85,23 @@ class FrozenAttention(Registered):
         return "frozen attention" + ("" if self.rows is None else f" in rows {self.rows}")
 
 
+def side_by_side(terms: list[Any]) -> list[Any]:
+    """The interventions of one batch of three rows of the same prompt (`prompts=[p] * 3`): row 0 unsteered,
+    row 1 steered by `terms` (steering edits, one strength each), row 2 steered with frozen attention.
+
+    >>> import torch
+    >>> from probes.edits import Additive
+    >>> [iv.describe() for iv in side_by_side([Additive("resid_post.0", torch.ones(64), term="t")])]
+    ['t: additive 1 at resid_post.0 on rows [1, 2]', 'frozen attention in rows [2]']
+    """
+    from dataclasses import replace
+
+    for t in terms:
+        if isinstance(getattr(t, "strength", None), list) or getattr(t, "rows", None) is not None:
+            raise BadInputError(f"{t.name()} has rows or per-row strengths of its own; side by side sets the rows")
+    return [replace(t, rows=[1, 2]) for t in terms] + [FrozenAttention(rows=[2])]
+
+
 class FrozenRun(Part):
     """The per-call state: the shadow's KV cache and its attention probabilities per layer."""
 

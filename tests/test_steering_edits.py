@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from probes.edits import (MAX_TERMS, Additive, NormScaled, ProjectionCap, ProjectOut, SAEClamp, Swap)
-from probes.frozen_attention import FrozenAttention
+from probes.frozen_attention import FrozenAttention, side_by_side
 from probes.token_masks import excluded_positions, special_ids
 from thoughtscope.errors import BadInputError
 
@@ -306,8 +306,7 @@ def test_frozen_attention_per_row_in_one_batch(llama):
     """Row 0 unsteered, row 1 steered, row 2 steered with frozen attention: each equals its own call."""
     v = _dir(17) * 4
     term = lambda rows=None: Additive(SITE, v, strength=3.0, rows=rows, term="t")  # noqa: E731
-    batch = list(llama.generate(prompts=[TEXT] * 3, max_new_tokens=5,
-                                interventions=[term([1, 2]), FrozenAttention(rows=[2])]))
+    batch = list(llama.generate(prompts=[TEXT] * 3, max_new_tokens=5, interventions=side_by_side([term()])))
     rows = {b: [r.token_id for r in batch if r.batch_index == b] for b in range(3)}
     assert rows[0] == [r.token_id for r in llama.generate(TEXT, max_new_tokens=5)]
     assert rows[1] == [r.token_id for r in llama.generate(TEXT, max_new_tokens=5, interventions=[term()])]

@@ -318,6 +318,22 @@ def grace_from_env(default: float = 30.0) -> float:
     return value
 
 
+def one_step(stage: str, work: Callable[[], Any]) -> Callable[[Job], Any]:
+    """`work()` of one model call (a generation) as a job's work: `stage` at 0/1 before it and 1/1 after, so the
+    bar shows what runs and a Stop pressed meanwhile ends the job once the call returns.
+
+        run_job(key, one_step("generate", lambda: generate_text(backend, prompt)), label=..., ...)
+    """
+
+    def job_work(job: Job) -> Any:
+        job.progress(stage, 0, 1)
+        result = work()
+        job.progress(stage, 1, 1)
+        return result
+
+    return job_work
+
+
 def url_job(page: str) -> Job | None:
     """The job named in the address (`?job=...`) when it is this page's; a bad id is shown and dropped."""
     job_id = st.query_params.get(URL_PARAM)

@@ -25,7 +25,8 @@ def _page() -> None:
             raise BadInputError(f"n = {int(n)}: give a count of at least 0")
         return sum(range(int(n) + 1))
 
-    total = compute(f"demo-sum-{int(n)}", work, start=run, spinner="Adding\u2026", again=st.session_state.get("again", False))
+    total = compute(f"demo-sum-{int(n)}", work, start=run, spinner="Adding\u2026",
+                    again=st.session_state.get("again", False))
     st.write(f"total: {total}")
 
 
@@ -64,3 +65,13 @@ def test_a_kept_result_is_a_finished_job_and_the_newest_read_is_kept_longest(tmp
     assert (reg.finished("a"), reg.finished("b"), reg.finished("c")) == (1, None, 3)
     reg.keep("a", 10)  # kept again (computed anew): the newest result for the key wins
     assert reg.finished("a") == 10
+
+
+def test_one_step_work_reports_its_stage_before_and_after_the_call(tmp_path):
+    from app.jobs import one_step
+
+    reg = JobRegistry(costs_path=tmp_path / "costs.json")
+    seen = []
+    job = reg.start("g", one_step("generate", lambda: seen.append("called") or 42), label="one call", kind="demo")
+    job.thread.join(30)
+    assert (job.status, job.result, job.stage, job.done, job.total, seen) == (DONE, 42, "generate", 1, 1, ["called"])

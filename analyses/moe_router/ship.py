@@ -18,6 +18,7 @@ defaults (seed 0, one thread):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +62,21 @@ def map_from_dict(d: dict[str, Any]) -> RouterMap:
                      as_float(d["gates"]), d.get("rule"))
 
 
+def router_profile(backend: Backend, progress: Callable[..., None] | None = None) -> dict[str, Any]:
+    """The router profile the page draws and the shipped result stores: mean sorted router probabilities over
+    PROFILE_N development problems of the model's task (greedy answers, 48 new tokens, seed 0), with the task."""
+    profile, task = profile_task(backend, "auto", PROFILE_N, max_new_tokens=48, seed=0, progress=progress)
+    return {**profile.to_dict(), "task": task, "n_problems": PROFILE_N}
+
+
 def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None) -> Path:
     """Profile, default map and small evaluation of `model_id` (one thread, seed 0), written as a shipped result."""
     torch.set_num_threads(1)
     backend = backend if backend is not None else Engine.from_id(model_id)
     info = backend.info()
     arch = backend.arch()
-    profile, task = profile_task(backend, "auto", PROFILE_N, max_new_tokens=48, seed=0)
+    profile = router_profile(backend)
+    task = profile["task"]
     setting = default_setting(int(arch.experts_top_k), int(arch.n_experts))
     prompt, chat, answer = task_prompt(backend)
     rmap = generation_map(backend, prompt, n_samples=MAP_SETTINGS["n_samples"], rule=setting.rule(0),
@@ -77,7 +86,7 @@ def build(model_id: str, command: str, root: Path | None = None, backend: Backen
                                     max_new_tokens=e["max_new_tokens"], seed=e["seed"], n_resamples=500)
     evaluation = {**report.to_dict(), "provenance": provenance(info, data=task, split="evaluation", seed=0,
                                                                 settings=report.settings)}
-    files = {"profile.json": {**profile.to_dict(), "task": task, "n_problems": PROFILE_N},
+    files = {"profile.json": profile,
              "map.json": {**rmap.to_dict(), "prompt": prompt, "chat": chat, "answer": answer,
                           "setting": setting.to_dict()},
              "evaluation.json": evaluation}

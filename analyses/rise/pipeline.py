@@ -45,6 +45,7 @@ from probes.zoo import user_cache_dir
 from saes.io import is_sae_folder, load_sae, save_sae
 from saes.stats import sae_stats
 from saes.train import SAETrainSettings, train_sae
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -250,13 +251,12 @@ class RisePipeline:
         h = self.harvest()
         saes, stats = self.train(h, retrain=retrain)
         return {"harvest": h, "saes": saes, "stats": stats, "analysis": self.analyse(h, saes),
-                "folder": str(self.folder)}
+                "folder": str(self.folder), "heldout_traces": len({h.step_rows[r][0] for r in self.heldout_rows(h)})}
 
     def steer(self, behaviour: str, alphas: list[float], n_heldout: int, mode: str = "projection",
               layer: int | None = None) -> dict[str, Any]:
         """The pipeline (stored stages reused), then the steering sweep on held-out problems."""
-        if behaviour not in BEHAVIOURS:
-            raise BadInputError(f"behaviour {behaviour!r}; use one of {BEHAVIOURS}")
+        checks.choice("behaviour", behaviour, BEHAVIOURS)
         if n_heldout < 1:
             raise BadInputError("steer on at least one held-out problem")
         found = self.run()

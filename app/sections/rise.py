@@ -1,6 +1,6 @@
-"""The RISE page's harvest options, and what it draws from a finished harvest + SAEs: the quality of each layer's SAE (held-out explained
-variance, L0, AUROC), a trace's step timeline, the decoder-column geometry, one latent's feature dashboard, a
-steered pair of traces, and the confidence vectors (a job)."""
+"""The RISE page's harvest options, and what it draws from a finished harvest + SAEs: the quality of each
+layer's SAE (held-out explained variance, L0, AUROC), a trace's step timeline, the decoder-column geometry,
+one latent's feature dashboard, a steered pair of traces, and the confidence vectors (a job)."""
 
 from __future__ import annotations
 

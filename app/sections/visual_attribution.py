@@ -15,7 +15,7 @@ from analyses.visual_attribution.ship import DEFAULT_MODEL, EPOCHS, NAME, STUDY_
 from analyses.visual_attribution.stream import stream_attribution
 from app.export import show_figure
 from app.figures.visual_attribution import faithfulness_figure, heatmap_figure
-from app.jobs import run_job
+from app.jobs import one_step, run_job
 from app.switch import switch_button
 from probes.toys import vlm
 from probes.vision import expand
@@ -144,12 +144,8 @@ def span_section(ctx, run: dict[str, Any], spec: Any, regions: Any) -> None:
     start = st.button("Exhaustive effects for this span", key="va_exhaustive")
     backend, ids, picture = ctx.backend, run["ids"], run["image"]
 
-    def work(job):
-        job.progress("exhaustive effects", 0, 1)
-        eff = exhaustive_effects(backend, ids, picture, [(span.start, span.end)], regions)[0]
-        job.progress("exhaustive effects", 1, 1)
-        return eff
-
+    work = one_step("exhaustive effects", lambda: exhaustive_effects(backend, ids, picture, [(span.start, span.end)],
+                                                                     regions)[0])
     key = ctx.result_key("va-exhaustive", ids=list(map(int, ids)), span=[span.start, span.end],
                          image=hash(np.asarray(picture).tobytes()))
     eff = run_job(key, work, label=f"Exhaustive effects of span {labels[pick]!r}", kind="va-exhaustive",

@@ -27,7 +27,7 @@ from analyses.fuzzy_concepts.ship import NAME, comparable, load_study
 from analyses.steering import steered_comparison
 from analyses.steering_stack import from_fuzzy_concept
 from app.context import shows_errors
-from app.jobs import run_job
+from app.jobs import one_step, run_job
 from app.registry import PageSpec
 from app.sections.fuzzy_concepts import metrics_section, overlap_section, rules_section, sample_section
 from app.steering_stack_ui import add_button
@@ -148,13 +148,9 @@ def steering_section(ctx, found: dict[str, Any]) -> None:
                          input=ctx.model_input(), settings=s.to_dict(), seed=ctx.seed)
     backend, model_input, site = ctx.backend, ctx.model_input(), study.reps.site
 
-    def work(job):
-        job.progress("generate with and without the concept", 0, 1)
-        out = steered_comparison(backend, model_input, site, direction, float(scale), max_new_tokens=s.max_new_tokens,
-                                 sampling=s.sampling(), seed=ctx.seed, chat=ctx.chat)
-        job.progress("generate with and without the concept", 1, 1)
-        return out
-
+    work = one_step("generate with and without the concept", lambda: steered_comparison(
+        backend, model_input, site, direction, float(scale), max_new_tokens=s.max_new_tokens, sampling=s.sampling(),
+        seed=ctx.seed, chat=ctx.chat))
     start = st.button("Generate with and without the concept", key="fz_steer_run", icon=":material/play_arrow:")
     result = run_job(key, work, label=f"Generating with and without rule {int(rule) + 1}'s concept (scale {scale:g})",
                      kind="fuzzy-steer", page="fuzzy_concepts", start=start)

@@ -22,8 +22,9 @@ from typing import Any
 import streamlit as st
 
 from analyses.moe_router.evaluate import ExpertSetting, evaluate_expert_sample
-from analyses.moe_router.maps import RouterMap, generation_map, profile_task
-from analyses.moe_router.ship import EVAL_SETTINGS, MAP_SETTINGS, NAME, PROFILE_N, map_from_dict, task_prompt
+from analyses.moe_router.maps import RouterMap, generation_map
+from analyses.moe_router.ship import (EVAL_SETTINGS, MAP_SETTINGS, NAME, PROFILE_N, map_from_dict, router_profile,
+                                      task_prompt)
 from app.context import read_json, shows_errors
 from app.export import show_figure
 from app.jobs import run_job
@@ -45,15 +46,11 @@ PAGE_NAME = "moe_router"
 def profile_section(ctx, stored: Any) -> None:
     st.subheader("0. Router profile over the model's task")
     backend = ctx.backend
-
-    def work(job):
-        profile, task = profile_task(backend, "auto", PROFILE_N, max_new_tokens=48, seed=0, progress=job.progress)
-        return {**profile.to_dict(), "task": task, "n_problems": PROFILE_N}
-
     start = st.button("Profile the router again" if stored else "Profile the router", key="moe_profile_run",
                       icon=":material/play_arrow:", help=f"{PROFILE_N} development problems, greedy answers read "
                                                          "teacher-forced at every MoE layer")
-    data = run_job(ctx.result_key("moe-profile", n=PROFILE_N, seed=0), work, label=f"Router profile on {PROFILE_N} "
+    data = run_job(ctx.result_key("moe-profile", n=PROFILE_N, seed=0),
+                   lambda job: router_profile(backend, progress=job.progress), label=f"Router profile on {PROFILE_N} "
                    "problems", kind="moe-profile", page=PAGE_NAME, start=start)
     provenance = None if data is None else ctx.provenance(settings={"n": PROFILE_N}, data=data.get("task"))
     if data is None and stored:

@@ -91,10 +91,7 @@ def harvest_section(ctx) -> tuple[dict[str, Any] | None, HarvestSettings | None,
         backend = ctx.backend
 
         def work(job: jobs.Job) -> dict[str, Any]:
-            pipeline = RisePipeline(backend, options, on_progress=job.progress)
-            result = pipeline.run()
-            result["heldout_traces"] = len({result["harvest"].step_rows[r][0]
-                                            for r in pipeline.heldout_rows(result["harvest"])})
+            result = RisePipeline(backend, options, on_progress=job.progress).run()
             return {**result, "key": key, "analysis_projection": projection, "source": ""}
 
         found = jobs.run_job(key, work, label=f"Harvesting {int(n)} {task} problems at layers "

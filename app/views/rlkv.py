@@ -23,10 +23,10 @@ from analyses.rlkv.train import SHIPPED_RUN, train_gates, training_folder
 from analyses.tasks import load_task
 from app.context import read_json, shows_errors
 from app.export import show_figure
-from app.figures.rlkv import (accuracy_figure, generation_figure, head_map_figure, memory_figure, page_tables,
-                              training_figure)
-from app.jobs import run_job
+from app.figures.rlkv import head_map_figure, memory_figure, training_figure
+from app.jobs import one_step, run_job
 from app.registry import PageSpec
+from app.sections.rlkv import draw_evaluation, draw_generation
 
 PAGE = PageSpec("RLKV head maps", ":material/memory:", 60, requires=("generate", "kv_policy"))
 
@@ -105,25 +105,13 @@ def generation_section(ctx, head_map: HeadMap, sparsity: float) -> None:
     key = ctx.cache_key(kind="rlkv-generation", full=policy.full_heads, sink=policy.sink, recent=policy.recent,
                         answer=answer)
     backend, model_input, chat, s, seed = ctx.backend, ctx.model_input(), ctx.chat, ctx.settings, ctx.seed
-
-    def work(job):
-        job.progress("full cache, then the compressed one", 0, 1)
-        out = compressed_generation(backend, model_input, policy, chat=chat, answer=answer,
-                                    max_new_tokens=s.max_new_tokens, sampling=s.sampling(), seed=seed)
-        job.progress("full cache, then the compressed one", 1, 1)
-        return out
-
+    work = one_step("full cache, then the compressed one", lambda: compressed_generation(
+        backend, model_input, policy, chat=chat, answer=answer, max_new_tokens=s.max_new_tokens,
+        sampling=s.sampling(), seed=seed))
     found = run_job(key, work, label="Generating with the full cache and the compressed one",
                     kind="rlkv-generation", page=PAGE_NAME, start=run)
-    if found is None:
-        return
-    left, right = st.columns(2)
-    left.caption(f"full cache: **{found['full_mode']}**")
-    left.text(found["full_text"])
-    right.caption(f"compressed: **{found['mode']}**")
-    right.text(found["text"])
-    show_figure(generation_figure(found), found, "rlkv_generation",
-                provenance=ctx.provenance(interventions=[policy], settings={"sparsity": sparsity}))
+    if found is not None:
+        draw_generation(found, ctx.provenance(interventions=[policy], settings={"sparsity": sparsity}))
 
 
 def training_section(ctx, head_map: HeadMap | None) -> None:
@@ -185,17 +173,8 @@ def evaluation_section(ctx, head_map: HeadMap | None) -> None:
 
     found = run_job(key, work, label=f"RLKV evaluation on {n} problems", kind="rlkv-eval", page=PAGE_NAME,
                     start=bool(run and levels))
-    report = report or found
-    if report is None:
-        return
-    show_figure(accuracy_figure(report), report, "rlkv_accuracy", provenance=report.get("provenance"))
-    accuracy, error_modes = page_tables(report)
-    st.dataframe(accuracy, hide_index=True, key="rlkv_eval_table",
-                 column_config={"McNemar p": st.column_config.NumberColumn(format="%.2g")})
-    st.caption("How each run's answers went wrong (problems of the evaluation split):")
-    st.dataframe(error_modes, hide_index=True, key="rlkv_error_modes")
-    for line in report.get("notes", []):
-        st.caption(line)
+    if (report or found) is not None:
+        draw_evaluation(report or found)
 
 
 def render(ctx) -> None:

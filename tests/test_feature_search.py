@@ -177,3 +177,8 @@ def test_the_feature_browser_page_searches_latents_and_opens_the_match(monkeypat
     assert "SAE latent 7" in " ".join(helpers.chart_titles(at))
     at.text_input(key="fb_query").input("x" * 600).run()  # over the box's limit: refused, the page goes on
     assert not at.exception
+
+
+def test_labels_refuse_an_sae_of_another_model(llama, index):
+    with pytest.raises(BadInputError, match="trained on smollm2-135m"):
+        build_labels(index, _sae(model_name="smollm2-135m"), llama)

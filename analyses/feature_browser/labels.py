@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from analyses.feature_browser.index import CorpusIndex
+from analyses.feature_browser.token_latents import check_sae
 from probes.backend import Backend
 from saes.io import check_fits
 from thoughtscope.errors import BadInputError
@@ -196,6 +197,7 @@ def build_labels(index: CorpusIndex, sae: Any, backend: Backend, settings: Label
     settings = settings or LabelSettings()
     settings.validate()
     check_fits(sae, int(index.acts.shape[1]), index.site)
+    check_sae(sae, backend, index.site)  # an SAE whose config names another model or site is refused
     keep = settings.n_contexts * 4  # best rows kept per latent: several may share a context
     n_active, best_vals, best_rows, pair_latent, pair_token, pair_count = _scan(index, sae, keep, on_progress)
     texts = backend.token_texts(index.ids.tolist())

@@ -77,6 +77,9 @@ class SteerEdit(Intervention):
         return len(self.strength) if isinstance(self.strength, list) else None
 
     def _check(self, arch: Any) -> None:
+        if self.where != "all":
+            raise BadInputError(f"{self.name()}: steering edits say where they act with tokens= ('prompt', "
+                                f"'generated' or 'both') and start=/stop=, not where={self.where!r}")
         self.strength = _scales(self.strength, f"{self.kind} strength")
         checks.choice("tokens", self.tokens, TOKENS)
         checks.integer("start", self.start, low=0, none_ok=True)

@@ -333,6 +333,7 @@ def test_frozen_attention_per_row_in_one_batch(llama):
     (lambda: [ProjectionCap(SITE, torch.ones(64))], "low"),
     (lambda: [ProjectOut(SITE, torch.zeros(64))], "zero vector"),
     (lambda: [FrozenAttention(rows=[5])], "rows"),
+    (lambda: [Additive(SITE, torch.ones(64), where="generated")], "tokens="),
 ])
 def test_bad_input_is_refused_before_model_work(llama, make, match):
     with pytest.raises(BadInputError, match=match):

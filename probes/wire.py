@@ -32,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from thoughtscope.errors import (AuthError, BadInputError, InvalidRequestError, RequestTooLargeError,  # noqa: F401
                             ServerBusyError, ServerError, ThoughtscopeError)
 from probes.interventions import KINDS, Registered, kind_of, load_vector_bytes
+import probes.edits  # noqa: E402,F401  the steering edits and frozen attention register their kinds in KINDS
+import probes.frozen_attention  # noqa: E402,F401  (a `thoughtscope serve` process imports nothing else of them)
 from probes.records import TokenRecord, Trace
 
 # Generous for any vector or prompt a page sends (a d_model=16384 float32 vector is 88 KB in base64),

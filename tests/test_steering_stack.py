@@ -340,3 +340,20 @@ def test_a_terms_grid_rows_are_the_single_row_stack_generations(llama):
     assert grid.generation(0.0).active == ["2. b"]  # a term at strength 0 does not act
     with pytest.raises(BadInputError, match="not a stop"):
         grid.generation(0.25)
+
+
+def test_a_stack_through_a_model_server_equals_in_process():
+    from analyses.steering_stack import stack_generation, stack_grid
+    from probes.server_bench import served
+
+    stack = SteeringStack([StackTerm("resid_post.0", _v(1), 0.5, label="a"),
+                           StackTerm("resid_post.1", _v(2), 0.5, label="b", method="project_out", tokens="generated")])
+    with served("tiny-random:llama") as (engine, remote):
+        local = stack_generation(engine, "Today I feel", stack, max_new_tokens=5)
+        there = stack_generation(remote, "Today I feel", stack, max_new_tokens=5)
+        assert there.steered.token_ids == local.steered.token_ids and there.reference_norms == local.reference_norms
+        assert [sorted(a) for a in there.applied] == [sorted(a) for a in local.applied]
+        grid_there = stack_grid(remote, "Today I feel", stack, 1, [0.0, 1.0], max_new_tokens=5)
+        grid_here = stack_grid(engine, "Today I feel", stack, 1, [0.0, 1.0], max_new_tokens=5)
+        assert {s: r.steered.token_ids for s, r in grid_there.rows.items()} == \
+            {s: r.steered.token_ids for s, r in grid_here.rows.items()}

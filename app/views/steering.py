@@ -10,6 +10,11 @@ of a direction generates every grid scale in ONE batched generation (`analyses.s
 the prompt repeated, one row per scale), so a moved slider is a lookup; the sweep reads the same grid
 and adds each text's perplexity under the unsteered model. Sampled decoding generates each scale
 alone from the seed (a batch would give each row other random numbers than the unsteered text).
+
+Below it, the steering stack (`app.steering_stack_ui`, `analyses.steering_stack`): every direction added
+here or on the RISE, fuzzy concepts and feature browser pages, a slider per term and a global multiplier,
+the stack's text with the engine's record of which terms acted at each token, the same stack with frozen
+attention where the backend offers it, and presets saved and opened as JSON.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from probes import Sampling
 from probes.edits import (MAX_TERMS, Additive, NormScaled, ProjectionCap, ProjectOut, SAEClamp, Swap)
 from probes.frozen_attention import FrozenAttention, side_by_side
 from probes.token_masks import excluded_positions, special_ids
@@ -250,10 +251,16 @@ def test_through_the_server_equal_records(llama):
     local_trace = llama.trace(TEXT, interventions=traced)
     fork_term = [Additive(SITE, v1, strength=1.5, term="f")]
     local_fork = llama.fork(llama.prefill(TEXT), " seven", max_new_tokens=4, interventions=fork_term)
+    sampling = Sampling(temperature=0.8, top_p=0.9)
+    local_sampled = list(llama.generate(prompts=prompts, n_samples=2, max_new_tokens=4, sampling=sampling, seed=3,
+                                        interventions=[Additive(SITE, v1, strength=[1.0, 2.0, 0.0, 3.0], term="a")]))
     with serving_in_thread(create_app(llama)) as url, RemoteBackend(url, timeout=60) as remote:
         served = list(remote.generate(prompts=prompts, max_new_tokens=5, interventions=stack))
         served_trace = remote.trace(TEXT, interventions=traced)
         served_fork = remote.fork(remote.prefill(TEXT), " seven", max_new_tokens=4, interventions=fork_term)
+        served_sampled = list(remote.generate(
+            prompts=prompts, n_samples=2, max_new_tokens=4, sampling=sampling, seed=3,
+            interventions=[Additive(SITE, v1, strength=[1.0, 2.0, 0.0, 3.0], term="a")]))
         with pytest.raises(BadInputError):
             list(remote.generate(TEXT, max_new_tokens=2, interventions=[Additive(SITE, torch.ones(63))]))
     assert [(r.batch_index, r.token_id) for r in served] == [(r.batch_index, r.token_id) for r in local]
@@ -266,6 +273,8 @@ def test_through_the_server_equal_records(llama):
     # a fork: every decoded token carries its term, in process and through the server alike
     assert len(local_fork) == 4 and all(r.fired == {"f": pytest.approx(1.5 * float(v1.norm()))} for r in local_fork)
     assert [(r.token_id, r.fired) for r in served_fork] == [(r.token_id, r.fired) for r in local_fork]
+    # sampled, with the same seed: the same tokens and records
+    assert [(r.token_id, r.fired) for r in served_sampled] == [(r.token_id, r.fired) for r in local_sampled]
     for k in local_trace.fired:
         torch.testing.assert_close(served_trace.fired[k], local_trace.fired[k], equal_nan=True)
 
@@ -291,6 +300,24 @@ def test_frozen_attention_uses_the_unsteered_patterns(llama):
     differs = any(not torch.allclose(a.activations[s], b.activations[s], atol=1e-4)
                   for a, b in zip(frozen, steered) for s in sites if a.token_id == b.token_id)
     assert differs  # without freezing, the steered patterns move
+
+
+def test_frozen_attention_on_qwen2_and_refused_on_moe(moe):
+    from probes import Engine
+
+    qwen = Engine.from_id("tiny-random:qwen2", device="cpu")
+    d = qwen.handle.arch.d_model
+    stack = [Additive("resid_post.0", torch.randn(d, generator=torch.Generator().manual_seed(18)) * 4, term="t"),
+             FrozenAttention()]
+    frozen = list(qwen.generate(TEXT, max_new_tokens=4, capture=["attn_pattern.1"], interventions=stack))
+    n = len(qwen.encode(TEXT))
+    plain = qwen.trace(qwen.encode(TEXT) + [r.token_id for r in frozen][:-1], capture=["attn_pattern.1"])
+    for t, rec in enumerate(frozen):
+        torch.testing.assert_close(rec.activations["attn_pattern.1"],
+                                   plain.activations["attn_pattern.1"][n - 1 + t, :, :n + t], rtol=0, atol=1e-5)
+    assert not moe.capabilities()["frozen_attention"]
+    with pytest.raises(BadInputError, match="dense"):
+        moe.generate(TEXT, max_new_tokens=2, interventions=[FrozenAttention()])
 
 
 def test_empty_stack_gives_three_equal_texts(llama):

@@ -414,13 +414,28 @@ def _dequantize_smollm2(gguf: Path, tmp: Path, damaged: str | None) -> None:
 
 
 def _load_smollm2(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder = smollm2_files()
     _quiet_transformers()
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok = smollm2_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model, tok
+
+
+def smollm2_tokenizer() -> Any:
+    """A tokenizer of its own (SmolLM2's, with its chat template: the embedded model's and every tiny-random
+    model's). tokenizer.json is parsed once per process and folder; each call gets a deep copy (about half
+    the cost of a parse), so no two engines share a mutable tokenizer."""
+    folder = smollm2_files()
+    return copy.deepcopy(_parsed_tokenizer(str(folder), (folder / "tokenizer.json").stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_tokenizer(folder: str, mtime_ns: int) -> Any:  # mtime_ns: a rebuilt folder is parsed again
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def _tiny_vlms() -> tuple[str, ...]:
@@ -431,22 +446,20 @@ def _tiny_vlms() -> tuple[str, ...]:
 
 def _load_tiny_random(arch: str, dtype: torch.dtype):
     if arch in _tiny_vlms():
-        from transformers import AutoTokenizer
-
         from probes.vision import tiny_vlm
 
         _quiet_transformers()
-        return tiny_vlm(arch, dict(_TINY_COMMON), AutoTokenizer.from_pretrained(smollm2_files()), dtype)
+        return tiny_vlm(arch, dict(_TINY_COMMON), smollm2_tokenizer(), dtype)
     if arch not in TINY_ARCHS:
         raise UnknownModelError(f"unknown tiny-random architecture {arch!r}; choose one of "
                                 f"{sorted(TINY_ARCHS) + sorted(_tiny_vlms())}")
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     cls_name, extra = TINY_ARCHS[arch]
     # The embedded model's tokenizer (with its chat template) keeps tiny models offline and realistic.
-    tok = AutoTokenizer.from_pretrained(smollm2_files())
+    tok = smollm2_tokenizer()
     config = getattr(transformers, cls_name)(vocab_size=len(tok), **{**_TINY_COMMON, **extra})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

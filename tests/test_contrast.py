@@ -206,3 +206,27 @@ def test_contrast_through_the_server_equals_in_process(reasoner, dev_steps):
     assert [r["smd"] for r in there.top] == pytest.approx([r["smd"] for r in here.top], abs=1e-4)
     assert [r["heldout_auroc"]["estimate"] for r in there.top] == pytest.approx(
         [r["heldout_auroc"]["estimate"] for r in here.top], abs=1e-6)
+
+
+@pytest.mark.model
+def test_the_alarm_rule_splits_at_the_cusum_alarm_which_finds_the_planted_settling_step(reasoner):
+    from analyses.contrast.steps import forced_answer_probes, organism_alarms
+    from analyses.organism import organism_problems
+    from probes.toys.reasoner import ANSWER_SUFFIX, STEP_DELIMITER
+
+    problems = organism_problems(30, split="dev", size="small")
+    probes = forced_answer_probes(reasoner, problems[:1])
+    p, trace = problems[0], problems[0].meta["trace"]
+    end = trace.index(STEP_DELIMITER) + len(STEP_DELIMITER)
+    direct = reasoner.trace(f"Q : {p.question} A :" + trace[:end] + ANSWER_SUFFIX).entropies[-1]
+    assert probes[0][0][0] == pytest.approx(float(direct), abs=1e-4)  # the batched readout is the model's own
+    alarms = organism_alarms(reasoner, problems, organism_problems(60, split="calibration", size="small"))
+    offsets = [alarms[t] - p.meta["settle_step"] for t, p in enumerate(problems) if t in alarms]
+    assert len(offsets) >= len(problems) // 2 and np.median(offsets) == 0  # the typical alarm: the settling step
+    steps = organism_steps(reasoner, problems, ["resid_post.1"])
+    steps.alarm = alarms
+    in_a, in_b, _ = select(steps, "alarm")
+    t0 = next(iter(alarms))
+    rows = np.flatnonzero(steps.trace == t0)
+    assert in_a[rows].tolist() == [s > alarms[t0] for s in steps.step[rows]]
+    assert in_b[rows].tolist() == [s <= alarms[t0] for s in steps.step[rows]]

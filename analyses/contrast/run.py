@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from analyses.contrast.core import ContrastResult, ContrastSettings, ContrastSite, contrast
-from analyses.contrast.steps import StepSet, organism_steps, prompt_file_steps, prompt_lines_steps, select
+from analyses.contrast.steps import (StepSet, organism_alarms, organism_steps, prompt_file_steps, prompt_lines_steps,
+                                     select)
 from analyses.feature_browser.token_latents import check_sae
 from analyses.organism import is_organism, organism_problems, size_of
 from probes.backend import Backend
@@ -27,6 +28,7 @@ from saes.io import load_sae
 from thoughtscope.errors import BadInputError
 
 Progress = Callable[..., None]
+N_CALIBRATION = 60  # organism calibration traces the CUSUM detector is fit on (the `alarm` rule)
 
 
 def parse_sites(specs: Sequence[str], backend: Backend) -> list[ContrastSite]:
@@ -59,7 +61,7 @@ def parse_sites(specs: Sequence[str], backend: Backend) -> list[ContrastSite]:
 
 def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int = 0, split: str = "dev",
                  prompts_a: Any = None, prompts_b: Any = None, max_new_tokens: int = 96,
-                 on_progress: Progress | None = None) -> StepSet:
+                 on_progress: Progress | None = None, alarms: bool = False) -> StepSet:
     """Steps at every captured site: `organism` planted traces of toy-reasoner's `split`, or two prompt files."""
     captured = sorted({s.site for s in sites})
     tick = (lambda done, total: on_progress("steps", done, total)) if on_progress else None
@@ -78,8 +80,13 @@ def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int 
                             "prompt files")
     if organism < 4:
         raise BadInputError(f"ask for at least 4 organism traces, got {organism}")
-    problems = organism_problems(organism, split=split, size=size_of(backend.info()["model_id"]))
-    return organism_steps(backend, problems, captured, on_progress=tick)
+    size = size_of(backend.info()["model_id"])
+    problems = organism_problems(organism, split=split, size=size)
+    steps = organism_steps(backend, problems, captured, on_progress=tick)
+    if alarms:  # the CoT-entropy CUSUM detector, fit on the calibration split, run over these traces
+        steps.alarm = organism_alarms(backend, problems, organism_problems(N_CALIBRATION, split="calibration",
+                                                                           size=size))
+    return steps
 
 
 def run_contrast(backend: Backend, site_specs: Sequence[str], rule: str, settings: ContrastSettings | None = None,
@@ -87,9 +94,11 @@ def run_contrast(backend: Backend, site_specs: Sequence[str], rule: str, setting
                  on_progress: Progress | None = None) -> tuple[ContrastResult, StepSet, list[ContrastSite]]:
     settings = settings or ContrastSettings()
     sites = parse_sites(site_specs, backend)
-    steps = gather_steps(backend, sites, organism, split, prompts_a, prompts_b, on_progress=on_progress)
+    steps = gather_steps(backend, sites, organism, split, prompts_a, prompts_b, on_progress=on_progress,
+                         alarms=rule.strip() == "alarm")
     if prompts_a and prompts_b and rule == "source":
-        rule = "source:A/B" if isinstance(prompts_a, list) else f"source:{Path(prompts_a).name}/{Path(prompts_b).name}"
+        rule = ("source:A/B" if isinstance(prompts_a, list)
+                else f"source:{Path(prompts_a).name}/{Path(prompts_b).name}")
     in_a, in_b, described = select(steps, rule, seed=settings.seed)
     result = contrast(steps.acts, steps.trace, in_a, in_b, sites, settings, rule=described, contexts=steps.text)
     return result, steps, sites

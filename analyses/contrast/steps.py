@@ -9,6 +9,8 @@ the rules split on (its kind, its trace's correctness, its index, its source, th
 - `StepSet.concat`: two step sets as one (each row keeps its source: two prompt files).
 
 Captures go through `Backend.capture_batch` with `positions` (a server ships only the step rows).
+`organism_alarms` runs the CoT-entropy CUSUM detector over the organism's traces (forced-answer
+entropy after every step, the detector fit on the calibration split): where each trace alarms.
 
 Rules (`select`): `kind:reflection` (reflection steps against every other), `kind:reflection/compute`,
 `correct` (steps of correct traces against wrong ones), `alarm` (after the trace's CUSUM alarm step
@@ -25,11 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from analyses.cot_entropy.detector import CalibrationTrace, CusumDetector
 from analyses.problem import Problem
 from analyses.rise.harvest import HarvestSettings, generate_traces, judge_for, resolve_delimiter
 from analyses.rise.labels import label_step
 from probes.backend import Backend
-from probes.toys.reasoner import PROMPT_END, PROMPT_START, STEP_DELIMITER, extract_answer
+from probes.toys.reasoner import ANSWER_SUFFIX, PROMPT_END, PROMPT_START, STEP_DELIMITER, extract_answer
 from thoughtscope.errors import BadInputError
 
 RULES = ("kind:<A>[/<B>]", "correct", "alarm", "source:<A>/<B>", "random")
@@ -197,10 +200,6 @@ def prompt_lines_steps(backend: Backend, lines: Sequence[str], name: str, sites:
                        on_progress: Callable[[int, int], None] | None = None) -> StepSet:
     """Generate a greedy trace for every question in `lines`, cut it into the model family's steps,
     label them with its judge and read the step rows; every row's `source` is `name`."""
-    from analyses.problem import Problem
-    from analyses.rise.harvest import HarvestSettings, generate_traces, judge_for, resolve_delimiter
-    from analyses.rise.labels import label_step
-
     questions = [q.strip() for q in lines if q and q.strip()]
     if not questions:
         raise BadInputError(f"{name} holds no question (one a line)")
@@ -219,10 +218,52 @@ def prompt_lines_steps(backend: Backend, lines: Sequence[str], name: str, sites:
 def prompt_file_steps(backend: Backend, path: str, sites: Sequence[str], max_new_tokens: int = 96, n: int | None = None,
                       on_progress: Callable[[int, int], None] | None = None) -> StepSet:
     """`prompt_lines_steps` over the lines of a prompt file (its name is the rows' source)."""
-    from pathlib import Path
-
     file = Path(path).expanduser()
     if not file.is_file():
         raise BadInputError(f"prompt file {path} does not exist (one question a line)")
     lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
     return prompt_lines_steps(backend, lines[:n] if n else lines, file.name, sites, max_new_tokens, on_progress)
+
+
+def forced_answer_probes(backend: Any, problems: Sequence[Any], batch_size: int = 64) -> list[tuple[list[float], list[str]]]:
+    """For each organism trace, the answer forced after every step (" So the answer is" appended): the
+    entropy of the model's next-token distribution there and its most likely answer, per step.
+
+    One batched pass reads the last layer's residual at the forced position; `Backend.readout` with the
+    final norm over the whole vocabulary gives exactly the model's logits there."""
+    arch = backend.arch()
+    last = f"resid_post.{arch.n_layers - 1}"
+    sequences, owner = [], []
+    for t, p in enumerate(problems):
+        prompt, trace, end = f"{PROMPT_START} {p.question} {PROMPT_END}", p.meta["trace"], 0
+        for _ in p.meta["kinds"]:
+            end = trace.index(STEP_DELIMITER, end) + len(STEP_DELIMITER)
+            sequences.append(backend.encode(prompt + trace[:end] + ANSWER_SUFFIX))
+            owner.append(t)
+    rows = _step_rows(backend, sequences, [[len(s) - 1] for s in sequences], [last], batch_size, None)[last]
+    read = backend.readout(rows, norm=True, top_k=arch.vocab_size)
+    logp = read.top_logits.float().log_softmax(-1)
+    entropies = (-(logp.exp() * logp).sum(-1)).tolist()
+    answers = [s.strip() for s in backend.token_texts([int(i) for i in read.top_ids[:, 0]])]
+    out: list[tuple[list[float], list[str]]] = [([], []) for _ in problems]
+    for t, h, a in zip(owner, entropies, answers):
+        out[t][0].append(float(h))
+        out[t][1].append(a)
+    return out
+
+
+def organism_alarms(backend: Any, problems: Sequence[Any], calibration: Sequence[Any],
+                    threshold: float = 2.0) -> dict[int, int]:
+    """{trace index: step of its CUSUM alarm} for organism traces (`analyses.cot_entropy.detector.CusumDetector`
+    fit on the forced-answer entropies of the `calibration` traces, labelled by when their answer settles)."""
+    if not calibration:
+        raise BadInputError("the CUSUM alarm needs calibration traces to fit its detector")
+    cal = [CalibrationTrace(h, a, str(p.answer)) for p, (h, a) in zip(calibration, forced_answer_probes(backend,
+                                                                                                        calibration))]
+    detector = CusumDetector(threshold=threshold).fit(cal)
+    alarms = {}
+    for t, (h, _) in enumerate(forced_answer_probes(backend, problems)):
+        at = detector.alarm_index(h)
+        if at is not None:
+            alarms[t] = int(at)
+    return alarms

@@ -31,6 +31,7 @@ PAGE = PageSpec("Contrast", ":material/compare_arrows:", 35, requires=("capture_
 
 RULES = {"reflection steps vs the rest": "kind:reflection", "backtrack steps vs the rest": "kind:backtrack",
          "redundant steps vs compute steps": "kind:redundant/compute", "correct vs wrong traces": "correct",
+         "steps after vs up to the CUSUM alarm": "alarm",
          "two random halves (the null)": "random"}
 SET_A = "Tom has 3 apples and buys 4 more. How many apples does he have?\nA box holds 6 pens. How many pens in 2 boxes?"
 SET_B = "Tom has 9 apples and gives away 4. How many are left?\nA rope of 12 m is cut in 3 equal parts. How long is each?"

@@ -71,21 +71,10 @@ def serve(model: str):
 
 
 @pytest.fixture(scope="module")
-def app_url():
-    with serve(MODEL) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).is_file():
-        pytest.fail("Debian chromium is not installed: run `make chromium` (apt-get install -y chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield b
-        b.close()
+def app_url(tiny_app_url):
+    """The session's app on MODEL (tests/conftest.py, shared with the settings and badge tests); `browser`
+    is the session's Chromium (tests/conftest.py)."""
+    return tiny_app_url
 
 
 @pytest.fixture
@@ -275,6 +264,19 @@ def test_a_steering_stack_from_two_sources_answers_its_sliders(page, app_url, tm
         arg=[".st-key-stack-steered-text [data-testid='stText']", before], timeout=SLOW)
     assert text.inner_text().strip() and strip.inner_text() != strip_before
     page.screenshot(path=str(ARTIFACTS / "steering_stack_after.png"), full_page=True)
+    # the stack saves as a preset and reopens from it (a removed term comes back with its moved strength)
+    from app.views.steering import GRID
+
+    preset = json.loads(download(page, "stack_save"))
+    assert [t["strength"] for t in preset["terms"]][0] == GRID[0] and len(preset["terms"]) == 2
+    (tmp_path / "stack.json").write_text(json.dumps(preset))
+    page.locator(".st-key-stack_remove_0 button").click()
+    page.locator(".st-key-stack_strength_0").wait_for(state="detached")
+    page.locator(".st-key-stack_preset input[type='file']").set_input_files(str(tmp_path / "stack.json"))
+    page.locator(".st-key-stack_strength_3").wait_for()  # the preset's two terms get new sliders (ids 2, 3)
+    page.locator(".st-key-stack_strength_1").wait_for(state="detached")
+    page.locator(".st-key-stack-strip").filter(has_text="1. difference of means").wait_for()
+    assert page.locator(".st-key-stack_strength_2").inner_text().startswith("1. difference of means")
 
 
 def test_no_page_load_asks_anything_of_another_host(browser, app_url, generated):

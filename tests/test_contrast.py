@@ -230,3 +230,16 @@ def test_the_alarm_rule_splits_at_the_cusum_alarm_which_finds_the_planted_settli
     rows = np.flatnonzero(steps.trace == t0)
     assert in_a[rows].tolist() == [s > alarms[t0] for s in steps.step[rows]]
     assert in_b[rows].tolist() == [s <= alarms[t0] for s in steps.step[rows]]
+
+
+@pytest.mark.model
+def test_the_correct_rule_reads_the_organisms_own_sampled_traces(reasoner):
+    from analyses.contrast.steps import organism_sampled_steps
+    from analyses.organism import organism_problems
+
+    problems = organism_problems(40, split="dev", size="small")
+    steps = organism_sampled_steps(reasoner, problems, ["resid_post.1"], temperature=1.0, seed=0)
+    in_a, in_b, rule = select(steps, "correct")
+    assert in_a.any() and in_b.any() and (in_a == steps.correct).all()  # sampling makes some traces wrong
+    again = organism_sampled_steps(reasoner, problems, ["resid_post.1"], temperature=1.0, seed=0)
+    assert again.text == steps.text and torch.equal(again.acts["resid_post.1"], steps.acts["resid_post.1"])  # seeded

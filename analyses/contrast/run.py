@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from analyses.contrast.core import ContrastResult, ContrastSettings, ContrastSite, contrast
-from analyses.contrast.steps import (StepSet, organism_alarms, organism_steps, prompt_file_steps, prompt_lines_steps,
-                                     select)
+from analyses.contrast.steps import (StepSet, organism_alarms, organism_sampled_steps, organism_steps, prompt_file_steps,
+                                     prompt_lines_steps, select)
 from analyses.feature_browser.token_latents import check_sae
 from analyses.organism import is_organism, organism_problems, size_of
 from probes.backend import Backend
@@ -61,8 +61,9 @@ def parse_sites(specs: Sequence[str], backend: Backend) -> list[ContrastSite]:
 
 def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int = 0, split: str = "dev",
                  prompts_a: Any = None, prompts_b: Any = None, max_new_tokens: int = 96,
-                 on_progress: Progress | None = None, alarms: bool = False) -> StepSet:
-    """Steps at every captured site: `organism` planted traces of toy-reasoner's `split`, or two prompt files."""
+                 on_progress: Progress | None = None, alarms: bool = False, sampled: bool = False) -> StepSet:
+    """Steps at every captured site: `organism` planted traces of toy-reasoner's `split` (or, `sampled`, its
+    own traces of those problems at temperature 1), or two prompt files."""
     captured = sorted({s.site for s in sites})
     tick = (lambda done, total: on_progress("steps", done, total)) if on_progress else None
     if isinstance(prompts_a, list) or isinstance(prompts_b, list):  # the page's two text boxes
@@ -82,6 +83,8 @@ def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int 
         raise BadInputError(f"ask for at least 4 organism traces, got {organism}")
     size = size_of(backend.info()["model_id"])
     problems = organism_problems(organism, split=split, size=size)
+    if sampled:
+        return organism_sampled_steps(backend, problems, captured, on_progress=tick)
     steps = organism_steps(backend, problems, captured, on_progress=tick)
     if alarms:  # the CoT-entropy CUSUM detector, fit on the calibration split, run over these traces
         steps.alarm = organism_alarms(backend, problems, organism_problems(N_CALIBRATION, split="calibration",
@@ -91,11 +94,13 @@ def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int 
 
 def run_contrast(backend: Backend, site_specs: Sequence[str], rule: str, settings: ContrastSettings | None = None,
                  organism: int = 60, split: str = "dev", prompts_a: Any = None, prompts_b: Any = None,
-                 on_progress: Progress | None = None) -> tuple[ContrastResult, StepSet, list[ContrastSite]]:
+                 on_progress: Progress | None = None,
+                 sampled: bool = False) -> tuple[ContrastResult, StepSet, list[ContrastSite]]:
+    """One contrast; on the organism, `correct` reads its own sampled traces (planted ones are all correct)."""
     settings = settings or ContrastSettings()
     sites = parse_sites(site_specs, backend)
     steps = gather_steps(backend, sites, organism, split, prompts_a, prompts_b, on_progress=on_progress,
-                         alarms=rule.strip() == "alarm")
+                         alarms=rule.strip() == "alarm", sampled=sampled or rule.strip() == "correct")
     if prompts_a and prompts_b and rule == "source":
         rule = ("source:A/B" if isinstance(prompts_a, list)
                 else f"source:{Path(prompts_a).name}/{Path(prompts_b).name}")

@@ -267,3 +267,21 @@ def organism_alarms(backend: Any, problems: Sequence[Any], calibration: Sequence
         if at is not None:
             alarms[t] = int(at)
     return alarms
+
+
+def organism_sampled_steps(backend: Backend, problems: Sequence[Any], sites: Sequence[str], temperature: float = 1.0,
+                           seed: int = 0, max_new_tokens: int = 64,
+                           on_progress: Callable[[int, int], None] | None = None) -> StepSet:
+    """The organism's own traces of `problems`, sampled at `temperature` (seeded): steps labelled by its
+    labeller (reflection / backtracking / other), traces correct or wrong by their final answer, so the
+    `correct` rule has both sides."""
+    from analyses.organism import rise_label
+
+    settings = HarvestSettings(layers=(0,), prompt="question", labeller="toy-reasoner", temperature=temperature,
+                               max_new_tokens=max_new_tokens, seed=seed)
+    traces = generate_traces(backend, list(problems), settings, STEP_DELIMITER, seed=seed)
+    for trace in traces:
+        for step in trace.steps:
+            step.label = rise_label(step.text)
+    return traces_steps(backend, traces, sites, f"{problems[0].source} sampled T={temperature}" if problems else "",
+                        on_progress=on_progress)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import streamlit as st
@@ -21,6 +22,7 @@ from app.export import show_figure
 from app.figures.trace import display_text
 
 STACK = "_ts_steering_stack"  # session key: {"stack": SteeringStack, "ids": [one id per term], "next": int}
+EDITABLE = ["additive", "norm_scaled", "project_out"]  # methods a term's direction alone defines
 MULTIPLIERS = [round(-2.0 + 0.25 * i, 2) + 0.0 for i in range(17)]
 
 
@@ -74,9 +76,21 @@ def _term_row(i: int, term: StackTerm, slot: int, stops: list[float]) -> None:
     unit = "\u00d7 mean \u2016site\u2016" if term.uses_norm else term.method
     strength = left.select_slider(f"{i + 1}. {term.name} at `{term.site}` ({unit})", stops, value,
                                   format_func=lambda v: f"{v:g}", key=f"stack_strength_{slot}")
+    methods = [*EDITABLE, *(["sae_clamp"] if term.source.get("kind") == "sae" else [])]
+    methods += [] if term.method in methods else [term.method]  # a preset's projection cap keeps its own
+    method = mid.selectbox("Edit", methods, methods.index(term.method), key=f"stack_method_{slot}",
+                           help="additive: h + s v; norm_scaled: h + s |h| v/|v|; project_out: h - s (h.u) u; "
+                                "sae_clamp: the SAE latent set to 0 (times s), its reconstruction error kept "
+                                "(probes.edits)")
     span = "" if term.start is None and term.stop is None else f" {term.start or 0}..{term.stop or ''}"
-    mid.caption(f"{term.method}, |v| = {float(term.direction.norm()):.3g}, {term.tokens} tokens{span}"
+    mid.caption(f"|v| = {float(term.direction.norm()):.3g}, {term.tokens} tokens{span}"
                 + (", special tokens skipped" if term.skip_special else ""))
+    if method != term.method:
+        params = {"value": 0.0, **term.params} if method == "sae_clamp" else term.params
+        stack = session_stack()
+        _state()["stack"] = replace(stack, terms=[replace(t, method=method, params=params) if j == i else t
+                                                   for j, t in enumerate(stack.terms)])
+        st.rerun()
     if right.button("Remove", key=f"stack_remove_{slot}", icon=":material/delete:"):
         _remove(i)
         st.rerun()

@@ -78,3 +78,15 @@ def test_the_stack_slider_benchmark_row():
     row = bench_stack_slider(MODEL, moves=(1.0, -0.5), max_new_tokens=4, layers=(0, 1))
     assert (row["bench"], row["page"], row["terms"], len(row["runs_s"])) == ("steer_slider_s", "steering stack", 2, 2)
     assert row["ratio"] == pytest.approx(row["seconds"] / GOALS["steer_slider"], abs=1e-3)
+
+
+def test_a_terms_edit_method_is_chosen_on_the_page(llama):
+    from app.steering_stack_ui import STACK
+
+    at = open_page("steering", max_new_tokens=4)
+    at.button(key="steer_add_to_stack").click().run()
+    assert at.selectbox(key="stack_method_0").options == ["additive", "norm_scaled", "project_out"]
+    at.selectbox(key="stack_method_0").set_value("project_out").run()
+    assert_clean(at)
+    term = at.session_state[STACK]["stack"].terms[0]
+    assert term.method == "project_out" and "\u00d7 mean" not in at.select_slider(key="stack_strength_0").label

@@ -243,3 +243,29 @@ def test_the_correct_rule_reads_the_organisms_own_sampled_traces(reasoner):
     assert in_a.any() and in_b.any() and (in_a == steps.correct).all()  # sampling makes some traces wrong
     again = organism_sampled_steps(reasoner, problems, ["resid_post.1"], temperature=1.0, seed=0)
     assert again.text == steps.text and torch.equal(again.acts["resid_post.1"], steps.acts["resid_post.1"])  # seeded
+
+
+@pytest.mark.model
+def test_the_command_line_contrasts_and_exports_with_provenance(tmp_path):
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from analyses.contrast.cli import register
+    from probes.interventions import load_vector
+
+    cli = typer.Typer()
+    register(cli)
+    out_file = tmp_path / "top.safetensors"
+    result = CliRunner().invoke(cli, ["contrast", "run", "--model", "toy-reasoner:small", "--organism", "24",
+                                      "--site", "direction:resid_post.1", "--site", "heads:1", "--resamples", "50",
+                                      "--export", str(out_file), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["rule"]["rule"] == "kind:reflection" and out["steps"]["n_traces"] == 24
+    assert out["provenance"]["model"] == "toy-reasoner:small" and out["provenance"]["settings"]["rule"] == "kind:reflection"
+    assert out["exported"]["site"] == "resid_post.1" and load_vector(out_file).numel() == 64
+    bad = CliRunner().invoke(cli, ["contrast", "run", "--model", "toy-reasoner:small", "--organism", "8",
+                                   "--rule", "kind:nothing"])
+    assert bad.exit_code != 0 and "set A is empty" in str(bad.exception)

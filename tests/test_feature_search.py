@@ -182,3 +182,27 @@ def test_the_feature_browser_page_searches_latents_and_opens_the_match(monkeypat
 def test_labels_refuse_an_sae_of_another_model(llama, index):
     with pytest.raises(BadInputError, match="trained on smollm2-135m"):
         build_labels(index, _sae(model_name="smollm2-135m"), llama)
+
+
+def test_the_command_line_searches_labels_with_provenance(monkeypatch, tmp_path, planted):
+    import json as _json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from analyses.feature_browser.cli import register
+    from saes.io import save_sae
+
+    monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = save_sae(planted, tmp_path / "sae")
+    cli = typer.Typer()
+    register(cli)
+    args = ["--model", "tiny-random:llama", "--site", SITE, "--sae", str(folder), "--n", "24", "--json"]
+    result = CliRunner().invoke(cli, ["features", "search", "much", *args])
+    assert result.exit_code == 0, result.output
+    out = _json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["hits"][0]["latent"] == 11 and out["hits"][0]["link"] == f"/feature_browser?site={SITE}&latent=11"
+    assert out["provenance"]["model"] == "tiny-random:llama" and out["provenance"]["settings"]["query"] == "much"
+    assert (folder / LABELS_FILE).is_file()  # kept beside the SAE for the next search
+    bad = CliRunner().invoke(cli, ["features", "search", "x" * 10_000, *args])
+    assert bad.exit_code != 0 and "characters" in str(bad.exception)

@@ -299,12 +299,26 @@ class SAEClamp(SteerEdit):
             tokens, start, stop, skip_special, rows, term)
 
     @classmethod
-    def from_sae(cls, site: str, sae: Any, latent: int, value: float, **kwargs: Any) -> "SAEClamp":
-        """From a SAELens SAE object (or anything with W_enc, b_enc, W_dec, b_dec [, threshold])."""
+    def from_sae(cls, site: str, sae: Any, latent: int, value: float, only_latent: bool = True,
+                 **kwargs: Any) -> "SAEClamp":
+        """From a SAELens SAE object (or anything with W_enc, b_enc, W_dec, b_dec [, threshold]).
+
+        The edit reads only latent `latent`'s encoder column and decoder row, so by default (`only_latent`)
+        just those travel, as a one-latent SAE (its latent 0, the record named `sae_clamp[<latent>]@<site>`):
+        a 16k-latent SAE of a 576-wide site would be 75 MB of JSON, past the model server's body limit."""
         weights = {k: getattr(sae, k).detach().float().cpu() for k in ("W_enc", "b_enc", "W_dec", "b_dec")}
         thr = getattr(sae, "threshold", None)
-        return cls(site, latent, value, **weights, threshold=None if thr is None else thr.detach().float().cpu(),
-                   **kwargs)
+        thr = None if thr is None else thr.detach().float().cpu()
+        n = weights["W_enc"].shape[-1]
+        checks.integer("latent", latent, low=0, high=n - 1, why=f"this SAE has {n} latents")
+        if only_latent:
+            i = [int(latent)]
+            weights = {"W_enc": weights["W_enc"][:, i], "b_enc": weights["b_enc"][i], "W_dec": weights["W_dec"][i],
+                       "b_dec": weights["b_dec"]}
+            thr = None if thr is None else thr[i]
+            kwargs.setdefault("term", f"sae_clamp[{int(latent)}]@{site}")
+            latent = 0
+        return cls(site, latent, value, **weights, threshold=thr, **kwargs)
 
     def _check_edit(self, arch: Any) -> None:
         if any(getattr(self, k) is None for k in ("W_enc", "W_dec")):

@@ -98,6 +98,21 @@ def test_sae_clamp_sets_the_latent_and_keeps_the_error(llama, threshold):
     torch.testing.assert_close(_encode(after, sae)[:, 3], torch.full((h.shape[0],), 7.0), rtol=0, atol=1e-4)
 
 
+def test_sae_clamp_from_sae_sends_one_latent(llama):
+    from types import SimpleNamespace
+
+    sae = _sae(threshold=True)
+    full = SAEClamp(SITE, latent=3, value=7.0, **sae)
+    slim = SAEClamp.from_sae(SITE, SimpleNamespace(**sae), latent=3, value=7.0)
+    assert slim.W_enc.shape == (64, 1) and slim.W_dec.shape == (1, 64) and slim.latent == 0
+    assert slim.term == "sae_clamp[3]@resid_post.0"
+    _, a = _before_after(llama, full)
+    _, b = _before_after(llama, slim)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    with pytest.raises(BadInputError, match="latent"):
+        SAEClamp.from_sae(SITE, SimpleNamespace(**sae), latent=8, value=1.0)
+
+
 def test_swap_moves_the_stated_amount(llama):
     u, v = _dir(3), _dir(4)
     v = v - (v @ u) / (u @ u) * u  # orthogonal to u

@@ -191,21 +191,20 @@ def _frozen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     run = getattr(module, _OWNER, None)
     groups = getattr(module, "num_key_value_groups", 1)
     keys, values = repeat_kv(key, groups), repeat_kv(value, groups)
-    scaling = module.scaling if scaling is None else scaling
-    scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask[..., :keys.shape[-2]]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    if run is not None:
-        if run.in_shadow:
+    batch = query.shape[0]
+    frozen = run.frozen_rows(batch) if run is not None and not run.in_shadow else []
+    if len(frozen) == batch:  # every row frozen: its own probabilities would be discarded, so never computed
+        probs = run.probs[module.layer_idx]
+    else:
+        scaling = module.scaling if scaling is None else scaling
+        scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            scores = scores + attention_mask[..., :keys.shape[-2]]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        if run is not None and run.in_shadow:
             run.probs[module.layer_idx] = probs
-        else:
-            rows = run.frozen_rows(probs.shape[0])
-            shadow = run.probs[module.layer_idx]
-            if len(rows) == probs.shape[0]:
-                probs = shadow
-            else:
-                probs = probs.clone()
-                probs[rows] = shadow[rows]
+        elif frozen:
+            probs = probs.clone()
+            probs[frozen] = run.probs[module.layer_idx][frozen]
     out = torch.matmul(probs, values).transpose(1, 2).contiguous()
     return out, probs

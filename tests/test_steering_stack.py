@@ -342,6 +342,20 @@ def test_a_terms_grid_rows_are_the_single_row_stack_generations(llama):
         grid.generation(0.25)
 
 
+def test_a_server_process_knows_every_steering_kind():
+    """`thoughtscope serve` imports probes.server and nothing of the steering modules: their kinds must register
+    through the wire (a served stack once failed with "unknown intervention kind 'additive'")."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import probes.server; from probes.interventions import KINDS; "
+                          "print(' '.join(sorted(KINDS)))"], capture_output=True, text=True, check=True, timeout=300)
+    from analyses.steering_stack import METHODS
+
+    assert set(METHODS) | {"frozen_attention", "swap"} <= set(out.stdout.split())
+
+
+@pytest.mark.slow
 def test_a_stack_through_a_model_server_equals_in_process():
     from analyses.steering_stack import stack_generation, stack_grid
     from probes.server_bench import served

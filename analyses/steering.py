@@ -49,6 +49,7 @@ import torch
 from probes.backend import Backend
 from probes.engine import Sampling
 from saes.io import check_fits, load_sae
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from probes.interventions import AddVector
 from probes.records import TokenRecord
@@ -66,8 +67,7 @@ def _clean_prompts(prompts: Sequence[str], what: str) -> list[str]:
 def mean_activation(backend: Backend, prompts: Sequence[str], site: str, reduce: str = "mean",
                     chat: bool = False) -> torch.Tensor:
     """Mean activation at `site` over prompts; per prompt the mean over positions or the last position."""
-    if reduce not in REDUCTIONS:
-        raise BadInputError(f"reduce={reduce!r}; use one of {REDUCTIONS}")
+    checks.choice("reduce", reduce, REDUCTIONS)
     rows = []
     for prompt in prompts:
         acts = backend.trace(prompt, capture=[site], chat=chat).activations[site].float()
@@ -172,8 +172,7 @@ def site_norm(backend: Backend, prompt: Any, site: str, chat: bool = False) -> f
 
 def steering_vector(direction: Any, unit: str = "raw", reference_norm: float | None = None) -> torch.Tensor:
     """The vector `AddVector` adds at scale 1: `direction` itself, or its unit vector times `reference_norm`."""
-    if unit not in UNITS:
-        raise BadInputError(f"unit={unit!r}; use one of {UNITS}")
+    checks.choice("unit", unit, UNITS)
     v = torch.as_tensor(direction, dtype=torch.float32).flatten()
     if unit == "raw":
         return v

@@ -72,10 +72,10 @@ class GradientAttribution:
 def check_target(target: str, n_tokens: int, vocab_size: int, positions: Sequence[int] | None = None,
                  token: int | None = None, foil: int | None = None) -> list[int]:
     """Validate a target (before any model work) and return its positions."""
-    if target not in TARGETS:
-        raise BadInputError(f"target {target!r}; use one of {', '.join(TARGETS)}")
+    checks.choice("target", target, TARGETS)
     for name, tid in (("token", token), ("foil", foil)):
-        checks.integer(f"{name} (a token id)", tid, low=0, high=vocab_size - 1, none_ok=True)
+        if tid is not None and (not checks.is_integer(tid) or not 0 <= tid < vocab_size):
+            raise BadInputError(f"{name} must be a token id in 0..{vocab_size - 1}, got {tid!r}")
     if target == "logit_diff" and foil is None:
         raise BadInputError("target 'logit_diff' needs foil= (the token id whose logit is subtracted)")
     if positions is None:

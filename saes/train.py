@@ -99,8 +99,7 @@ class SAETrainSettings:
         return replace(base, **overrides)
 
     def validate(self, d_in: int, n_samples: int) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise BadInputError(f"SAE architecture {self.architecture!r}; use one of {ARCHITECTURES}")
+        checks.choice("the SAE architecture", self.architecture, ARCHITECTURES)
         for name in ("d_sae", "batch_size", "steps"):
             checks.integer(name, getattr(self, name), low=1)
         if self.architecture == "topk" and not 1 <= self.k <= self.d_sae:

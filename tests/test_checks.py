@@ -58,8 +58,8 @@ def test_choice():
     assert checks.choice("rule", "fixed", ("fixed", "nucleus")) == "fixed"
     assert checks.choice("k", 2, [1, 2]) == 2
     assert message(checks.choice, "rule", "top", ("fixed", "nucleus")) == \
-        "rule must be one of 'fixed', 'nucleus'; got 'top'"
-    assert message(checks.choice, "rule", ["fixed"], ("fixed",)) == "rule must be one of 'fixed'; got ['fixed']"
+        "rule 'top' is not an option; use one of 'fixed', 'nucleus'"
+    assert message(checks.choice, "rule", ["fixed"], ("fixed",)) == "rule ['fixed'] is not an option; use one of 'fixed'"
 
 
 def test_int_list_checks_every_entry_and_copies():

@@ -98,7 +98,7 @@ def choice(name: str, value: T, options: Iterable[T]) -> T:
     except TypeError:  # an unhashable value against a set-like options object
         ok = False
     if not ok:
-        raise BadInputError(f"{name} must be one of {', '.join(repr(o) for o in options)}; got {value!r}")
+        raise BadInputError(f"{name} {value!r} is not an option; use one of {', '.join(repr(o) for o in options)}")
     return value
 
 

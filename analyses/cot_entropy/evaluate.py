@@ -274,8 +274,7 @@ def choose_threshold(detector: CusumDetector, development: Sequence[ProbedTrace]
     if not development:
         raise BadInputError("no development traces to choose h on")
     if objective is None:
-        if cost not in COSTS:
-            raise BadInputError(f"cost {cost!r}: use one of {', '.join(COSTS)}")
+        checks.choice("cost", cost, COSTS)
         vanilla = summarise([replay(t, StoppingRule(name="vanilla")) for t in development])
         objective = fewest_cost_within(vanilla["accuracy"], tolerance, cost_key=COSTS[cost])
     return choose_on_dev([float(h) for h in h_grid],
@@ -304,8 +303,7 @@ def evaluate_cot_exit(backend: Backend, task: str = "arith", n: int = 100, n_cal
     """
     if not h_grid or not deer_grid:
         raise BadInputError("give at least one CUSUM threshold h and one DEER threshold to choose from")
-    if cost not in COSTS:
-        raise BadInputError(f"cost {cost!r}: use one of {', '.join(COSTS)}")
+    checks.choice("cost", cost, COSTS)
     if n < 1 or n_calibration < 1 or n_dev < 1:
         raise BadInputError(f"every split needs at least one problem, got n={n}, n_calibration={n_calibration}, "
                             f"n_dev={n_dev}")

@@ -155,10 +155,8 @@ class TextSource:
 
     def validate(self) -> None:
         check_word(self.word)
-        if self.kind not in SOURCES:
-            raise BadInputError(f"source {self.kind!r}; use one of {', '.join(SOURCES)}")
-        if self.where not in WHERE:
-            raise BadInputError(f"where={self.where!r}; use one of {WHERE}")
+        checks.choice("source", self.kind, SOURCES)
+        checks.choice("where", self.where, WHERE)
         checks.integer("the number of samples", self.n, low=1)
         if self.kind == "texts" and not any(t.strip() for t in self.texts):
             raise BadInputError("the texts source needs at least one text (one per line)")

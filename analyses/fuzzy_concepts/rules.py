@@ -188,8 +188,7 @@ class FuzzyRuleLayer:
                 "tol": self.tol, "seed": self.seed}
 
     def _check_params(self) -> None:
-        if self.membership not in MEMBERSHIPS:
-            raise BadInputError(f"membership {self.membership!r}; use one of {MEMBERSHIPS}")
+        checks.choice("membership", self.membership, MEMBERSHIPS)
         checks.integer("n_features (m)", self.n_features, low=1, none_ok=True)
         checks.number("sparsity", self.sparsity, low=0)
         checks.number("lr", self.lr, low=0, low_open=True)

@@ -74,8 +74,7 @@ def resolve_task(task: str, backend: Backend | None = None) -> str:
 
 def load_items(task: str, split: str, n: int, seed: int = 0, backend: Backend | None = None) -> list[Item]:
     """`n` problems of one split (`development` or `evaluation`) of `task` (resolved with `resolve_task`)."""
-    if split not in SPLITS:
-        raise BadInputError(f"split {split!r}; use one of {SPLITS}")
+    checks.choice("split", split, SPLITS)
     checks.integer("the number of problems", n, low=1)
     task = resolve_task(task, backend)
     if task in TOY_TASKS:

@@ -69,13 +69,10 @@ class HarvestSettings:
         bad = [layer for layer in self.layers if not 0 <= layer < n_layers]
         if bad:
             raise BadInputError(f"layers {bad} out of range; this model has layers 0..{n_layers - 1}")
-        if self.prompt not in PROMPTS:
-            raise BadInputError(f"prompt {self.prompt!r}; use one of {', '.join(PROMPTS)}")
-        if self.labeller not in LABELLERS:
-            raise BadInputError(f"labeller {self.labeller!r}; use one of {', '.join(LABELLERS)}")
+        checks.choice("prompt", self.prompt, PROMPTS)
+        checks.choice("labeller", self.labeller, LABELLERS)
         checks.number("temperature", self.temperature, low=0, why="0 = greedy")
-        if self.augment not in ("none", "templated"):
-            raise BadInputError(f"augment {self.augment!r}; use none or templated")
+        checks.choice("augment", self.augment, ("none", "templated"))
         if self.batch_size < 1 or self.max_new_tokens < 1:
             raise BadInputError("batch_size and max_new_tokens must be positive")
 

@@ -41,6 +41,7 @@ import base64
 import functools
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -52,6 +53,7 @@ from safetensors.torch import save
 from analyses.steering import GeneratedText, diff_of_means_direction, generate_text, sae_feature_direction
 from probes.backend import Backend
 from probes.edits import MAX_TERMS, TOKENS, Additive, NormScaled, ProjectionCap, ProjectOut, SAEClamp
+from probes.frozen_attention import FrozenAttention
 from probes.interventions import RESIDUAL_KINDS, load_vector, load_vector_bytes
 from probes.sites import parse_site
 from saes.io import WEIGHTS_FILENAME, load_sae
@@ -567,8 +569,6 @@ def stack_generation(backend: Backend, prompt: Any, stack: SteeringStack, *, max
     records = list(backend.generate(prompt, interventions=edits, **kwargs))
     frozen_records = []
     if frozen:
-        from probes.frozen_attention import FrozenAttention
-
         frozen_records = list(backend.generate(prompt, interventions=[*edits, FrozenAttention()], **kwargs))
     return StackGeneration(stack.key(), float(stack.multiplier), names, [e.describe() for e in edits], base,
                            GeneratedText.from_records(records), [dict(r.fired) for r in records], norms,
@@ -612,11 +612,6 @@ def stack_grid(backend: Any, prompt: Any, stack: SteeringStack, index: int, stop
     with `frozen`, one more with attention frozen): the prompt once per stop, that term's edit with one
     strength per row. Each row is the stack's single-row generation at that strength (tested on
     tiny-random:llama; rows of one prompt need no padding)."""
-    import time
-
-    from analyses.steering import GeneratedText, generate_text
-    from probes.frozen_attention import FrozenAttention
-
     d_model = backend.arch().d_model
     stack.check(d_model)
     stack._index(index)

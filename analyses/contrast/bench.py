@@ -14,17 +14,17 @@ from typing import Any
 
 import torch
 
+from analyses.contrast.core import ContrastSettings, ContrastSite, contrast
+from analyses.contrast.steps import select, traces_steps
+from analyses.organism import organism_problems, rise_label
+from analyses.rise.harvest import HarvestSettings, generate_traces
+from probes.engine import Engine
+from saes.train import SAETrainSettings, make_training_sae
+
 N_STEPS = 1_000
 
 
 def bench_contrast(n_steps: int = N_STEPS, seed: int = 0) -> list[dict[str, Any]]:
-    from analyses.contrast.core import ContrastSettings, ContrastSite, contrast
-    from analyses.contrast.steps import select, traces_steps
-    from analyses.organism import organism_problems, rise_label
-    from analyses.rise.harvest import HarvestSettings, generate_traces
-    from probes.engine import Engine
-    from saes.train import make_training_sae, SAETrainSettings
-
     torch.set_num_threads(1)
     engine = Engine.from_id("toy-reasoner:small")
     sites = ["resid_post.0", "resid_post.1", "z.1"]

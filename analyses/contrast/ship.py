@@ -10,6 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from analyses.contrast.core import ContrastSettings, export_direction, save_direction
+from analyses.contrast.run import run_contrast
+from probes.engine import Engine
+from thoughtscope import shipped
+from thoughtscope.provenance import provenance
+import torch
+
 NAME = "contrast"
 MODEL = "toy-reasoner:small"
 SITES = ("direction:resid_post.0", "direction:resid_post.1", "heads:1")
@@ -18,14 +25,6 @@ N_TRACES = 60
 
 
 def build(model_id: str, command: str, root: Path | None = None) -> Path:
-    import torch
-
-    from analyses.contrast.core import ContrastSettings, export_direction, save_direction
-    from analyses.contrast.run import run_contrast
-    from probes.engine import Engine
-    from thoughtscope import shipped
-    from thoughtscope.provenance import provenance
-
     torch.set_num_threads(1)
     engine = Engine.from_id(model_id)
     info = engine.info()

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from analyses.cot_entropy.detector import CalibrationTrace, CusumDetector
+from analyses.organism import rise_label
 from analyses.problem import Problem
 from analyses.rise.harvest import HarvestSettings, generate_traces, judge_for, resolve_delimiter
 from analyses.rise.labels import label_step
@@ -275,8 +276,6 @@ def organism_sampled_steps(backend: Backend, problems: Sequence[Any], sites: Seq
     """The organism's own traces of `problems`, sampled at `temperature` (seeded): steps labelled by its
     labeller (reflection / backtracking / other), traces correct or wrong by their final answer, so the
     `correct` rule has both sides."""
-    from analyses.organism import rise_label
-
     settings = HarvestSettings(layers=(0,), prompt="question", labeller="toy-reasoner", temperature=temperature,
                                max_new_tokens=max_new_tokens, seed=seed)
     traces = generate_traces(backend, list(problems), settings, STEP_DELIMITER, seed=seed)

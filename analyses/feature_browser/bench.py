@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 
+from analyses.feature_browser import build_index, load_corpus
+from analyses.feature_browser.labels import build_labels
+from analyses.feature_browser.search import LabelSearch
+from analyses.feature_browser.token_latents import trace_latents
 from probes.backend import Backend
+from probes.engine import Engine
 
 D_SAE = 16_384
 QUERIES = ("many", "apples", "she", "how much", "dollars", "each day", "total", "?", "minutes", "price")
@@ -26,7 +31,7 @@ TRACE = ("Natalia sold clips to 48 of her friends in April, and then she sold ha
 
 
 def _random_sae(d_in: int, d_sae: int = D_SAE, seed: int = 0) -> Any:
-    from sae_lens import StandardSAE, StandardSAEConfig
+    from sae_lens import StandardSAE, StandardSAEConfig  # lazy: sae_lens takes seconds to import
 
     g = torch.Generator().manual_seed(seed)
     sae = StandardSAE(StandardSAEConfig(d_in=d_in, d_sae=d_sae, dtype="float32", device="cpu"))
@@ -40,11 +45,6 @@ def _random_sae(d_in: int, d_sae: int = D_SAE, seed: int = 0) -> Any:
 
 
 def bench_features(backend: Backend, n_texts: int = 40, rounds: int = 3) -> list[dict[str, Any]]:
-    from analyses.feature_browser import build_index, load_corpus
-    from analyses.feature_browser.labels import build_labels
-    from analyses.feature_browser.search import LabelSearch
-    from analyses.feature_browser.token_latents import trace_latents
-
     torch.set_num_threads(1)
     arch = backend.arch()
     site = f"resid_post.{arch.n_layers // 2}"
@@ -91,8 +91,6 @@ def bench_features(backend: Backend, n_texts: int = 40, rounds: int = 3) -> list
 
 
 def run_features(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
-    from probes.engine import Engine
-
     return bench_features(Engine.from_id(model_id))
 
 

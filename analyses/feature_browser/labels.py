@@ -170,12 +170,13 @@ def _scan(index: CorpusIndex, sae: Any, keep: int, on_progress: Progress | None)
     return n_active, best_vals, best_rows, pairs // vocab, pairs % vocab, counts
 
 
-def _window(index: CorpusIndex, texts: list[str], row: int, window: int) -> str:
+def _window(index: CorpusIndex, texts: dict[int, str], row: int, window: int) -> str:
     c = int(index.row_context[row])
     pos = row - int(index.row_offsets[c]) + 1  # the row's token position in its context
     lo, hi = max(0, pos - window), min(int(index.lengths[c]), pos + window + 1)
     start = int(index.id_offsets[c])
-    parts = [f"\u00ab{texts[start + p]}\u00bb" if p == pos else texts[start + p] for p in range(lo, hi)]
+    ids = index.ids[start + lo:start + hi].tolist()
+    parts = [f"\u00ab{texts[i]}\u00bb" if lo + k == pos else texts[i] for k, i in enumerate(ids)]
     return "".join(parts)
 
 
@@ -200,8 +201,8 @@ def build_labels(index: CorpusIndex, sae: Any, backend: Backend, settings: Label
     check_sae(sae, backend, index.site)  # an SAE whose config names another model or site is refused
     keep = settings.n_contexts * 4  # best rows kept per latent: several may share a context
     n_active, best_vals, best_rows, pair_latent, pair_token, pair_count = _scan(index, sae, keep, on_progress)
-    texts = backend.token_texts(index.ids.tolist())
-    vocab_text: dict[int, str] = {}
+    unique = torch.unique(index.ids.long()).tolist()  # each token decoded once, not once per occurrence
+    vocab_text = dict(zip(unique, backend.token_texts(unique)))
     order = torch.argsort(pair_latent * (int(pair_count.max()) + 1 if pair_count.numel() else 1) - pair_count,
                           stable=True)  # by latent, then most frequent first
     pair_latent, pair_token, pair_count = pair_latent[order], pair_token[order], pair_count[order]
@@ -212,8 +213,6 @@ def build_labels(index: CorpusIndex, sae: Any, backend: Backend, settings: Label
         lo, hi = int(starts[j]), min(int(starts[j + 1]), int(starts[j]) + settings.n_tokens)
         top_tokens = []
         for t, n in zip(pair_token[lo:hi].tolist(), pair_count[lo:hi].tolist()):
-            if t not in vocab_text:
-                vocab_text[t] = backend.token_texts([t])[0]
             top_tokens.append([vocab_text[t], int(n)])
         contexts, seen = [], set()
         for v, r in zip(best_vals[j].tolist(), best_rows[j].tolist()):
@@ -221,7 +220,7 @@ def build_labels(index: CorpusIndex, sae: Any, backend: Backend, settings: Label
             if v <= 0 or c in seen:
                 continue
             seen.add(c)
-            contexts.append(_window(index, texts, r, settings.window))
+            contexts.append(_window(index, vocab_text, r, settings.window))
             if len(contexts) == settings.n_contexts:
                 break
         n = int(n_active[j])

@@ -30,3 +30,31 @@ def smollm2():
     from probes import Engine
 
     return Engine.from_id("smollm2-135m")
+
+
+# ----- browser tier: one Chromium and one app on the tiny model for every browser test that needs no other
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """The system Chromium (never a downloaded one), driven by Playwright; launched once per session."""
+    from tests.test_browser import CHROMIUM, CHROMIUM_ARGS
+
+    if not os.path.isfile(CHROMIUM):
+        pytest.fail("Debian chromium is not installed: run `make chromium` (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_app_url():
+    """`thoughtscope app --model tiny-random:llama --headless` on a loopback port, started once per session
+    (each start is a Streamlit boot plus a model load in it); a test that needs a fresh app starts its own."""
+    from tests.test_browser import serve
+
+    with serve("tiny-random:llama") as url:
+        yield url

@@ -19,7 +19,7 @@ import pytest
 from app.jobs import GRACE_ENV, grace_from_env
 from thoughtscope.errors import BadInputError
 
-from tests.test_browser import SLOW, browser, serve  # noqa: F401  (browser is a fixture)
+from tests.test_browser import SLOW, serve  # the `browser` fixture: the session's Chromium (conftest)
 
 MODEL = "smollm2-135m"
 GRACE_S = 20  # short for the test; long enough that a reload (a whole page rerun) never misses it

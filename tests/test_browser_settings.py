@@ -12,7 +12,7 @@ import pytest
 
 from app.registry import discover_pages
 
-from tests.test_browser import SLOW, browser, page_names, serve  # noqa: F401  (browser is a fixture)
+from tests.test_browser import SLOW, page_names
 
 pytestmark = pytest.mark.browser
 
@@ -57,47 +57,47 @@ def rerun(p) -> None:
     idle(p)
 
 
-def test_generation_settings_hold_on_every_page_and_every_path(browser):  # noqa: F811
-    with serve(MODEL) as url:
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
-        p = context.new_page()
-        p.set_default_timeout(SLOW)
-        p.goto(url)
+def test_generation_settings_hold_on_every_page_and_every_path(browser, tiny_app_url):
+    url = tiny_app_url  # the session's app on MODEL (tests/conftest.py): settings are per browser session
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    p = context.new_page()
+    p.set_default_timeout(SLOW)
+    p.goto(url)
+    p.locator("h1").first.wait_for()
+    idle(p)
+    open_settings(p)
+    press(p, "max_new_tokens", "End")  # 256
+    press(p, "temperature", "ArrowRight", "ArrowRight")  # 0.1: top-p becomes active
+    press(p, "top_p", "ArrowLeft", "ArrowLeft", "ArrowLeft")  # 0.85
+    press(p, "alternatives", "End")  # 10
+    rerun(p)
+    wanted = shown(p)
+    assert wanted == {"max_new_tokens": "256", "temperature": "0.1", "top_p": "0.85", "alternatives": "10"}
+    query = p.url.split("?", 1)[1]
+    assert "max_new_tokens=256" in query and "alternatives=10" in query
+
+    titles = {module.__name__.rsplit(".", 1)[-1]: spec.title for spec, module in discover_pages()}
+    seen, previous = {}, "home"
+    for name in page_names()[1:]:
+        nav(p, titles["home"])
+        p.locator('[data-testid="stSidebarNav"] a').first.wait_for()
+        nav(p, titles[name])  # at once, while Home still draws
+        idle(p)
+        rerun(p)
+        seen[(name, "from Home")] = shown(p)
+        nav(p, titles[previous])
+        idle(p)
+        nav(p, titles[name])
+        idle(p)
+        rerun(p)
+        seen[(name, f"from {previous}")] = shown(p)
+        p.goto(f"{url}/{name}?{query}")
         p.locator("h1").first.wait_for()
         idle(p)
-        open_settings(p)
-        press(p, "max_new_tokens", "End")  # 256
-        press(p, "temperature", "ArrowRight", "ArrowRight")  # 0.1: top-p becomes active
-        press(p, "top_p", "ArrowLeft", "ArrowLeft", "ArrowLeft")  # 0.85
-        press(p, "alternatives", "End")  # 10
         rerun(p)
-        wanted = shown(p)
-        assert wanted == {"max_new_tokens": "256", "temperature": "0.1", "top_p": "0.85", "alternatives": "10"}
-        query = p.url.split("?", 1)[1]
-        assert "max_new_tokens=256" in query and "alternatives=10" in query
-
-        titles = {module.__name__.rsplit(".", 1)[-1]: spec.title for spec, module in discover_pages()}
-        seen, previous = {}, "home"
-        for name in page_names()[1:]:
-            nav(p, titles["home"])
-            p.locator('[data-testid="stSidebarNav"] a').first.wait_for()
-            nav(p, titles[name])  # at once, while Home still draws
-            idle(p)
-            rerun(p)
-            seen[(name, "from Home")] = shown(p)
-            nav(p, titles[previous])
-            idle(p)
-            nav(p, titles[name])
-            idle(p)
-            rerun(p)
-            seen[(name, f"from {previous}")] = shown(p)
-            p.goto(f"{url}/{name}?{query}")
-            p.locator("h1").first.wait_for()
-            idle(p)
-            rerun(p)
-            seen[(name, "by URL")] = shown(p)
-            previous = name
-        context.close()
+        seen[(name, "by URL")] = shown(p)
+        previous = name
+    context.close()
     wrong = {path: got for path, got in seen.items() if got != wanted}
     assert not wrong, wrong
     assert len(seen) == 3 * (len(page_names()) - 1)

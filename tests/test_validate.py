@@ -219,28 +219,25 @@ def test_the_server_reports_its_models_validation_in_info():
 
 
 @pytest.mark.browser
-def test_the_trace_explorer_shows_the_badge_with_its_numbers_on_hover():
-    from playwright.sync_api import sync_playwright
+def test_the_trace_explorer_shows_the_badge_with_its_numbers_on_hover(browser, tiny_app_url):
+    from tests.test_browser import SLOW
 
-    from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, SLOW, serve
-
-    with serve("tiny-random:llama") as url, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(SLOW)
-        page.goto(f"{url}/trace_explorer")
-        page.locator(".st-key-generate button").first.click()
-        page.locator('[data-testid="stPlotlyChart"]').first.locator(".main-svg").first.wait_for()
-        # checked in the background after the first figure (or found cached): the fragment shows it when done
-        badge = page.locator('[data-testid="stElementContainer"]', has_text="numbers checked").last
-        badge.wait_for()
-        badge.locator('[data-testid="stTooltipHoverTarget"]').first.hover()
-        tip = page.locator('[data-testid="stTooltipContent"]').first
-        tip.wait_for()
-        text = tip.inner_text()
-        assert "sites pass, 0 warn, 0 fail, against bridge, hf, nnsight" in text
-        assert "Logits vs a float32 copy: top-1 agreement 1.0000" in text and "tiny-random:llama" in text
-        browser.close()
+    url = tiny_app_url  # the session's app on tiny-random:llama and its Chromium (tests/conftest.py)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(SLOW)
+    page.goto(f"{url}/trace_explorer")
+    page.locator(".st-key-generate button").first.click()
+    page.locator('[data-testid="stPlotlyChart"]').first.locator(".main-svg").first.wait_for()
+    # checked in the background after the first figure (or found cached): the fragment shows it when done
+    badge = page.locator('[data-testid="stElementContainer"]', has_text="numbers checked").last
+    badge.wait_for()
+    badge.locator('[data-testid="stTooltipHoverTarget"]').first.hover()
+    tip = page.locator('[data-testid="stTooltipContent"]').first
+    tip.wait_for()
+    text = tip.inner_text()
+    assert "sites pass, 0 warn, 0 fail, against bridge, hf, nnsight" in text
+    assert "Logits vs a float32 copy: top-1 agreement 1.0000" in text and "tiny-random:llama" in text
+    page.close()
 
 
 @pytest.mark.model

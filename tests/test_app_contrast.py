@@ -81,3 +81,19 @@ def test_trace_explorer_lists_the_latents_of_a_token_equal_to_a_direct_encode(mo
     shown = next(d.value for d in at.dataframe if "activation" in d.value.columns)
     assert list(shown["latent"]) == [j for _, j in want]
     assert list(shown["activation"]) == pytest.approx([round(v, 4) for v, _ in want], abs=1e-4)
+
+
+@pytest.mark.model
+def test_the_shipped_contrast_is_rebuilt_exactly_by_its_command(tmp_path):
+    from analyses.contrast import ship
+
+    folder = ship.build(TOY, "thoughtscope ship contrast", root=tmp_path)
+    stored = shipped.find("contrast", TOY, None, root=REPO_SHIPPED)
+    assert (folder / "contrast.json").read_bytes() == stored.path("contrast.json").read_bytes()
+    from safetensors import safe_open
+
+    # the header's metadata order varies between writes (a hash map), so tensors and metadata are compared
+    with safe_open(str(folder / "direction.safetensors"), "pt") as new, \
+            safe_open(str(stored.path("direction.safetensors")), "pt") as old:
+        assert new.metadata() == old.metadata() and new.get_tensor("vector").equal(old.get_tensor("vector"))
+    assert stored.command == "thoughtscope ship contrast"

@@ -172,6 +172,8 @@ def test_the_feature_browser_page_searches_latents_and_opens_the_match(monkeypat
     at.radio(key="fb_kind").set_value("SAE latent").run()
     helpers.assert_clean(at)
     at.text_input(key="fb_query").input("she").run()
+    at.button(key="fb_label").click().run()  # labelling every latent is a job, once per SAE and corpus
+    at = helpers.finish_jobs(at)
     helpers.assert_clean(at)
     assert at.radio(key="fb_hit").value == 7  # PLANTED[7] == " she"
     assert "SAE latent 7" in " ".join(helpers.chart_titles(at))

@@ -7,18 +7,20 @@ search from `analyses.feature_browser.labels` / `.search`.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import streamlit as st
 
 from analyses.contrast.core import save_direction
 from analyses.feature_browser.directions import SAELatent
-from analyses.feature_browser.labels import labels_for
+from analyses.feature_browser.labels import labels_for, labels_path
 from analyses.feature_browser.search import LabelSearch
 from analyses.feature_browser.token_latents import TraceLatents, trace_latents
 from analyses.rise import saved_saes
 from analyses.rise import ship as rise_ship
 from analyses.steering_stack import from_feature_browser
+from app import jobs
 from app.context import shows_errors
 from app.steering_stack_ui import add_button
 from saes.io import load_sae
@@ -100,18 +102,32 @@ def trace_latents_section(ctx, key: str, done: Any) -> None:
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
-def _search_index(_index: Any, _sae: Any, _backend: Any, key: str, folder: str) -> LabelSearch:
-    return LabelSearch(labels_for(folder, _sae, _index, _backend))
+def _search_index(_labels: Any, key: str) -> LabelSearch:
+    return LabelSearch(_labels)
 
 
 def search_section(ctx, index: Any, index_key: str, folder: str, sae: Any, site: str) -> int | None:
-    """A search box over the labels of `sae`'s latents; returns the latent the user opens (or None)."""
+    """A search box over the labels of `sae`'s latents; returns the latent the user opens (or None).
+
+    Labelling every latent is a job the first time (its decoder words read the unembedding once per
+    latent: about 2 minutes for 16k latents of SmolLM2 here); after that the labels load from beside the SAE."""
     query = st.text_input("Search latents by text (tokens they fire on, words they write, their contexts)",
                           key="fb_query", max_chars=500)
     if not query.strip():
         return None
-    with shows_errors() as spot, st.spinner("Labelling every latent (once per SAE and corpus)\u2026"):
-        hits = _search_index(index, sae, ctx.backend, index_key, folder).search(query, k=10)
+    key = json.dumps(["latent-labels", folder, index_key])
+    backend = ctx.backend
+    run = False
+    if jobs.registry().finished(key) is None and jobs.registry().for_key(key) is None and \
+            not labels_path(folder).is_file():
+        run = st.button("Label every latent (once per SAE and corpus)", key="fb_label", icon=":material/label:")
+    labels = jobs.run_job(key, lambda job: labels_for(folder, sae, index, backend, on_progress=job.progress),
+                          label="Labelling every latent", kind="latent-labels", page="feature_browser",
+                          start=run or labels_path(folder).is_file())
+    if labels is None:
+        return None
+    with shows_errors() as spot:
+        hits = _search_index(labels, key).search(query, k=10)
     if spot.failed:
         return None
     if not hits:

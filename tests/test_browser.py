@@ -267,6 +267,8 @@ def test_a_steering_stack_from_two_sources_answers_its_sliders(page, app_url, tm
     # the stack saves as a preset and reopens from it (a removed term comes back with its moved strength)
     from app.views.steering import GRID
 
+    page.wait_for_timeout(500)  # the rerun that drew the moved slider's text may still be finishing
+    page.locator('[data-testid="stStatusWidget"]').wait_for(state="detached", timeout=4 * SLOW)
     preset = json.loads(download(page, "stack_save"))
     assert [t["strength"] for t in preset["terms"]][0] == GRID[0] and len(preset["terms"]) == 2
     (tmp_path / "stack.json").write_text(json.dumps(preset))

@@ -240,6 +240,12 @@ def test_the_page_indexes_then_browses_a_neuron_and_an_sae_latent(monkeypatch, t
     at.number_input(key="fb_latent").set_value(3).run()
     helpers.assert_clean(at)
     assert "SAE latent 3" in " ".join(helpers.chart_titles(at))
+    at.button(key="fb_add_to_stack").click().run()  # the latent goes into the Steering page's stack, by reference
+    from app.steering_stack_ui import STACK
+
+    term = at.session_state[STACK]["stack"].terms[-1]
+    assert (term.site, term.source["kind"], term.source["latent"]) == (SITE, "sae", 3)
+    assert torch.equal(term.direction, sae.W_dec[3].detach().float())
 
 
 def test_the_command_line_browses_with_provenance(monkeypatch, tmp_path):

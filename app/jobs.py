@@ -13,8 +13,10 @@ the server is free again within a batch.
   are signed with a per-process secret: a tampered id, or one from another app process, is refused.
 - **Nobody watching**: every poll stamps `last_seen`; a job not seen for `grace_s` seconds (its tabs
   closed) is stopped, unless the user asked it to keep running.
-- **Finished results** stay in the registry by key (the newest `max_finished`), so reopening the page
-  with the same settings shows the result at once.
+- **Finished results** stay in the registry by key (the newest `max_finished`, a result read counts as
+  new), so reopening the page with the same settings shows the result at once. Short work run on the
+  page itself (`app.context.compute`) keeps its result here too (`JobRegistry.keep`): one store for
+  every finished result of every page.
 - **Estimates**: before the first progress report a job's time left comes from the measured cost per
   unit of earlier jobs of its kind (kept in the user cache directory), then from its own rate.
 """

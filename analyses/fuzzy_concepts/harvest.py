@@ -69,7 +69,7 @@ def default_layer(n_layers: int) -> int:
 
 def check_layer(layer: int, n_layers: int) -> str:
     """The site of `layer`, or a project error naming the valid range."""
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n_layers:
+    if not checks.is_integer(layer) or not 0 <= layer < n_layers:
         raise BadInputError(f"layer {layer!r} is out of range: this model has layers 0..{n_layers - 1}")
     return f"resid_post.{layer}"
 

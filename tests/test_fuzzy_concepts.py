@@ -446,6 +446,11 @@ def test_the_page_runs_a_study_and_draws_cards_firing_overlap_and_steering(monke
     helpers.assert_clean(at)
     unsteered, steered = [t.value for t in at.text][-2:]
     assert unsteered == texts[0] and steered != unsteered
+    at.button(key="fz_add_to_stack").click().run()  # the concept goes into the Steering page's stack
+    from app.steering_stack_ui import STACK
+
+    term = at.session_state[STACK]["stack"].terms[-1]
+    assert (term.site, term.source) == ("resid_post.0", {"kind": "fuzzy_concept", "rule": 0})
     # the layer selector: another layer is another study
     at.selectbox(key="fz_layer").set_value(1).run()
     helpers.finish_jobs(at.button(key="fz_run").click().run())

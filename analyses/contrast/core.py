@@ -146,7 +146,21 @@ def _bootstrap(a: np.ndarray, b: np.ndarray, settings: ContrastSettings, seed_of
     pooled = ((na - 1) * ra.var(1, ddof=1) + (nb - 1) * rb.var(1, ddof=1)) / (na + nb - 2)
     sd = np.sqrt(pooled)
     smds = np.where(sd > 0, (ra.mean(1) - rb.mean(1)) / np.where(sd > 0, sd, 1.0), 0.0)
-    return smds, auroc(ra, rb)
+    # AUROC of each resample without re-ranking it: with pair scores M[i, j] = [a_i > b_j] + [a_i = b_j] / 2
+    # and the resample's counts wa, wb of every original step, AUROC* = wa M wb / (na nb) (the same number)
+    wa = _counts(ia, na)
+    wb = _counts(ib, nb)
+    aurocs = np.empty((settings.n_resamples, a.shape[1]))
+    for k in range(a.shape[1]):
+        pairs = (a[:, k, None] > b[None, :, k]) + 0.5 * (a[:, k, None] == b[None, :, k])
+        aurocs[:, k] = ((wa @ pairs) * wb).sum(1) / (na * nb)
+    return smds, aurocs
+
+
+def _counts(indices: np.ndarray, n: int) -> np.ndarray:
+    """[R, n]: how often each of the n originals is drawn in each of the R resamples."""
+    r = indices.shape[0]
+    return np.bincount((indices + n * np.arange(r)[:, None]).ravel(), minlength=r * n).reshape(r, n).astype(float)
 
 
 # --------------------------------------------------------------------------- features

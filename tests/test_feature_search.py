@@ -163,14 +163,19 @@ def test_the_feature_browser_page_searches_latents_and_opens_the_match(monkeypat
     monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
     folder = save_sae(planted, tmp_path / "cache" / "rise" / "run0" / SITE)
     (folder / "rise.json").write_text(_json.dumps({"model_id": "tiny-random:llama", "site": SITE}))
-    at = helpers.open_page("feature_browser")
-    at.selectbox(key="fb_site_kind").set_value("resid_pre").run()
-    at.selectbox(key="fb_layer").set_value(0).run()
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_string("from app.main import main\nmain(only='feature_browser')\n", default_timeout=180)
+    at.session_state["max_new_tokens"] = 8
+    at.query_params["site"], at.query_params["latent"] = SITE, "3"  # a link from a search hit or the trace explorer
+    at.run()
+    assert (at.selectbox(key="fb_site_kind").value, at.selectbox(key="fb_layer").value) == ("resid_pre", 0)
     at.number_input(key="fb_n").set_value(24).run()
     at.button(key="fb_index").click().run()
     at = helpers.finish_jobs(at)
     at.radio(key="fb_kind").set_value("SAE latent").run()
     helpers.assert_clean(at)
+    assert at.number_input(key="fb_latent").value == 3 and "SAE latent 3" in " ".join(helpers.chart_titles(at))
     at.text_input(key="fb_query").input("she").run()
     at.button(key="fb_label").click().run()  # labelling every latent is a job, once per SAE and corpus
     at = helpers.finish_jobs(at)

@@ -53,6 +53,14 @@ def browse_view(_index: CorpusIndex, _direction: Any, _ctx, key: str, k: int) ->
     return plain(browse(_index, _direction, _ctx.backend, k=k))
 
 
+def url_site(n_layers: int) -> tuple[str, int]:
+    """The site a link opened (`?site=resid_post.3`), else the residual stream after the middle layer."""
+    kind, _, layer = str(st.query_params.get("site", "")).partition(".")
+    if kind in RESIDUAL_KINDS and layer.isdigit() and int(layer) < n_layers:
+        return kind, int(layer)
+    return "resid_post", n_layers // 2
+
+
 def url_latent() -> int:
     """The latent a link opened (`?latent=J`, from a search hit or the trace explorer), else 0."""
     value = st.query_params.get("latent", "0")
@@ -104,8 +112,9 @@ def render(ctx) -> None:
     st.subheader("1. Corpus and site")
     corpus = corpus_section()
     cols = st.columns(3)
-    kind = cols[0].selectbox("Site", RESIDUAL_KINDS, index=RESIDUAL_KINDS.index("resid_post"), key="fb_site_kind")
-    layer = cols[1].selectbox("Layer", range(arch.n_layers), index=arch.n_layers // 2, key="fb_layer")
+    first_kind, first_layer = url_site(arch.n_layers)  # the first value only: a link's site, else the default
+    kind = cols[0].selectbox("Site", RESIDUAL_KINDS, index=RESIDUAL_KINDS.index(first_kind), key="fb_site_kind")
+    layer = cols[1].selectbox("Layer", range(arch.n_layers), index=first_layer, key="fb_layer")
     max_tokens = cols[2].select_slider("Tokens per context", [16, 32, 64, 128, 256], 64, key="fb_max_tokens")
     site = f"{kind}.{layer}"
     if corpus is None:

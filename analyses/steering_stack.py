@@ -607,11 +607,13 @@ class StackGrid:
 
 def stack_grid(backend: Any, prompt: Any, stack: SteeringStack, index: int, stops: Sequence[float], *,
                max_new_tokens: int = 32, seed: int = 0, chat: bool = False, unsteered: Any = None,
-               norms: dict[str, float] | None = None, frozen: bool = False) -> StackGrid:
+               norms: dict[str, float] | None = None, frozen: bool = False,
+               on_progress: Any = None) -> StackGrid:
     """Greedy generations of the stack with term `index` at each of `stops`, in one batched generation (and,
     with `frozen`, one more with attention frozen): the prompt once per stop, that term's edit with one
     strength per row. Each row is the stack's single-row generation at that strength (tested on
-    tiny-random:llama; rows of one prompt need no padding)."""
+    tiny-random:llama; rows of one prompt need no padding). `on_progress(stage, step, max_new_tokens)` after
+    every decoding step (a job's Stop raises there: the stream is closed and nothing is kept)."""
     d_model = backend.arch().d_model
     stack.check(d_model)
     stack._index(index)
@@ -631,17 +633,25 @@ def stack_grid(backend: Any, prompt: Any, stack: SteeringStack, index: int, stop
             e.strength = factors
     started = time.perf_counter()
 
-    def batch(extra: list[Any]) -> list[list[Any]]:
+    def batch(extra: list[Any], stage: str) -> list[list[Any]]:
         rows: list[list[Any]] = [[] for _ in values]
         if not any(e.term == name for e in edits):  # multiplier 0: every row is the unsteered text
             return rows
-        for rec in backend.generate(prompt, n_samples=len(values), max_new_tokens=max_new_tokens, seed=seed,
-                                    chat=chat, top_k=0, interventions=[*edits, *extra]):
-            rows[rec.batch_index].append(rec)
+        stream = backend.generate(prompt, n_samples=len(values), max_new_tokens=max_new_tokens, seed=seed,
+                                  chat=chat, top_k=0, interventions=[*edits, *extra])
+        try:
+            step = -1
+            for rec in stream:
+                rows[rec.batch_index].append(rec)
+                if on_progress is not None and rec.step != step:
+                    step = rec.step
+                    on_progress(stage, step + 1, max_new_tokens)
+        finally:
+            stream.close()
         return rows
 
-    steered = batch([])
-    frozen_rows = batch([FrozenAttention()]) if frozen else None
+    steered = batch([], f"term {index + 1}: {len(values)} stops in one batch")
+    frozen_rows = batch([FrozenAttention()], "the same with frozen attention") if frozen else None
     names = [stack.term_name(i) for i in range(len(stack.terms))]
     out = {}
     for b, (value, factor) in enumerate(zip(values, factors)):

@@ -18,6 +18,7 @@ import streamlit as st
 from analyses.steering_stack import (MAX_TERMS, StackTerm, SteeringStack, grid_key, preset_from_bytes,
                                      reference_norms, stack_generation, stack_grid, to_preset, token_divergence)
 from app.context import compute, shows_errors
+from app.jobs import registry, run_job
 from app.export import show_figure
 from app.figures.trace import display_text
 
@@ -96,7 +97,8 @@ def _term_row(i: int, term: StackTerm, slot: int, stops: list[float]) -> None:
         st.rerun()
     if float(strength) != value:  # moved (a preset's off-stop strength stays as given until then)
         _state()["stack"] = session_stack().with_strength(i, float(strength))
-        _state()["moved"] = slot  # greedy: this term's stops are made in one batch, later moves read it
+        _state()["moved"] = slot  # greedy: this term's stops are made in one batch (a job), later moves read it
+        _state()["moved_now"] = True
 
 
 def presets(ctx, stack: SteeringStack) -> None:
@@ -149,19 +151,20 @@ def stack_section(ctx, key: str, stops: list[float], unsteered: Any = None) -> N
                                 chat=ctx.chat, sampling=s.sampling(), unsteered=unsteered, frozen=frozen,
                                 norms=reference_norms(ctx.backend, prompt, stack, ctx.chat))
 
-    moved = state.get("moved")
+    moved, start = state.get("moved"), state.pop("moved_now", False)
     index = state["ids"].index(moved) if moved in state["ids"] else None
-    if index is not None and s.sampling().greedy and stack.terms[index].strength in stops:
-        def grid_work():
+    gkey = None if index is None else f"stack-grid|{key}|{grid_key(stack, index)}|{frozen}"
+    if gkey and s.sampling().greedy and stack.terms[index].strength in stops and (start or registry().for_key(gkey)):
+        def grid_work(job):
             return stack_grid(ctx.backend, prompt, stack, index, stops, max_new_tokens=s.max_new_tokens, seed=ctx.seed,
-                              chat=ctx.chat, unsteered=unsteered, frozen=frozen,
+                              chat=ctx.chat, unsteered=unsteered, frozen=frozen, on_progress=job.progress,
                               norms=reference_norms(ctx.backend, prompt, stack, ctx.chat))
 
-        grid = compute(f"stack-grid|{key}|{grid_key(stack, index)}|{frozen}", grid_work, start=True, kind="steering-stack",
-                       spinner=f"Term {index + 1} at all {len(stops)} stops of its slider in one batch (once; later "
-                               "moves of this slider read it)\u2026", page="steering")
+        grid = run_job(gkey, grid_work, kind="steering-stack", page="steering", start=start,
+                       label=f"Term {index + 1} at all {len(stops)} stops of its slider in one batch (once; later "
+                             "moves of this slider read it)")
         result = None if grid is None else grid.generation(stack.terms[index].strength)
-    else:
+    else:  # the first draw, the multiplier, sampled decoding: one generation with the whole stack
         result = compute(f"stack|{key}|{stack.key()}|{frozen}", work, start=True,
                          spinner="Steering with the stack\u2026", kind="steering-stack", page="steering")
     if result is None:

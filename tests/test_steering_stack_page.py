@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.apptest_helpers import assert_clean, open_page  # noqa: E402
+from tests.apptest_helpers import assert_clean, finish_jobs, open_page  # noqa: E402
 
 MODEL = "tiny-random:llama"
 
@@ -43,7 +43,7 @@ def test_the_pages_direction_goes_into_the_stack_and_its_sliders_steer(llama):
     eos = llama.eos_ids()
     texts = []
     for strength, multiplier in ((-1.0, 1.0), (1.5, 0.5), (1.5, 0.0)):
-        at.select_slider(key="stack_strength_0").set_value(strength).run()
+        finish_jobs(at.select_slider(key="stack_strength_0").set_value(strength).run())  # the term's stops: a job
         at.select_slider(key="stack_multiplier").set_value(multiplier).run()
         assert_clean(at)
         shown = at.session_state[STACK]["stack"]

@@ -65,8 +65,9 @@ def trace_latents_section(ctx, key: str, done: Any) -> None:
     st.subheader("SAE latents")
     choices = sae_choices(ctx)
     if not choices:
-        st.info(f"No SAE of `{ctx.model_id}` yet: train one on the RISE page (it is kept for this page and the "
-                "feature browser).")
+        # a caption, not an info box: nothing is refused, there is simply no SAE of this model yet
+        st.caption(f"No SAE of `{ctx.model_id}` yet: train one on the RISE page (it is kept for this page and the "
+                   "feature browser).")
         return
     folder = st.selectbox("SAE", list(choices), format_func=lambda f: choices[f][0], key="te_sae")
     site = choices[folder][1]

@@ -58,3 +58,40 @@ def tiny_app_url():
 
     with serve("tiny-random:llama") as url:
         yield url
+
+
+# ----- unit tier: one `thoughtscope serve` on the tiny model for the tests that need no special settings
+
+
+@pytest.fixture(scope="session")
+def tiny_server_url():
+    """`thoughtscope serve --model tiny-random:llama` (the CLI, default settings) on a free loopback port,
+    started once per session; tests that need a token, small queues or state budgets start their own."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from probes.client import RemoteBackend
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "thoughtscope", "serve", "--model", "tiny-random:llama",
+                             "--port", str(port), "--log-level", "warning"], env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                RemoteBackend(url, timeout=2).ready()
+                break
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("the model server did not start")
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

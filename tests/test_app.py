@@ -384,37 +384,9 @@ def test_export_command_rebuilds_a_figure_from_result_json(engine, tmp_path):
 # ----------------------------------------------------------------- the other backend, the SAE source
 
 @pytest.fixture(scope="module")
-def model_server():
-    """`thoughtscope serve --model tiny-random:llama` on a free loopback port."""
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    from probes.client import RemoteBackend
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", "from thoughtscope.cli import main; main()", "serve", "--model", MODEL,
-                             "--port", str(port), "--log-level", "warning"],
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                RemoteBackend(url, timeout=2).ready()
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("the model server did not start")
-                time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+def model_server(tiny_server_url):
+    """`thoughtscope serve --model tiny-random:llama` on a free loopback port: the session's (tests/conftest.py)."""
+    return tiny_server_url
 
 
 def test_pages_run_against_the_model_server(model_server, monkeypatch):

@@ -161,36 +161,9 @@ def test_the_index_is_computed_once_into_the_cache(engine, corpus, tmp_path):
 # ----------------------------------------------------------------- through the model server
 
 @pytest.fixture(scope="module")
-def model_server():
-    """`thoughtscope serve --model tiny-random:llama` on a free loopback port."""
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    from probes.client import RemoteBackend
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "thoughtscope", "serve", "--model", MODEL, "--port", str(port),
-                             "--log-level", "warning"], env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                RemoteBackend(url, timeout=2).ready()
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("the model server did not start")
-                time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+def model_server(tiny_server_url):
+    """`thoughtscope serve --model tiny-random:llama` on a free loopback port: the session's (tests/conftest.py)."""
+    return tiny_server_url
 
 
 def test_browsing_through_the_model_server_matches_in_process(model_server, engine, corpus, index):

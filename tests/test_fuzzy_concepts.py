@@ -338,18 +338,10 @@ def test_cli_json_has_every_method_and_a_provenance_record(tmp_path, monkeypatch
 
 
 @pytest.fixture(scope="module")
-def served_url():
-    """`thoughtscope serve` with tiny-random:llama in a subprocess on a free loopback port."""
-    from probes.server_bench import free_port, start_server, stop_server, wait_ready
-
-    port = free_port()
-    proc = start_server("tiny-random:llama", port, device="cpu")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, timeout=180)
-        yield url
-    finally:
-        stop_server(proc)
+def served_url(tiny_server_url):
+    """`thoughtscope serve` with tiny-random:llama in a subprocess on a free loopback port: the session's
+    (tests/conftest.py)."""
+    return tiny_server_url
 
 
 def test_a_fit_on_rows_harvested_through_the_server_equals_in_process(llama, served_url):

@@ -64,3 +64,24 @@ def test_user_errors_are_messages_not_tracebacks(monkeypatch, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "layer 99 is out of range" in err and "Traceback" not in err
+
+
+def test_every_command_prints_its_help(app):
+    """`--help` of every command and group renders (a help text with rich markup such as `[/x]` once
+    crashed `thoughtscope contrast run --help` with a traceback)."""
+    import click
+    import typer
+
+    failed, seen = [], 0
+
+    def walk(command: click.Command, path: list[str]) -> None:
+        nonlocal seen
+        seen += 1
+        result = runner.invoke(app, [*path, "--help"])
+        if result.exit_code != 0 or "Usage" not in result.output:
+            failed.append((" ".join(path), result.exit_code, repr(result.exception)))
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    assert seen >= 30 and not failed, failed  # 39 commands and groups today

@@ -27,10 +27,10 @@ def register(cli: typer.Typer) -> None:
     app = group(cli, "contrast", "Contrast two sets of reasoning steps: effect sizes, FDR, held-out AUROC.")
 
     @app.command("run")
-    def run_cmd(rule: str = typer.Option("kind:reflection", "--rule", help="kind:<A>[/<B>], correct, alarm, "
+    def run_cmd(rule: str = typer.Option("kind:reflection", "--rule", help="kind:<A> or kind:<A>/<B>, correct, alarm, "
                                                                            "source, random"),
                 site: list[str] = typer.Option(["direction:resid_post.1"], "--site",
-                                               help="direction:<site>, heads:<layer>, sae:<folder>[@<site>]"),
+                                               help="direction:<site>, heads:<layer>, sae:<folder> or sae:<folder>@<site>"),
                 organism: int = typer.Option(60, "--organism", help="planted toy-reasoner traces to read"),
                 split: str = typer.Option("dev", "--split", help="the organism split the traces come from"),
                 prompts_a: Optional[str] = typer.Option(None, "--prompts-a", help="a prompt file (one a line)"),

@@ -9,9 +9,12 @@ settings belong to the user: no navigation path changes them).
 
 from __future__ import annotations
 
+from typing import Any
+
 import streamlit as st
 
 from app.persist import keep
+from thoughtscope import shipped
 
 PICK_KEY = "model_pick"  # app/sidebar.py's model selectbox
 _REQUEST = "_switch_model_request"
@@ -37,3 +40,16 @@ def switch_button(model_id: str, key: str) -> None:
     if st.button(f"Switch to {model_id}".replace(":", "\\:"), key=key, type="primary", icon=":material/swap_horiz:"):
         request_model(model_id)
         st.rerun()
+
+
+def stored_elsewhere(name: str, model_id: str, current: str, key: str) -> Any:
+    """On a model that cannot run a page's method: the stored result `name` of `model_id` (the toy that can),
+    labelled as that model's and not `current`'s, with a switch to it; None (and the reason shown) when absent."""
+    stored = shipped.find(name, model_id, None)
+    if not stored:
+        (st.warning if stored.damaged else st.caption)(stored.reason)
+        return None
+    st.markdown(f"**Below: the stored result of `{model_id}`, not of `{current}`.** {stored.label()}")
+    switch_button(model_id, key=key)
+    return stored
+

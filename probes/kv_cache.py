@@ -119,6 +119,18 @@ class _PolicyLayer(_cache_layer_base()):
     def crop(self, tokens_to_remove: int) -> None:
         raise BadInputError("a KV-policy cache has dropped entries and cannot be rolled back")
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def _begin_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """What every `update` checks first: the cache still belongs to a live generation; the layer is set up."""
+        if not self.owner.active:
+            raise BadInputError("this KV cache was compressed by a KV policy and has dropped entries: it cannot be "
+                                "forked or reused; fork from a generation without a KV policy")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+
 
 class CompressedLayer(_PolicyLayer):
     """One layer of a `CompressedCache`: groups of heads with equal entry counts."""
@@ -129,17 +141,9 @@ class CompressedLayer(_PolicyLayer):
         self.groups: list[_Group] = []
         self.seen = 0  # columns fed so far (padding included), what transformers sizes its masks by
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.is_initialized = True
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                kwargs: dict[str, Any] | None = None, **extra: Any) -> tuple[_Pending, _Pending]:
-        if not self.owner.active:
-            raise BadInputError("this KV cache was compressed by a KV policy and has dropped entries: it cannot be "
-                                "forked or reused; fork from a generation without a KV policy")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._begin_update(key_states, value_states)
         batch, _, t, _ = key_states.shape
         dev = key_states.device
         cols = torch.arange(self.seen, self.seen + t, device=dev)
@@ -376,17 +380,9 @@ class WindowLayer(_PolicyLayer):
     def state(self) -> WindowState:
         return self.owner.window
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.is_initialized = True
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                kwargs: dict[str, Any] | None = None, **extra: Any) -> tuple[_WindowPending, _WindowPending]:
-        if not self.owner.active:
-            raise BadInputError("this KV cache was compressed by a KV policy and has dropped entries: it cannot be "
-                                "forked or reused; fork from a generation without a KV policy")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._begin_update(key_states, value_states)
         batch, _, t, _ = key_states.shape
         cols = torch.arange(self.seen, self.seen + t, device=key_states.device)
         pos = (kwargs or {}).get("position_ids")

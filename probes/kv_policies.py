@@ -30,19 +30,8 @@ exactly the keys at positions p < sink or q - recent < p <= q, in the prompt as 
 decoding, and the cache holds exactly sink + recent entries between steps: generation equals
 full-cache attention with those per-head masks (the test checks this).
 
-The compressed cache these policies drive is `probes.kv_cache`. Layouts (`CompressedCache` picks one per layer). Positional policies (`KeepAll`, `WindowPolicy`:
-`policy.local_heads` says which heads are local) use `WindowLayer`: full heads hold one growing
-tensor like a plain cache, local heads a fixed ring of sink + recent slots written in place, with
-positions and masks computed once per forward for all layers; generation runs at 0.97-1.02x the
-plain cache's tokens/s on SmolLM2-135M (docs/rlkv.md). Entry-by-entry policies (`ScorerPolicy`:
-SnapKV, Knorm) use the general `CompressedLayer`: groups of KV heads that hold the same number of
-entries, each group a [batch, heads, entries, head_dim] tensor, so heads with different budgets are
-never padded back to full length; it re-gathers and regroups every step (0.71-0.83x of plain, same
-page). Attention runs per group through an attention function registered in
-transformers' `AttentionInterface` (`ATTENTION_NAME`), with a mask function registered for the
-same name in `AttentionMaskInterface` (without one the causal mask silently disappears).
-Supported: full-attention decoders whose attention modules call `cache.update` then the attention
-interface (Llama/SmolLM2, Mistral without sliding window, Qwen2/2-MoE, Qwen3/3-MoE, OLMoE, Mixtral).
+The compressed cache these policies drive, its layouts and the models it supports are described in
+`probes.kv_cache`.
 
 Example:
     >>> from probes import Engine

@@ -14,8 +14,7 @@ from analyses.moe_router.maps import RouterMap, divergence_data, heatmap_data, s
 from analyses.moe_router.ship import DEFAULT_MODEL, NAME, default_setting, map_from_dict
 from app.context import read_json, shows_errors
 from app.export import show_figure
-from app.switch import switch_button
-from thoughtscope import shipped
+from app.switch import stored_elsewhere
 
 GATES = ["displaced", "router", "uniform"]
 
@@ -66,12 +65,9 @@ def active_section() -> None:
 
 def elsewhere_section(ctx) -> None:
     """On a model without a router: the toy MoE's shipped result, labelled as the toy's, and a switch to it."""
-    stored = shipped.find(NAME, DEFAULT_MODEL, None)
-    if not stored:
-        (st.warning if stored.damaged else st.caption)(stored.reason)
+    stored = stored_elsewhere(NAME, DEFAULT_MODEL, ctx.model_id, key="moe_switch")
+    if stored is None:
         return
-    st.markdown(f"**Below: the stored result of `{DEFAULT_MODEL}`, not of `{ctx.model_id}`.** {stored.label()}")
-    switch_button(DEFAULT_MODEL, key="moe_switch")
     st.subheader(f"Router profile of `{DEFAULT_MODEL}`")
     show_figure(None, stored.json("profile.json"), "moe_profile", provenance=stored.provenance)
     d = stored.json("map.json")

@@ -16,10 +16,9 @@ from analyses.visual_attribution.stream import stream_attribution
 from app.export import show_figure
 from app.figures.visual_attribution import faithfulness_figure, heatmap_figure
 from app.jobs import one_step, run_job
-from app.switch import switch_button
+from app.switch import stored_elsewhere
 from probes.toys import vlm
 from probes.vision import expand
-from thoughtscope import shipped
 
 PAGE_NAME = "visual_attribution"
 
@@ -89,12 +88,9 @@ def stored_scene(stored: Any, grid: int, key: str = "va_stored") -> None:
 
 def elsewhere_section(ctx) -> None:
     """On a model without vision: the toy VLM's shipped result, labelled as the toy's, and a switch to it."""
-    stored = shipped.find(NAME, DEFAULT_MODEL, None)
-    if not stored:
-        (st.warning if stored.damaged else st.caption)(stored.reason)
+    stored = stored_elsewhere(NAME, DEFAULT_MODEL, ctx.model_id, key="va_switch")
+    if stored is None:
         return
-    st.markdown(f"**Below: the stored result of `{DEFAULT_MODEL}`, not of `{ctx.model_id}`.** {stored.label()}")
-    switch_button(DEFAULT_MODEL, key="va_switch")
     stored_scene(stored, vlm.GRID)
     st.subheader(f"Faithfulness of `{DEFAULT_MODEL}` on held-out scenes")  # code: ":small" is a directive in Markdown
     draw_study(ctx, stored.json("study.json"), stored.provenance)

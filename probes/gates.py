@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from probes.sites import FAMILIES, get_module
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 GATES_NAME = "thoughtscope_head_gates"
@@ -64,19 +65,6 @@ def check_gate_model(handle: Any) -> None:
     if handle.arch.model_type not in GATE_MODEL_TYPES:
         raise BadInputError(f"mixed full/local attention (RLKV head gates) exists for {', '.join(GATE_MODEL_TYPES)}; "
                             f"this model is {handle.arch.model_type!r}")
-
-
-def check_window(sink: Any, recent: Any, context_length: int) -> tuple[int, int]:
-    """(sink, recent) as integers, or a `BadInputError` saying what to change."""
-    for name, value in (("sink", sink), ("recent", recent)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise BadInputError(f"{name} must be a non-negative integer, got {value!r}")
-    if recent < 1:
-        raise BadInputError("recent must be >= 1 (a token must see itself)")
-    if sink + recent >= context_length:
-        raise BadInputError(f"sink + recent = {sink + recent} reaches this model's context ({context_length}): a "
-                            "local head would read everything; choose a smaller window")
-    return sink, recent
 
 
 def check_gates(gates: Any, shape: tuple[int, int], what: str = "gates") -> torch.Tensor:
@@ -191,7 +179,8 @@ class GateSession:
         handle = engine.handle
         check_gate_model(handle)
         arch = handle.arch
-        self.sink, self.recent = check_window(sink, recent, arch.context_length)
+        self.sink, self.recent = checks.window(sink, recent, arch.context_length,
+                                               hint="a local head would read everything; choose a smaller window")
         shape = (arch.n_layers, arch.n_kv_heads)
         if gates is None:
             if isinstance(init, bool) or not isinstance(init, (int, float)) or not 0 <= init <= 1:

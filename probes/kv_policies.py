@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from probes.kv_cache import CacheView, check_model, compressed_attention, new_cache
 from probes.registered import Registered
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 
@@ -134,15 +135,8 @@ class WindowPolicy(KVPolicy):
         raise NotImplementedError
 
     def _check(self, arch: Any) -> None:
-        for name in ("sink", "recent"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise BadInputError(f"{type(self).__name__}.{name} must be a non-negative integer, got {value!r}")
-        if self.recent < 1:
-            raise BadInputError(f"{type(self).__name__}.recent must be >= 1 (a token must see itself)")
-        if self.sink + self.recent >= arch.context_length:
-            raise BadInputError(f"sink + recent = {self.sink + self.recent} reaches this model's context "
-                                f"({arch.context_length}): nothing would ever be dropped; use KeepAll or a smaller window")
+        checks.window(self.sink, self.recent, arch.context_length, owner=type(self).__name__,
+                      hint="nothing would ever be dropped; use KeepAll or a smaller window")
 
     def _window(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         return (key_pos < self.sink) | (key_pos > query_pos - self.recent)

@@ -282,8 +282,8 @@ def forwards(llama):
     (HeadBudget(full_heads=torch.zeros(3, 2, dtype=torch.bool)), "needs"),
     (HeadBudget(full_heads=torch.full((2, 2), 0.5)), "booleans"),
     (SinkRecent(sink=200, recent=400), "reaches this model's context"),
-    (SinkRecent(sink=-1, recent=4), "non-negative"),
-    (SinkRecent(sink=2, recent=0), "recent must be >= 1"),
+    (SinkRecent(sink=-1, recent=4), r"SinkRecent.sink must be an integer >= 0"),
+    (SinkRecent(sink=2, recent=0), "recent must be an integer >= 1"),
     (KnormPolicy(budget=0), "positive integer"),
     (SnapKVPolicy(budget=8, kernel=4), "odd"),
 ])

@@ -35,17 +35,11 @@ import torch
 
 from probes.registered import Part, Registered
 from probes.sites import FAMILIES, get_module
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 # Implementations whose masks are 4D tensors a hook can edit (flash kernels take 2D padding masks only).
 MASKABLE_IMPLEMENTATIONS = ("eager", "sdpa", "thoughtscope_kv_policy")
-
-
-def _indices(values: Any, what: str) -> None:
-    if not isinstance(values, list) or not values:
-        raise BadInputError(f"MaskAttention needs a non-empty list of {what}")
-    if any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in values):
-        raise BadInputError(f"MaskAttention {what} must be non-negative token indices")
 
 
 @dataclass
@@ -71,16 +65,12 @@ class MaskAttention(Registered):
     per_row: ClassVar[bool] = False  # True for masks of chosen batch rows (RowMask)
 
     def _check(self, arch: Any) -> None:
-        _indices(self.positions, "positions")
+        # token indices of the whole sequence; on this per-call copy they become plain lists of ints
+        self.positions = checks.int_list("MaskAttention.positions", self.positions, low=0)
         if self.queries is not None:
-            _indices(self.queries, "queries")
+            self.queries = checks.int_list("MaskAttention.queries", self.queries, low=0)
         if self.layers is not None:
-            if not isinstance(self.layers, list) or not self.layers:
-                raise BadInputError("MaskAttention layers must be a non-empty list (or None for every layer)")
-            bad = [x for x in self.layers if isinstance(x, bool) or not isinstance(x, int)
-                   or not 0 <= x < arch.n_layers]
-            if bad:
-                raise BadInputError(f"MaskAttention layers {bad} out of range; this model has layers 0..{arch.n_layers - 1}")
+            self.layers = checks.int_list("MaskAttention.layers", self.layers, low=0, high=arch.n_layers - 1)
 
     def bind(self, call: Any) -> "MaskAttention":
         bound = self.validate(call.arch)
@@ -122,10 +112,7 @@ class RowMask(MaskAttention):
         self.batch_rows()
 
     def batch_rows(self) -> int:
-        if not isinstance(self.rows, list) or not self.rows or any(
-                isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.rows):
-            raise BadInputError(f"RowMask rows must be a non-empty list of batch row indices, got {self.rows!r}")
-        return max(self.rows) + 1
+        return max(checks.int_list("RowMask.rows", self.rows, low=0)) + 1
 
     def describe(self) -> str:
         return f"{super().describe()} in rows {self.rows[:8]}{'...' if len(self.rows) > 8 else ''}"

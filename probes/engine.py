@@ -42,6 +42,7 @@ from probes.sampling import Sampling  # noqa: F401  (re-exported: probes.Samplin
 from probes.sites import FAMILIES, Site, get_module, list_sites, validate_site
 from probes.tokens import MAX_PROMPT_CHARS, Prompt, TokenizerOps  # noqa: F401  (MAX_PROMPT_CHARS re-exported)
 from probes.zoo import ArchInfo, ModelHandle, load_model
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 MAX_NEW_TOKENS_LIMIT = 8192
@@ -90,9 +91,7 @@ class PrefixState:
 
 def check_seed(seed: Any) -> int:
     """A seed torch accepts: an integer in 0..2**63 - 1."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise BadInputError(f"the seed must be an integer in 0..{2**63 - 1}, got {seed!r}")
-    return seed
+    return checks.integer("the seed", seed, low=0, high=2**63 - 1)
 
 
 @dataclass

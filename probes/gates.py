@@ -38,7 +38,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -183,9 +182,7 @@ class GateSession:
                                                hint="a local head would read everything; choose a smaller window")
         shape = (arch.n_layers, arch.n_kv_heads)
         if gates is None:
-            if isinstance(init, bool) or not isinstance(init, (int, float)) or not 0 <= init <= 1:
-                raise BadInputError(f"init must be a number in [0, 1], got {init!r}")
-            gates = torch.full(shape, float(init))
+            gates = torch.full(shape, float(checks.number("init", init, low=0, high=1)))
         self.alpha = torch.nn.Parameter(check_gates(gates, shape).to(handle.device))
         self.engine, self.handle = engine, handle
         self.active = False
@@ -250,8 +247,7 @@ class GateSession:
         if len(seqs) != len(starts) or not seqs:
             raise BadInputError(f"logprobs needs one start per sequence, got {len(starts)} for {len(seqs)}")
         for seq, start in zip(seqs, starts):
-            if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start < len(seq):
-                raise BadInputError(f"start {start!r} must lie in 1..{len(seq) - 1} (a token with a prefix before it)")
+            checks.integer("start", start, low=1, high=len(seq) - 1, why="a token with a prefix before it")
         dev = self.handle.device
         width = max(map(len, seqs))
         pad = self.handle.tokenizer.pad_token_id or 0
@@ -289,9 +285,7 @@ def binarised(gates: torch.Tensor, sparsity: float, tiebreak: Any = None) -> tor
     >>> binarised(torch.tensor([[1.0, 1.0], [0.5, 0.7]]), 0.75, tiebreak=torch.tensor([[0.1, 0.3], [0, 0]])).tolist()
     [[False, True], [False, False]]
     """
-    if not isinstance(sparsity, (int, float)) or isinstance(sparsity, bool) or not 0 <= sparsity < 1 \
-            or not math.isfinite(sparsity):
-        raise BadInputError(f"sparsity must lie in [0, 1) (the fraction of heads made local), got {sparsity!r}")
+    checks.number("sparsity", sparsity, low=0, high=1, high_open=True, why="the fraction of heads made local")
     flat = torch.as_tensor(gates, dtype=torch.float32).flatten().tolist()
     second = [0.0] * len(flat) if tiebreak is None else torch.as_tensor(tiebreak, dtype=torch.float32).flatten().tolist()
     if len(second) != len(flat):

@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from probes.attention_masks import MaskAttention, RowMask  # noqa: F401  (re-exported: the masks live with their masker)
 from probes.registered import KINDS, MODES, Registered, kind_of  # noqa: F401  (re-exported)
 from probes.sites import Site, validate_site
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 RESIDUAL_KINDS = ("resid_pre", "resid_post", "attn_out", "mlp_out")
@@ -43,16 +43,13 @@ WHERE = ("all", "generated")
 MAX_SCALE = 1e6  # beyond this any activation overflows float32 arithmetic downstream
 
 
-def _finite(value: float, what: str) -> float:
-    if isinstance(value, bool):
-        raise BadInputError(f"{what} must be a number, got {value!r}")
-    try:
-        value = float(value)
-    except (TypeError, ValueError) as err:
-        raise BadInputError(f"{what} must be a number, got {value!r}") from err
-    if not math.isfinite(value) or abs(value) > MAX_SCALE:
-        raise BadInputError(f"{what} must be a finite number of magnitude at most {MAX_SCALE:g}, got {value}")
-    return value
+def _finite(value: Any, what: str) -> float:
+    """`value` as a float when it is a finite number of magnitude at most MAX_SCALE (a 0-d tensor or
+    array counts as its item)."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    return float(checks.number(what, value, low=-MAX_SCALE, high=MAX_SCALE,
+                               why=f"a magnitude beyond {MAX_SCALE:g} overflows float32 downstream"))
 
 
 def _as_vector(v: Any, width: int, what: str) -> torch.Tensor:

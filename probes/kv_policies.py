@@ -217,8 +217,7 @@ class ScorerPolicy(KVPolicy):
         raise NotImplementedError
 
     def _check(self, arch: Any) -> None:
-        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
-            raise BadInputError(f"{type(self).__name__}.budget must be a positive integer, got {self.budget!r}")
+        checks.integer(f"{type(self).__name__}.budget", self.budget, low=1)
         if self.budget >= arch.context_length:
             raise BadInputError(f"budget {self.budget} reaches this model's context ({arch.context_length}); "
                                 "nothing would ever be dropped: use KeepAll")
@@ -261,9 +260,7 @@ class SnapKVPolicy(ScorerPolicy):
     def _check(self, arch: Any) -> None:
         super()._check(arch)
         for name in ("window", "kernel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise BadInputError(f"SnapKVPolicy.{name} must be a positive integer, got {value!r}")
+            checks.integer(f"SnapKVPolicy.{name}", getattr(self, name), low=1)
         if self.kernel % 2 == 0:
             raise BadInputError("SnapKVPolicy.kernel must be odd (a centred pooling window)")
 

@@ -54,6 +54,7 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError, UnknownSiteError
 from probes.interventions import WHERE, Intervention, _finite
 from probes.registered import Part, Registered
@@ -488,12 +489,6 @@ def _pad(gates: torch.Tensor, idx: torch.Tensor, width: int) -> tuple[torch.Tens
             torch.cat([idx, idx[:, :1].expand(-1, extra)], dim=-1))
 
 
-def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise BadInputError(f"{what} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 @dataclass
 class TopK(RouterRule):
     """The family's own top-k with `k` experts (None: each layer's own top_k, the identity), gates
@@ -505,7 +500,7 @@ class TopK(RouterRule):
 
     def _check(self, arch: Any) -> None:
         if self.k is not None:
-            _positive_int(self.k, "the number of experts k (a token needs at least one expert)")
+            checks.integer("the number of experts k", self.k, low=1, why="a token needs at least one expert")
             if self.k > arch.n_experts:
                 raise BadInputError(f"k={self.k} but this model has {arch.n_experts} experts per layer")
 
@@ -540,9 +535,9 @@ class ExpertSample(RouterRule):
 
     def _check(self, arch: Any) -> None:
         k = self.k if self.k is not None else arch.experts_top_k
-        _positive_int(k, "the number of experts k (a token needs at least one expert)")
-        _positive_int(self.k_h, "k_h (head experts)", minimum=0)
-        _positive_int(self.m, "m (tail pool size)", minimum=0)
+        checks.integer("the number of experts k", k, low=1, why="a token needs at least one expert")
+        checks.integer("k_h", self.k_h, low=0, why="head experts")
+        checks.integer("m", self.m, low=0, why="tail pool size")
         if self.k_h > k:
             raise BadInputError(f"k_h={self.k_h} is larger than k={k}: the head is part of the k experts "
                                 f"(k_h = k keeps the model's own top-k; Expert-Sample needs k_h < k)")
@@ -559,8 +554,7 @@ class ExpertSample(RouterRule):
             raise BadInputError(f"expert temperature T_e must be a finite number > 0, got {self.t_e}")
         if self.tail_gates not in TAIL_GATES:
             raise BadInputError(f"tail_gates={self.tail_gates!r}; use one of {TAIL_GATES}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise BadInputError(f"seed must be a non-negative integer, got {self.seed!r}")
+        checks.integer("seed", self.seed, low=0)
 
     def choose(self, spec, logits, layer, at):
         k = self.k or spec.top_k
@@ -626,10 +620,7 @@ class ForceExperts(RouterRule):
     def _check(self, arch: Any) -> None:
         if not isinstance(self.experts, (list, tuple)) or not self.experts:
             raise BadInputError("ForceExperts needs at least one expert: a token with no expert has no MoE output")
-        experts = list(self.experts)
-        bad = [e for e in experts if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < arch.n_experts]
-        if bad:
-            raise BadInputError(f"experts {bad} out of range; this model has experts 0..{arch.n_experts - 1}")
+        experts = checks.int_list("experts", self.experts, low=0, high=arch.n_experts - 1)
         if len(set(experts)) != len(experts):
             raise BadInputError(f"experts {experts} repeat an expert; list each once")
         self.experts_, self.gates_ = experts, None

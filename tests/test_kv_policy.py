@@ -284,7 +284,7 @@ def forwards(llama):
     (SinkRecent(sink=200, recent=400), "reaches this model's context"),
     (SinkRecent(sink=-1, recent=4), r"SinkRecent.sink must be an integer >= 0"),
     (SinkRecent(sink=2, recent=0), "recent must be an integer >= 1"),
-    (KnormPolicy(budget=0), "positive integer"),
+    (KnormPolicy(budget=0), r"KnormPolicy.budget must be an integer >= 1"),
     (SnapKVPolicy(budget=8, kernel=4), "odd"),
 ])
 def test_bad_policies_are_refused_before_the_model_runs(llama, forwards, policy, match):

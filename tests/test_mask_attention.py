@@ -155,9 +155,9 @@ def forwards(llama):
 @pytest.mark.parametrize("mask, match", [
     (MaskAttention([10]), "beyond the text"),
     (MaskAttention([2], queries=[3, 12]), "beyond the text"),
-    (MaskAttention([2], layers=[2]), "out of range"),
-    (MaskAttention([2], layers=[-1]), "out of range"),
-    (MaskAttention([-1]), "non-negative"),
+    (MaskAttention([2], layers=[2]), r"layers must be a non-empty list of integers in 0\.\.1, got 2"),
+    (MaskAttention([2], layers=[-1]), r"layers must be a non-empty list of integers in 0\.\.1, got -1"),
+    (MaskAttention([-1]), "positions must be a non-empty list of integers >= 0, got -1"),
     (MaskAttention([]), "non-empty"),
     (MaskAttention([1], queries=[]), "non-empty"),
     (MaskAttention([0, 1], queries=[1]), "nothing to attend to"),

@@ -338,7 +338,7 @@ def test_force_experts_routes_every_token_to_the_given_experts():
     (TopK(k=0), "at least one expert"),
     (TopK(k=9), "k=9 but this model has 8 experts"),
     (ForceExperts("router.0", []), "at least one expert"),
-    (ForceExperts("router.0", [1, 8]), "out of range"),
+    (ForceExperts("router.0", [1, 8]), r"experts must be a non-empty list of integers in 0\.\.7, got 8"),
     (ForceExperts("router.0", [1, 2], gates=[0.5, float("nan")]), "NaN or infinite"),
     (TopK(site="resid_post.0"), "applies at router.L"),
     (TopK(where="sometimes"), "where="),

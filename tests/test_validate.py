@@ -220,6 +220,8 @@ def test_the_server_reports_its_models_validation_in_info():
 
 @pytest.mark.browser
 def test_the_trace_explorer_shows_the_badge_with_its_numbers_on_hover(browser, tiny_app_url):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     from tests.test_browser import SLOW
 
     url = tiny_app_url  # the session's app on tiny-random:llama and its Chromium (tests/conftest.py)
@@ -231,8 +233,16 @@ def test_the_trace_explorer_shows_the_badge_with_its_numbers_on_hover(browser, t
     # checked in the background after the first figure (or found cached): the fragment shows it when done
     badge = page.locator('[data-testid="stElementContainer"]', has_text="numbers checked").last
     badge.wait_for()
-    badge.locator('[data-testid="stTooltipHoverTarget"]').first.hover()
     tip = page.locator('[data-testid="stTooltipContent"]').first
+    # the badge's fragment may redraw while the pointer rests on it (the tooltip then closes with the old
+    # element): hover again until the tooltip stays, as a user would
+    for _ in range(12):
+        badge.locator('[data-testid="stTooltipHoverTarget"]').first.hover()
+        try:
+            tip.wait_for(timeout=10_000)
+            break
+        except PlaywrightTimeout:
+            page.mouse.move(0, 0)
     tip.wait_for()
     text = tip.inner_text()
     assert "sites pass, 0 warn, 0 fail, against bridge, hf, nnsight" in text

@@ -73,14 +73,26 @@ def _median(xs: list[float]) -> float:
     return round(statistics.median(xs), 3)
 
 
+@contextlib.contextmanager
+def _model_env(model_id: str) -> Iterator[None]:
+    """THOUGHTSCOPE_MODEL set to `model_id` for the pages an AppTest opens, restored afterwards."""
+    before = os.environ.get("THOUGHTSCOPE_MODEL")
+    os.environ["THOUGHTSCOPE_MODEL"] = model_id
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("THOUGHTSCOPE_MODEL", None)
+        else:
+            os.environ["THOUGHTSCOPE_MODEL"] = before
+
+
 def _page_slider_moves(model_id: str, moves: tuple[float, ...], max_new_tokens: int) -> dict[str, Any]:
     """The Steering page under `streamlit.testing` (in this process): seconds of its first draw (direction,
     norm, the batched grid) and of the rerun after each slider move, with the steered text shown."""
     from streamlit.testing.v1 import AppTest
 
-    before = os.environ.get("THOUGHTSCOPE_MODEL")
-    os.environ["THOUGHTSCOPE_MODEL"] = model_id
-    try:
+    with _model_env(model_id):
         at = AppTest.from_string("from app.main import main\nmain(only='steering')\n", default_timeout=1800)
         at.session_state["max_new_tokens"] = max_new_tokens
         started = time.perf_counter()
@@ -95,11 +107,6 @@ def _page_slider_moves(model_id: str, moves: tuple[float, ...], max_new_tokens: 
                 raise RuntimeError(f"the Steering page failed at scale {scale}: "
                                    f"{[e.value for e in [*at.exception, *at.error]]}")
             shown.append(at.text[1].value)
-    finally:
-        if before is None:
-            os.environ.pop("THOUGHTSCOPE_MODEL", None)
-        else:
-            os.environ["THOUGHTSCOPE_MODEL"] = before
     return {"first_s": first, "runs_s": runs, "texts": shown}
 
 
@@ -158,9 +165,7 @@ def bench_stack_slider(model_id: str, moves: tuple[float, ...] = (0.75, -0.5, 1.
 
     from app import jobs
 
-    before = os.environ.get("THOUGHTSCOPE_MODEL")
-    os.environ["THOUGHTSCOPE_MODEL"] = model_id
-    try:
+    with _model_env(model_id):
         at = AppTest.from_string("from app.main import main\nmain(only='steering')\n", default_timeout=1800)
         at.session_state["max_new_tokens"] = max_new_tokens
         at.run()
@@ -184,11 +189,6 @@ def bench_stack_slider(model_id: str, moves: tuple[float, ...] = (0.75, -0.5, 1.
                 raise RuntimeError(f"the stack failed at strength {strength}: "
                                    f"{[e.value for e in [*at.exception, *at.error]]}")
             texts.append(at.text[2].value)
-    finally:
-        if before is None:
-            os.environ.pop("THOUGHTSCOPE_MODEL", None)
-        else:
-            os.environ["THOUGHTSCOPE_MODEL"] = before
     # greedy: the first move of a term makes all its stops in one batch; the later moves read it
     seconds = _median(runs[1:] or runs)
     return {"bench": "steer_slider_s", "page": "steering stack", "first_move_s": round(runs[0], 3), "terms": len(layers), "model": model_id,

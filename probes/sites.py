@@ -111,6 +111,8 @@ MODEL_TYPE_FAMILY: dict[str, str] = {
     "idefics3": "idefics3",
     "smolvlm": "idefics3",
     "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_vl",  # the same module layout (model.language_model.layers)
+    "qwen3_vl": "qwen2_vl",
 }
 
 

@@ -12,12 +12,17 @@ the pixel inputs (`pixel_inputs`). Three families are supported, each with its o
   patches merged `scale_factor` x `scale_factor` by the connector's pixel shuffle, so one token
   covers a block of patches; the tokens sit between `<fake_token_around_image><global-img>` and
   `<fake_token_around_image>` (one global image, no splitting into tiles).
-- `qwen2_vl` (`Qwen2VLForConditionalGeneration`): `patch_size` patches of one square input (its
-  processor's flat patch layout, `qwen2_vl_patches`), merged `spatial_merge_size` x
-  `spatial_merge_size` into one token, between `<|vision_start|>` and `<|vision_end|>`. Its rotary
-  positions are 3-D (temporal, height, width): the engine's decoding loop feeds the model's own
-  `get_rope_index` positions (`mrope_positions`) and steps every axis by one per new token; a
-  teacher-forced pass lets the model compute them. Qwen2.5-VL / Qwen3-VL are not supported.
+- `qwen2_vl` (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`,
+  `Qwen3VLForConditionalGeneration`; `VisionSpec.model_type` says which): `patch_size` patches of one
+  square input (their processors' flat patch layout, `qwen2_vl_patches`), merged `spatial_merge_size`
+  x `spatial_merge_size` into one token, between `<|vision_start|>` and `<|vision_end|>`. The towers
+  differ inside (Qwen2.5-VL: window attention; Qwen3-VL: learned position grid and DeepStack features
+  added to the first language layers' outputs at the image tokens), not in their inputs. Their
+  rotary positions are 3-D (temporal, height, width): the engine's decoding loop feeds the model's
+  own `get_rope_index` positions (`mrope_positions`) and steps every axis by one per new token; a
+  teacher-forced pass lets the model compute them; text computed after an image from a prefix state
+  (forks, extensions, `capture_batch` tails) sits at its index plus the image's offset
+  (`mrope_offset`, from the same function), as Hugging Face's own decoding puts it.
 
 Our preprocessing, not the HF processors': every image is resized (bicubic, no crop) to the tower's
 square input and normalised with the model's mean and std, so every pixel is seen and a pixel box
@@ -58,10 +63,13 @@ MAX_IMAGE_PIXELS = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE  # one image, as its header d
 MAX_IMAGES = 16  # per request
 # Modes converted to RGB; anything else (16-bit, float, CMYK, ...) is refused with a message.
 ACCEPTED_MODES = ("RGB", "RGBA", "L", "LA", "P")
-FAMILY_OF_MODEL_TYPE = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl"}
-# Qwen2-VL takes any size; the engine feeds one square side: this many tokens per side unless the config
-# names another input side (`thoughtscope_image_size`, how the tiny test config keeps its 4 x 4 tokens).
+FAMILY_OF_MODEL_TYPE = {"llava": "llava", "idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl",
+                        "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen2_vl"}
+# Qwen-VL models take any size; the engine feeds one square side: this many tokens per side unless the config
+# names another input side (`thoughtscope_image_size`, how the tiny test configs keep their 4 x 4 tokens).
 QWEN2_VL_GRID = 16
+# the image mean/std of each Qwen-VL processor, used when a model folder holds no processor file
+QWEN_DEFAULT_NORMALISATION = {"qwen2_vl": "clip", "qwen2_5_vl": "clip", "qwen3_vl": "half"}
 IMAGE_PLACEHOLDER = "<image>"
 
 
@@ -176,6 +184,12 @@ class VisionSpec:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     placeholder: str = IMAGE_PLACEHOLDER
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
+    model_type: str = ""  # the HF model type (qwen2_vl, qwen2_5_vl, qwen3_vl, ...); "" when built by hand
+
+    @property
+    def mrope(self) -> bool:
+        """3-D rotary positions (the Qwen-VL families): text after an image sits at an offset."""
+        return self.family == "qwen2_vl"
 
     @property
     def grid(self) -> int:
@@ -213,7 +227,8 @@ def vision_spec(model: Any, tokenizer: Any) -> VisionSpec | None:
     family = FAMILY_OF_MODEL_TYPE.get(model_type)
     if family is None:
         raise ModelLoadError(f"{model_type} vision-language models are not supported by the engine; it runs "
-                             f"{', '.join(sorted(FAMILY_OF_MODEL_TYPE))} (LLaVA, Idefics3/SmolVLM, Qwen2-VL)")
+                             f"{', '.join(sorted(FAMILY_OF_MODEL_TYPE))} (LLaVA, Idefics3/SmolVLM, Qwen2-VL, "
+                             "Qwen2.5-VL, Qwen3-VL)")
     vc = config.vision_config
     mean, std = _normalisation(config)
     if family == "llava":
@@ -221,26 +236,28 @@ def vision_spec(model: Any, tokenizer: Any) -> VisionSpec | None:
             raise ModelLoadError("Llava with several vision feature layers is not supported")
         lead = 1 if config.vision_feature_select_strategy == "full" else 0
         return VisionSpec("llava", int(config.image_token_id), int(vc.image_size), int(vc.patch_size), 1, lead,
-                          mean=mean, std=std)
+                          mean=mean, std=std, model_type=model_type)
     if family == "qwen2_vl":
         merge, patch = int(vc.spatial_merge_size), int(vc.patch_size)
         if int(vc.temporal_patch_size) < 1:
-            raise ModelLoadError("Qwen2-VL with temporal_patch_size < 1 is not supported")
+            raise ModelLoadError(f"{model_type} with temporal_patch_size < 1 is not supported")
         side = int(getattr(config, "thoughtscope_image_size", 0) or patch * merge * QWEN2_VL_GRID)
         if side % (patch * merge):
-            raise ModelLoadError(f"Qwen2-VL input side {side} is not a multiple of patch x merge = {patch * merge}")
-        if mean == (0.5, 0.5, 0.5) and std == (0.5, 0.5, 0.5) and getattr(config, "thoughtscope_image_size", 0) == 0:
-            mean, std = OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # Qwen2-VL's processor default
+            raise ModelLoadError(f"{model_type} input side {side} is not a multiple of patch x merge = {patch * merge}")
+        if (mean == (0.5, 0.5, 0.5) and std == (0.5, 0.5, 0.5) and getattr(config, "thoughtscope_image_size", 0) == 0
+                and QWEN_DEFAULT_NORMALISATION[model_type] == "clip"):
+            mean, std = OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # Qwen2-VL's and Qwen2.5-VL's processor default
         placeholder = tokenizer.convert_ids_to_tokens(int(config.image_token_id))
         return VisionSpec("qwen2_vl", int(config.image_token_id), side, patch, merge, 0,
                           (int(config.vision_start_token_id),), (int(config.vision_end_token_id),), mean=mean, std=std,
-                          placeholder=placeholder, extras={"temporal_patch_size": int(vc.temporal_patch_size)})
+                          placeholder=placeholder, extras={"temporal_patch_size": int(vc.temporal_patch_size)},
+                          model_type=model_type)
     fake = tokenizer.convert_tokens_to_ids("<fake_token_around_image>")
     glob = tokenizer.convert_tokens_to_ids("<global-img>")
     if fake is None or glob is None or fake == tokenizer.unk_token_id or glob == tokenizer.unk_token_id:
         raise ModelLoadError("this Idefics3/SmolVLM tokenizer lacks <fake_token_around_image> or <global-img>")
     return VisionSpec("idefics3", int(config.image_token_id), int(vc.image_size), int(vc.patch_size),
-                      int(config.scale_factor), 0, (fake, glob), (fake,), mean=mean, std=std)
+                      int(config.scale_factor), 0, (fake, glob), (fake,), mean=mean, std=std, model_type=model_type)
 
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -328,12 +345,13 @@ def pixel_inputs(spec: VisionSpec, images: Sequence[Sequence[Any]], dtype: torch
         if not flat:
             return {}
         return {"pixel_values": torch.stack(flat).to(device, dtype)}
-    counts = {len(row) for row in rows}
-    if len(counts) != 1:
-        raise BadInputError("Idefics3/SmolVLM batches need the same number of images in every sequence")
-    if not counts.pop():
+    most = max((len(row) for row in rows), default=0)
+    if not most:
         return {}
-    pv = torch.stack([torch.stack(row) for row in rows])
+    # Idefics3/SmolVLM take [batch, images, ...]: a row with fewer images is filled with all-zero images,
+    # which the model drops (its `real_images_inds`), so rows with and without images share one batch
+    blank = torch.zeros(3, spec.image_size, spec.image_size)
+    pv = torch.stack([torch.stack(row + [blank] * (most - len(row))) for row in rows])
     return {"pixel_values": pv.to(device, dtype),
             "pixel_attention_mask": torch.ones(pv.shape[0], pv.shape[1], *pv.shape[-2:], dtype=torch.bool,
                                                device=device)}
@@ -359,6 +377,27 @@ def mrope_positions(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, vis
     positions, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=vision["image_grid_thw"],
                                               attention_mask=mask)
     return positions
+
+
+def mrope_offset(model: Any, spec: VisionSpec | None, ids: Sequence[int]) -> int:
+    """How far the 3-D rotary position of the token after `ids` sits from its index (`len(ids)`): the
+    model's own `get_rope_index` over `ids` with each whole image's grid (0 without images or for a
+    1-D-position family). Text computed after `ids` from a prefix state sits at index + offset on
+    every axis, as in Hugging Face's decoding (its `rope_deltas`). `ids` ending inside an image is
+    refused: the model has no position for text there."""
+    if spec is None or not spec.mrope or spec.image_token_id not in ids:
+        return 0
+    groups = image_token_groups(spec, ids, check=False)
+    if len(groups[-1]) != spec.n_tokens or any(len(g) != spec.n_tokens for g in groups):
+        raise BadInputError("this cut falls inside an image: a model with 3-D rotary positions (Qwen-VL) has no "
+                            "position for text there; fork or extend from before the image or after its last "
+                            "image token")
+    g = spec.image_size // spec.patch_size
+    row = torch.tensor([list(ids)])
+    grid = torch.tensor([[1, g, g]] * len(groups))
+    positions, _ = model.model.get_rope_index(row, mm_token_type_ids=(row == spec.image_token_id).to(torch.int),
+                                              image_grid_thw=grid)
+    return int(positions.max()) + 1 - len(ids)
 
 
 def preprocess(spec: VisionSpec, image: Any) -> torch.Tensor:
@@ -436,8 +475,9 @@ def prepare(spec: VisionSpec | None, model_id: str, rows: Sequence[list[int]], i
         raise BadInputError("images must be a list: one image (or a list of images) per prompt")
     if len(images) != len(rows):
         raise BadInputError(f"{len(images)} image entries for {len(rows)} prompts: give one per prompt")
-    per_row = [list(x) if isinstance(x, (list, tuple)) else [x] for x in images]
-    if sum(len(r) for r in per_row) > MAX_IMAGES * max(1, len(rows)):
+    # a row's entry: an image, a list of images, or None / [] for a row without images
+    per_row = [list(x) if isinstance(x, (list, tuple)) else [] if x is None else [x] for x in images]
+    if any(len(r) > MAX_IMAGES for r in per_row):
         raise BadInputError(f"at most {MAX_IMAGES} images per prompt")
     decoded = [[load_image(im) for im in row] for row in per_row]
     out = []
@@ -445,7 +485,7 @@ def prepare(spec: VisionSpec | None, model_id: str, rows: Sequence[list[int]], i
         new, _ = expand(spec, ids, len(row))
         out.append(new)
     inputs = pixel_inputs(spec, decoded, dtype, device)
-    if spec.family == "qwen2_vl" and inputs and len({len(r) for r in out}) == 1:
+    if spec.mrope and inputs and len({len(r) for r in out}) == 1:
         # a teacher-forced pass lets the model compute its 3-D positions from these (generation passes its own)
         inputs["mm_token_type_ids"] = torch.tensor([[int(i == spec.image_token_id) for i in r] for r in out],
                                                    dtype=torch.int, device=device)
@@ -456,8 +496,11 @@ def prepare(spec: VisionSpec | None, model_id: str, rows: Sequence[list[int]], i
 
 # `tiny-random:<name>`: a 2-layer text model of probes.zoo's tiny shape inside a 1-layer vision tower,
 # 16 image tokens in a 4 x 4 grid (Llava: 32-pixel input, patch 8; SmolVLM: 64-pixel input, patch 8,
-# 2 x 2 pixel shuffle; Qwen2-VL: 64-pixel input, patch 8, 2 x 2 merge, 3-D rotary positions).
-TINY_VLMS = ("llava", "smolvlm", "qwen2_vl")
+# 2 x 2 pixel shuffle; Qwen2-VL: 64-pixel input, patch 8, 2 x 2 merge, 3-D rotary positions;
+# Qwen2.5-VL: the same with a 2-block tower, block 0 in 2 x 2-token windows, block 1 full;
+# Qwen3-VL: the same with a 2-block tower, an 8 x 8 learned position grid, DeepStack from block 0
+# into language layer 0, interleaved 3-D rotary sections).
+TINY_VLMS = ("llava", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def tiny_vlm(name: str, text_kwargs: dict[str, Any], tokenizer: Any, dtype: torch.dtype = torch.float32):
@@ -483,22 +526,34 @@ def tiny_vlm(name: str, text_kwargs: dict[str, Any], tokenizer: Any, dtype: torc
                                             scale_factor=2,
                                             image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER))
         cls = transformers.SmolVLMForConditionalGeneration
-    elif name == "qwen2_vl":
+    elif name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         # the image token is spelt `<image>` as in the other tiny VLMs (Qwen's own is <|image_pad|>)
         tokenizer.add_special_tokens({"additional_special_tokens": [
             IMAGE_PLACEHOLDER, "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]})
         tid = tokenizer.convert_tokens_to_ids
-        text = {k: v for k, v in text_kwargs.items() if k != "head_dim"}
-        config = transformers.Qwen2VLConfig(
-            vision_config=dict(depth=1, embed_dim=32, hidden_size=text_kwargs["hidden_size"], num_heads=2,
-                               patch_size=8, spatial_merge_size=2, temporal_patch_size=2),
-            text_config=dict(vocab_size=len(tokenizer), **text,
-                             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                              "rope_theta": 10000.0}),
-            image_token_id=tid(IMAGE_PLACEHOLDER), vision_start_token_id=tid("<|vision_start|>"),
-            vision_end_token_id=tid("<|vision_end|>"), video_token_id=tid("<|video_pad|>"))
+        width = text_kwargs["hidden_size"]
+        # head_dim 16: 8 rotary frequencies, split 2 (temporal) / 3 (height) / 3 (width)
+        rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+        tokens = dict(image_token_id=tid(IMAGE_PLACEHOLDER), vision_start_token_id=tid("<|vision_start|>"),
+                      vision_end_token_id=tid("<|vision_end|>"), video_token_id=tid("<|video_pad|>"))
+        patches = dict(patch_size=8, spatial_merge_size=2, temporal_patch_size=2)
+        if name == "qwen2_vl":
+            text = {k: v for k, v in text_kwargs.items() if k != "head_dim"}
+            vision = dict(depth=1, embed_dim=32, hidden_size=width, num_heads=2, **patches)
+            config_cls, cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        elif name == "qwen2_5_vl":
+            text = {k: v for k, v in text_kwargs.items() if k != "head_dim"}
+            vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=width,
+                          window_size=32, fullatt_block_indexes=[1], **patches)  # windows of 32 px = 2 x 2 tokens
+            config_cls, cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+        else:
+            text = dict(text_kwargs)
+            vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=width,
+                          num_position_embeddings=64, deepstack_visual_indexes=[0], **patches)
+            config_cls, cls = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+        config = config_cls(vision_config=vision, text_config=dict(vocab_size=len(tokenizer), **text,
+                                                                   rope_parameters=rope), **tokens)
         config.thoughtscope_image_size = 64  # 8 x 8 patches, 4 x 4 tokens
-        cls = transformers.Qwen2VLForConditionalGeneration
     else:
         from thoughtscope.errors import UnknownModelError
 

@@ -1,0 +1,120 @@
+"""Regions in image coordinates -> visual tokens (issue 27, item 3): boxes and masks mapped through each
+family's patch and merge geometry (probes.image_regions), checked against the models themselves, and the
+refusals of bad regions before any model work."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from probes.engine import Engine
+from probes.image_regions import cell_box, coverage, region_cells, region_tokens
+from probes.vision import TINY_VLMS, VisionSpec, expand, image_token_groups, spec_of
+from thoughtscope.errors import BadInputError
+
+TEXT = "a <image> b c"
+
+
+def _local_vision_tower(engine: Engine) -> None:
+    """Zero the output projection of every attention in the vision tower (the only place where patches
+    mix), so each visual token at the language model's input is a function of its own patches: the
+    embedding, the per-token MLPs and norms and the merger (pixel shuffle, spatial merge) stay the model's."""
+    with torch.no_grad():
+        for name, module in engine.model.named_modules():
+            if re.search(r"(vision_tower|vision_model|visual)\..*(self_attn\.out_proj|attn\.proj)$", name):
+                module.weight.zero_()
+
+
+@pytest.fixture(scope="module", params=TINY_VLMS)
+def local_vlm(request):
+    engine = Engine.from_id(f"tiny-random:{request.param}", device="cpu")
+    _local_vision_tower(engine)
+    return engine
+
+
+def test_a_box_over_exactly_one_merged_patch_selects_exactly_that_token_and_the_model_agrees(local_vlm):
+    """On every tiny family: the box a token sees (cell_box) maps to that token alone, and painting the box's
+    pixels changes the language model's input at exactly that token, so the map follows the model's own
+    patch / pixel-shuffle / spatial-merge layout rather than a convention."""
+    spec = spec_of(local_vlm)
+    side = spec.image_size
+    assert spec.grid == 4
+    base = (np.random.default_rng(0).random((side, side, 3)) * 255).astype(np.uint8)
+    ids = expand(spec, local_vlm.encode(TEXT), 1)[0]
+    group = image_token_groups(spec, ids)[0]
+    before = local_vlm.trace(TEXT, images=[base], capture=["resid_pre.0"]).activations["resid_pre.0"]
+    for cell in (0, 6, 15):
+        box = cell_box(spec, cell, (side, side))
+        assert region_cells(spec, box, (side, side)) == [cell]
+        x0, y0, x1, y1 = (int(v) for v in box)
+        painted = base.copy()
+        painted[y0:y1, x0:x1] = 255 - painted[y0:y1, x0:x1]
+        after = local_vlm.trace(TEXT, images=[painted], capture=["resid_pre.0"]).activations["resid_pre.0"]
+        changed = [p for p in range(len(ids)) if not torch.equal(before[p], after[p])]
+        assert changed == region_tokens(spec, ids, box, (side, side)) == [group[spec.lead + cell]]
+
+
+@pytest.mark.parametrize("family,size,patch,merge", [("llava", 32, 8, 1), ("idefics3", 64, 8, 2),
+                                                      ("qwen2_vl", 64, 8, 2), ("qwen2_vl", 448, 14, 2)])
+def test_boxes_and_masks_map_through_the_resize_by_area(family, size, patch, merge):
+    """The engine resizes any image to the tower's square input (no crop): a box of the original image covers
+    the tokens its scaled box overlaps, each by the exact fraction of its area (hand-computed here)."""
+    spec = VisionSpec(family, image_token_id=7, image_size=size, patch_size=patch, merge=merge)
+    g = spec.grid
+    # a 200 x 100 image: one token's square is 200/g x 100/g original pixels
+    w, h = 200, 100
+    box = (0, 0, 200 / g * 1.5, 100 / g)  # one and a half tokens wide, one token high
+    cov = coverage(spec, box, (w, h))
+    assert cov[0, 0] == pytest.approx(1.0) and cov[0, 1] == pytest.approx(0.5) and cov[1:].sum() == 0
+    assert region_cells(spec, box, (w, h)) == [0, 1]
+    assert region_cells(spec, box, (w, h), min_coverage=0.5) == [0]
+    # a mask on a 12g x 6g image: the bottom-right token's 12 x 6 pixels, and half of its left neighbour
+    w, h = 12 * g, 6 * g
+    mask = np.zeros((h, w), dtype=bool)
+    mask[h - 6:, w - 18:] = True
+    assert region_cells(spec, mask, (w, h)) == [g * g - 2, g * g - 1]
+    assert coverage(spec, mask, (w, h))[g - 1, g - 2:].tolist() == pytest.approx([0.5, 1.0])
+    assert region_cells(spec, mask, (w, h), min_coverage=0.5) == [g * g - 1]
+
+
+def test_several_images_one_region_each():
+    spec = VisionSpec("llava", image_token_id=7, image_size=48, patch_size=16)
+    ids, groups = expand(spec, [1, 7, 9, 7, 9], 2)
+    assert region_tokens(spec, ids, (32, 32, 48, 48), (48, 48), image_index=1) == [groups[1][8]]
+    with pytest.raises(BadInputError, match="image 2"):
+        region_tokens(spec, ids, (0, 0, 8, 8), (48, 48), image_index=2)
+
+
+@pytest.mark.parametrize("box,match", [
+    ((50, 50, 70, 60), "not inside"),
+    ((-1, 0, 10, 10), "not inside"),
+    ((float("nan"), 0, 10, 10), "NaN"),
+    ((0, 0, float("inf"), 10), "NaN or infinite"),
+    ((5, 5, 5, 20), "zero area"),
+    ((10, 10, 4, 20), "zero area"),
+    ((0, 0, 10), r"\(x0, y0, x1, y1\)"),
+    (("a", 0, 1, 1), "four numbers"),
+])
+def test_bad_boxes_are_refused(box, match):
+    spec = VisionSpec("llava", image_token_id=7, image_size=48, patch_size=16)
+    with pytest.raises(BadInputError, match=match):
+        region_cells(spec, box, (64, 64))
+
+
+def test_bad_masks_and_thresholds_are_refused():
+    spec = VisionSpec("llava", image_token_id=7, image_size=48, patch_size=16)
+    with pytest.raises(BadInputError, match="empty"):
+        region_cells(spec, np.zeros((48, 48), bool), (48, 48))
+    with pytest.raises(BadInputError, match="image is 48x48"):
+        region_cells(spec, np.ones((10, 48), bool), (48, 48))
+    with pytest.raises(BadInputError, match="0/1"):
+        region_cells(spec, np.full((48, 48), np.nan), (48, 48))
+    with pytest.raises(BadInputError, match="min_coverage"):
+        region_cells(spec, (0, 0, 8, 8), (48, 48), min_coverage=1.0)
+    with pytest.raises(BadInputError, match="covers no visual token"):
+        region_cells(spec, (0, 0, 8, 8), (48, 48), min_coverage=0.5)  # a quarter of one token
+    with pytest.raises(BadInputError, match="width, height"):
+        region_cells(spec, (0, 0, 8, 8), (0, 48))

@@ -1,0 +1,483 @@
+"""The batch methods of an `ndif:` model, run as nnsight traces (on NDIF, or rehearsed with `remote="local"`).
+
+An `ndif:` model has no weights here: each engine call becomes one nnsight trace (`lm.trace`, or
+`lm.generate` for a generation) whose body reads and edits the same sites the engine's hooks do.
+The body is shipped to NDIF by value (nnsight registers this project's modules for by-value
+pickling), so it reuses the engine's own pieces rather than re-deriving them: `to_canonical` for
+the site views, each bound intervention's `apply(view, ctx)` for the edit (`probes.interventions`,
+`probes.edits`: the same maths), and after a generation `Engine._step_records` builds the records
+from the saved per-step logits, exactly as the engine's loop does (records after the run, never
+streamed).
+
+`remote="local"` (nnsight 0.8) serialises the trace exactly as a real NDIF request, deserialises it
+with this project's modules hidden, and runs it here: that is how the tests rehearse this path on
+`tiny-random:` models and the embedded model (`open_rehearsal`, model id `ndif-local:<zoo id>`).
+
+`VERDICTS` says, for every capability of `probes.engine.CAPABILITIES`, whether an `ndif:` backend
+serves it (through a trace), recomputes it (the same result by another route) or refuses it, and why
+(after Neuronpedia interp-engine's `SUPPORTED_POINTS.md`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from probes.hooks import ForwardContext, to_canonical
+from probes.remote import _envoy, _read_order
+from probes.sites import FAMILIES, Site
+from thoughtscope.errors import BadInputError
+
+# capability -> (verdict, reason): what an ndif: backend does with it
+VERDICTS: dict[str, tuple[str, str]] = {
+    "trace": ("served", "one nnsight trace reads every asked site and the logits"),
+    "capture_batch": ("served", "one nnsight trace over the right-padded batch; a prefix state is refused (see fork)"),
+    "interventions": ("served", "site edits (add, rescale, ablate_heads and the steering edits) run inside the trace "
+                                "through the same apply(); attention masks, router rules and KV policies are refused: "
+                                "they replace module internals (the attention function, the router's forward, the "
+                                "cache) that a trace does not reach"),
+    "generate": ("recomputed", "one nnsight generate: the same tokens, log-probs, entropies, captures and steering "
+                               "reports, but the records come after the whole run, not streamed token by token; "
+                               "greedy decoding only"),
+    "readout": ("served", "the final norm and the unembedding run on the vectors inside a trace"),
+    "router": ("served", "router sites (router, experts, expert_gates) are read in traces and generations of an "
+                         "MoE model; router rules (expert sampling) are refused"),
+    "fork": ("refused", "prefix states are KV caches held in the process that ran the prefix; an NDIF trace returns "
+                        "only the values it saves"),
+    "grad": ("refused", "input x gradient runs a backward pass from input embeddings with the engine's hooks; "
+                        "it is not ported to nnsight's remote backward"),
+    "attention": ("refused", "attention patterns need eager attention, which the NDIF deployment does not run"),
+    "kv_policy": ("refused", "a KV-cache policy replaces the generation's cache object, which a trace cannot ship"),
+    "vision": ("refused", "image inputs (pixel values, 3-D rotary positions) are not shipped to NDIF by this backend"),
+    "head_gates": ("refused", "RLKV head gates train parameters inside the model's attention; that needs local weights"),
+    "frozen_attention": ("refused", "frozen attention replaces the attention function; that needs local weights"),
+}
+
+
+def verdict(capability: str) -> tuple[str, str]:
+    return VERDICTS.get(capability, ("refused", "not ported to nnsight traces"))
+
+
+def capability_report(handle: Any) -> list[dict[str, str]]:
+    """Rows {capability, verdict, reason} for an ndif: model (router on a dense model is refused: no router)."""
+    from probes.engine import CAPABILITIES
+
+    rows = []
+    for name in CAPABILITIES:
+        status, reason = verdict(name)
+        if name == "router" and not handle.arch.is_moe:
+            status, reason = "refused", f"{handle.arch.model_type} is a dense model: it has no router"
+        rows.append({"capability": name, "verdict": status, "reason": reason})
+    return rows
+
+
+def refused(handle: Any, what: str, capability: str) -> BadInputError:
+    """The error for a refused capability: which, and why."""
+    return BadInputError(f"{what} is refused on {handle.model_id} (an ndif: model, capability "
+                         f"'{capability}'): {verdict(capability)[1]}; load the model locally with hf: for it")
+
+
+def check_intervention(handle: Any, iv: Any) -> None:
+    """Site edits are served; every other kind is refused with its reason, before any request."""
+    from probes.interventions import Intervention
+
+    if not isinstance(iv, Intervention):
+        raise BadInputError(f"{type(iv).__name__} ({iv.kind}) is refused on {handle.model_id} (an ndif: model): "
+                            "attention masks, router rules and KV policies replace module internals a trace does "
+                            "not reach; only site edits (add, rescale, ablate_heads, steering edits) are served")
+
+
+def remote_mode(handle: Any) -> bool | str:
+    """What `remote=` the handle's traces take: True (NDIF) or "local" (the rehearsal)."""
+    return handle._extras.get("ndif_remote", True)
+
+
+def open_rehearsal(model_id: str, **load_kwargs: Any) -> Any:
+    """A handle that behaves as an `ndif:` model (no local hooks, every call an nnsight trace) but runs
+    its traces with `remote="local"` on the zoo model `model_id` loaded here."""
+    from probes.zoo import load_model
+
+    if model_id.startswith(("ndif:", "ndif-local:")):
+        raise BadInputError(f"ndif-local: takes a zoo model id (tiny-random:llama, smollm2-135m, ...), not {model_id}")
+    handle = load_model(model_id, **load_kwargs)
+    handle.model_id = f"ndif-local:{model_id}"
+    handle.remote = True
+    handle._extras["ndif_remote"] = "local"
+    handle._extras["vision"] = None  # images are refused on ndif: backends
+    return handle
+
+
+# ----- the program a trace body runs (shipped to NDIF by value) -----
+
+
+@dataclass
+class _Handler:
+    site: Site
+    edits: list[Any] = field(default_factory=list)
+    capture: bool = False
+
+
+@dataclass
+class _Group:
+    path: str
+    read: str
+    handlers: list[_Handler]
+
+    @property
+    def edits(self) -> bool:
+        return any(h.edits for h in self.handlers)
+
+
+@dataclass
+class SiteProgram:
+    """What one forward does at each module it touches, in forward order: the engine's hook runner as data.
+
+    `run(group, value)` is what a hook would do (edits in order, then the capture of the edited view);
+    it runs inside the trace body, on the server, with `ctx` the forward's `ForwardContext`."""
+
+    arch: Any
+    groups: list[_Group]
+    ctx: ForwardContext
+    captured: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, handle: Any, capture: list[Site], edits: list[Any], ctx: ForwardContext) -> "SiteProgram":
+        family = handle.family
+        by_site: dict[str, _Handler] = {}
+        order: dict[tuple[str, str], tuple[int, int]] = {}
+        groups: dict[tuple[str, str], list[_Handler]] = {}
+
+        def handler(site: Site) -> _Handler:
+            if site.name not in by_site:
+                by_site[site.name] = _Handler(site)
+                key = (site.module_path(family), site.spec.read)
+                groups.setdefault(key, []).append(by_site[site.name])
+                order[key] = _read_order(site)
+            return by_site[site.name]
+
+        for site in capture:
+            if site.name != "logits":
+                handler(site).capture = True
+        for edit in edits:
+            handler(edit.site_).edits.append(edit)
+        keys = sorted(groups, key=lambda k: order[k])
+        return cls(handle.arch, [_Group(path, read, groups[(path, read)]) for path, read in keys], ctx)
+
+    def run(self, group: _Group, value: Any) -> Any:
+        if isinstance(value, tuple):
+            items = list(value)
+            for h in group.handlers:
+                i = h.site.spec.index or 0
+                items[i] = self._one(h, items[i])
+            return tuple(items)
+        for h in group.handlers:
+            value = self._one(h, value)
+        return value
+
+    def _one(self, h: _Handler, x: torch.Tensor) -> torch.Tensor:
+        view = to_canonical(h.site, x, self.arch, self.ctx.batch)
+        if h.edits:
+            for edit in h.edits:
+                view = edit.apply(view, self.ctx)
+            x = view.reshape(x.shape)
+        if h.capture:
+            kept = view[:, -1:] if self.ctx.last_only else view
+            self.captured[h.site.name] = kept.detach().clone()
+        return x
+
+    def results(self) -> dict[str, Any]:
+        return {"captured": dict(self.captured), "fired": self.ctx.take_fired()}
+
+
+def _bound_edits(call: Any, ids_batch: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> list[Any]:
+    """The call's bound site edits, with each steering term's token mask worked out here for a teacher-forced
+    forward (the engine's `SteerRun` reads it from a model pre-hook, which a trace has no place for)."""
+    from probes.token_masks import SteerRun
+
+    run = call.parts.get(SteerRun.KEY)
+    if run is not None:
+        run._before_forward(None, (ids_batch,), {"position_ids": positions, "attention_mask": mask})
+        for term in run.members:
+            term.run_ = _FixedMask(run.masks[id(term)])
+    return list(call.bound)
+
+
+class _FixedMask:
+    """A steering term's mask for one forward, carried with the term (ids differ once the term is shipped)."""
+
+    shadow = False
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+
+    def apply(self, term: Any, view: torch.Tensor):
+        from probes.token_masks import SteerRun
+
+        self.masks = {id(term): self.mask}
+        return SteerRun.apply(self, term, view)
+
+
+def forward(handle: Any, call: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, sites: list[Site],
+            want_logits: bool = True, stop_after_last_site: bool = False) -> tuple[dict[str, torch.Tensor], Any, dict]:
+    """One teacher-forced forward as an nnsight trace: ({site: [batch, seq, ...]}, logits [batch, seq, vocab]
+    or None, {fired name: [batch, seq]})."""
+    import nnsight
+
+    lm = handle.nnsight
+    batch, seq = input_ids.shape
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    positions = torch.arange(seq).expand(batch, seq)
+    ctx = ForwardContext(batch=batch, seq=seq, phase="trace", positions=positions)
+    program = SiteProgram.build(handle, sites, _bound_edits(call, input_ids, mask, positions), ctx)
+    want_logits = want_logits or any(s.name == "logits" for s in sites)
+    inputs = {"input_ids": input_ids, "attention_mask": mask}
+    head = _envoy_path(handle, Site("logits", None))
+    with lm.trace(inputs, remote=remote_mode(handle)) as tracer:
+        for group in program.groups:
+            env = _envoy(lm, group.path)
+            if group.read == "input":
+                value = program.run(group, env.input)
+                if group.edits:
+                    env.input = value
+            else:
+                value = program.run(group, env.output)
+                if group.edits:
+                    env.output = value
+        logits = _envoy(lm, head).output if want_logits else None
+        out = nnsight.save({"program": program.results(), "logits": logits})
+        if not want_logits and stop_after_last_site:
+            tracer.stop()
+    logits = out["logits"]
+    if logits is not None and "logits" in [s.name for s in sites]:
+        out["program"]["captured"]["logits"] = logits.detach()
+    return out["program"]["captured"], logits, out["program"]["fired"]
+
+
+def _envoy_path(handle: Any, site: Site) -> str:
+    return site.module_path(handle.family)
+
+
+def readout_rows(handle: Any, rows: torch.Tensor, norm: bool) -> torch.Tensor:
+    """Logits of `rows` [n, d_model] through the final norm (with `norm`) and the unembedding, in one trace.
+
+    The trace runs the model on one token (its output is ignored) so the body may call the two modules."""
+    import nnsight
+
+    lm = handle.nnsight
+    norm_path = FAMILIES[handle.family]["final_norm"]
+    head_path = _envoy_path(handle, Site("logits", None))
+    with lm.trace({"input_ids": torch.zeros(1, 1, dtype=torch.long)}, remote=remote_mode(handle)):
+        x = _envoy(lm, norm_path)(rows) if norm else rows
+        logits = nnsight.save(_envoy(lm, head_path)(x))
+    return logits
+
+
+class EngineChoice:
+    """A logits processor that makes `generate` pick the token the engine's sampler picks (`Engine._choose`
+    with the engine's seeded generator), so a sampled NDIF generation equals the engine's token for token.
+    Built on the server on first use (a torch generator does not travel)."""
+
+    def __init__(self, sampling: Any, seed: int):
+        self.sampling, self.seed, self.gen = sampling, int(seed), None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from probes.engine import Engine
+
+        if self.gen is None:
+            self.gen = torch.Generator(device="cpu").manual_seed(self.seed)
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        chosen = Engine._choose(None, scores, logp, self.sampling, self.gen)
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter(-1, chosen.view(-1, 1), 0.0)
+
+
+def generate_steps(handle: Any, call: Any, input_ids: torch.Tensor, mask: torch.Tensor, sites: list[Site],
+                   max_new_tokens: int, sampling: Any, seed: int, eos_ids: list[int], pad_id: int) -> list[dict]:
+    """One nnsight `generate` under the call's site edits: per decoding step, the last position's logits
+    [batch, vocab], captures {site: [batch, 1, ...]} and reports {name: [batch, 1]}."""
+    import nnsight
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from probes.token_masks import SteerRun
+
+    lm = handle.nnsight
+    batch, seq = input_ids.shape
+    flat = (mask.cumsum(-1) - 1).clamp(min=0)
+    ctx = ForwardContext(batch=batch, seq=seq, phase="prefill", last_only=True, positions=flat,
+                         prompt_lengths=[int(n) for n in mask.sum(-1)])
+    run = call.parts.get(SteerRun.KEY)
+    if run is not None:  # the prompt's masks here (it needs the tokenizer); a step's masks on the server
+        run._before_forward(None, (input_ids,), {"position_ids": flat, "attention_mask": mask})
+        run = _ShippedRun.of(run)
+        for term in run.members:
+            term.run_ = run
+    program = SiteProgram.build(handle, sites, list(call.bound), ctx)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos_ids),
+                              pad_token_id=pad_id)
+    head = _envoy_path(handle, Site("logits", None))
+    embed = _embedding_path(handle) if run is not None else None
+    inputs = {"input_ids": input_ids, "attention_mask": mask}
+    with lm.generate(inputs, generation_config=config, remote=remote_mode(handle),
+                     logits_processor=LogitsProcessorList([EngineChoice(sampling, seed)])) as tracer:
+        steps = nnsight.save([])
+        state = {"mask": mask, "flat": flat}
+        for t in tracer.iter[:max_new_tokens]:
+            if t > 0:
+                state["mask"] = torch.cat([state["mask"], torch.ones(batch, 1, dtype=mask.dtype)], dim=1)
+                state["flat"] = state["flat"][:, -1:] + 1
+                program.ctx.phase, program.ctx.seq, program.ctx.positions = "decode", 1, state["flat"]
+            if embed is not None:
+                run.see(t, _envoy(lm, embed).input, state["flat"], state["mask"])
+            for group in program.groups:
+                env = _envoy(lm, group.path)
+                if group.read == "input":
+                    value = program.run(group, env.input)
+                    if group.edits:
+                        env.input = value
+                else:
+                    value = program.run(group, env.output)
+                    if group.edits:
+                        env.output = value
+            steps.append({"logits": _envoy(lm, head).output[:, -1].detach().clone(), **program.results()})
+    return list(steps)
+
+
+class _ShippedRun:
+    """The steering run as it travels: the prompt's excluded positions worked out here, each step's term masks
+    computed on the server from that step's token ids (`SteerRun._mask`, the same rule)."""
+
+    shadow = False
+
+    @classmethod
+    def of(cls, run: Any) -> "_ShippedRun":
+        shipped = cls()
+        shipped.members, shipped.prompt_lens = run.members, run.prompt_lens
+        shipped.excluded, shipped._special = run.excluded, run._special
+        shipped.first = {i: run.masks[id(m)] for i, m in enumerate(run.members)}
+        shipped.masks_by_index = dict(shipped.first)
+        return shipped
+
+    def see(self, step: int, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
+        from probes.token_masks import SteerRun
+
+        if step == 0:  # the prompt: its masks were worked out before the request
+            self.masks_by_index = dict(self.first)
+            return
+        valid = mask[:, -ids.shape[1]:].bool()
+        self.masks_by_index = {i: SteerRun._mask(self, m, ids.cpu(), positions.cpu(), valid)
+                               for i, m in enumerate(self.members)}
+
+    def apply(self, term: Any, view: torch.Tensor):
+        from probes.token_masks import SteerRun
+
+        index = next(i for i, m in enumerate(self.members) if m is term)
+        self.masks = {id(term): self.masks_by_index[index]}
+        return SteerRun.apply(self, term, view)
+
+
+def _embedding_path(handle: Any) -> str:
+    embedding = handle.model.get_input_embeddings()
+    return next(name for name, module in handle.model.named_modules() if module is embedding)
+
+
+# ----- the engine's ndif: branches (probes.engine calls these) -----
+
+# what each engine call that needs local weights falls under (its capability, for the refusal's reason)
+_CALL_CAPABILITY = {"prefill": "fork", "fork": "fork", "minimize_entropy": "grad", "input_x_gradient": "grad",
+                    "head gates": "head_gates"}
+
+
+def refused_call(handle: Any, what: str) -> BadInputError:
+    return refused(handle, what, _CALL_CAPABILITY.get(what, what))
+
+
+def check_sites(handle: Any, sites: list[Site]) -> None:
+    eager = [s.name for s in sites if s.spec.needs_eager_attention]
+    if eager:
+        raise refused(handle, f"capturing {', '.join(eager)}", "attention")
+
+
+def capture_batch(handle: Any, call: Any, sequences: list[list[int]], sites: list[Site], prefix: Any,
+                  positions: Any, stop_after_last_site: bool, pad_id: int) -> dict[str, torch.Tensor]:
+    """`Engine.capture_batch` of an ndif: model: the right-padded batch in one trace (no prefix state)."""
+    if prefix is not None:
+        raise refused(handle, "capture_batch with a prefix state", "fork")
+    check_sites(handle, sites)
+    width = max(len(seq) for seq in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for b, seq in enumerate(sequences):
+        input_ids[b, :len(seq)] = torch.tensor(seq)
+        mask[b, :len(seq)] = 1
+    only_layers = all(s.layer is not None for s in sites)
+    captured, _, _ = forward(handle, call, input_ids, mask, sites, want_logits=not only_layers,
+                             stop_after_last_site=stop_after_last_site and only_layers)
+    if positions is None:
+        return captured
+    return {name: torch.cat([v[b, list(pos)] for b, pos in enumerate(positions)]) for name, v in captured.items()}
+
+
+def generate(engine: Any, ids: list[list[int]], sites: list[Site], max_new_tokens: int, sampling: Any, seed: int,
+             call: Any, top_k: int, stop: tuple[str, ...]) -> "RecordsAfterRun":
+    """`Engine.generate` of an ndif: model: one nnsight generate, then the records built from its saved steps
+    by the engine's own `_step_records` (the same tokens, log-probs, entropies, top-k, captures, reports)."""
+    from probes.engine import _Step
+
+    handle = engine.handle
+    check_sites(handle, sites)
+    input_ids, mask = engine._left_pad(ids)
+    steps = generate_steps(handle, call, input_ids, mask, sites, max_new_tokens, sampling, seed,
+                           engine.eos_ids(), engine.tok.pad_token_id or 0)
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    described = call.described()
+    step = _Step([list(x) for x in ids], mask, None, [False] * len(ids), [""] * len(ids))
+    records = []
+    for t, saved in enumerate(steps):
+        runner = _SavedForward(saved)
+        _, recs = engine._step_records(saved["logits"], sampling, gen, top_k, step, t, runner, described)
+        done_now = t == max_new_tokens - 1
+        for rec in recs:
+            b = rec.batch_index
+            step.ids[b].append(rec.token_id)
+            step.texts[b] += rec.text
+            rec.finished = done_now or rec.token_id in engine._eos or any(s in step.texts[b] for s in stop)
+            step.finished[b] = rec.finished
+        records += recs
+        if all(step.finished):
+            break
+    return RecordsAfterRun(records, step.texts)
+
+
+class _SavedForward:
+    """What `Engine._step_records` reads of a hook runner, from one saved decoding step."""
+
+    def __init__(self, saved: dict[str, Any]):
+        self.captured = saved["captured"]
+        self.ctx = ForwardContext(fired=dict(saved["fired"]))
+
+
+class RecordsAfterRun:
+    """The `TokenStream` of an ndif: generation: every record is there when it returns (nothing streams)."""
+
+    def __init__(self, records: list[Any], texts: list[str]):
+        self.records: list[Any] = []
+        self._pending = list(records)
+        self._texts = texts
+
+    def __iter__(self) -> "RecordsAfterRun":
+        return self
+
+    def __next__(self) -> Any:
+        if not self._pending:
+            raise StopIteration
+        rec = self._pending.pop(0)
+        self.records.append(rec)
+        return rec
+
+    def close(self) -> None:
+        self._pending = []
+
+    def text(self, batch_index: int = 0) -> str:
+        return self._texts[batch_index]

@@ -110,9 +110,9 @@ class Backend(Protocol):
 
     def capture_batch(self, sequences: Sequence[list[int]], capture: Sequence[str], prefix: Any = None,
                       stop_after_last_site: bool = True, positions: Sequence[Sequence[int]] | None = None,
-                      interventions: Sequence[Any] = ()) -> dict[str, torch.Tensor]:
+                      interventions: Sequence[Any] = (), images: Any = None) -> dict[str, torch.Tensor]:
         """Batched teacher-forced capture, optionally reusing a prefix state, keeping only `positions`,
-        under `interventions`."""
+        under `interventions`; a VLM takes `images`, one entry per sequence (None: a row without one)."""
 
     def head_means(self, texts: Sequence[str], layer: int) -> torch.Tensor:
         """Mean per-head attention output at `z.layer` [n_heads, head_dim] (for mean ablation)."""

@@ -223,7 +223,7 @@ class RemoteBackend:
 
     def capture_batch(self, sequences: Sequence[list[int]], capture: Sequence[str], prefix: Any = None,
                       stop_after_last_site: bool = True, positions: Sequence[Sequence[int]] | None = None,
-                      interventions: Sequence[Any] = ()) -> dict[str, torch.Tensor]:
+                      interventions: Sequence[Any] = (), images: Any = None) -> dict[str, torch.Tensor]:
         if interventions:
             raise BadInputError("capture_batch with interventions runs in the process that holds the model; the "
                                 "server's /capture_batch takes none (use trace per sequence, or an in-process engine)")
@@ -231,6 +231,8 @@ class RemoteBackend:
                 "prefix": self._state_id(prefix) if prefix is not None else None,
                 "stop_after_last_site": stop_after_last_site,
                 "positions": None if positions is None else [[int(p) for p in pos] for pos in positions]}
+        if images is not None:  # one entry per sequence (None: a row without images), as base64 PNG
+            body["images"] = _images_to_wire(images)
         return b64_to_tensors(self._call("POST", "/capture_batch", json=body)["activations"])
 
     def head_means(self, texts: Sequence[str], layer: int) -> torch.Tensor:
@@ -386,11 +388,11 @@ def _error_of(response: httpx.Response) -> ThoughtscopeError:
 
 
 def _images_to_wire(per_prompt: Any) -> list[list[str]]:
-    """One list of base64 PNG strings per prompt (an entry may be one image or a list of images);
-    bad images fail here, before the request."""
+    """One list of base64 PNG strings per prompt (an entry may be one image, a list of images, or None for
+    a prompt without images); bad images fail here, before the request."""
     from probes.vision import image_to_b64
 
     if isinstance(per_prompt, (str, bytes)) or not isinstance(per_prompt, (list, tuple)):
         raise BadInputError("images must be a list: one image (or a list of images) per prompt")
-    return [[image_to_b64(im) for im in (entry if isinstance(entry, (list, tuple)) else [entry])]
+    return [[image_to_b64(im) for im in (entry if isinstance(entry, (list, tuple)) else [] if entry is None else [entry])]
             for entry in per_prompt]

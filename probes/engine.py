@@ -239,9 +239,7 @@ class GenerationStream(Iterator[TokenRecord]):
         """The live state of a batch-of-one generation (every token so far, the cache holding them)."""
         if self.step is None or len(self.step.ids) != 1:
             raise BadInputError("fork from a live generation needs a batch of one, after its first token")
-        if self.step.positions.ndim == 3:
-            raise BadInputError("a Qwen2-VL generation with images has 3-D positions that prefix states do not "
-                                "carry: fork from it is not supported")
+        # a Qwen-VL generation's 3-D positions need no field here: a fork finds them from the ids (mrope_offset)
         return PrefixState(list(self.step.ids[0]), self.cache)
 
 
@@ -539,7 +537,7 @@ class Engine:
     def capture_batch(self, sequences: Sequence[list[int]], capture: Sequence[str],
                       prefix: PrefixState | None = None, stop_after_last_site: bool = True,
                       positions: Sequence[Sequence[int]] | None = None,
-                      interventions: Sequence[Any] = ()) -> dict[str, torch.Tensor]:
+                      interventions: Sequence[Any] = (), images: Any = None) -> dict[str, torch.Tensor]:
         """Teacher-forced pass over a batch of token sequences: {site: [batch, width, ...]}.
 
         Every sequence must start with `prefix.ids` when a prefix is given: its KV cache is reused
@@ -549,11 +547,23 @@ class Engine:
         token indices, one list per sequence, each past the prefix) only those rows come back,
         concatenated: {site: [sum of len(positions[b]), ...]} — what a server should ship.
         `interventions` apply to every sequence (MaskAttention positions are absolute token indices).
+        A vision-language model takes `images`: one entry per sequence (an image, a list of images, or
+        None for a row without one), each image's placeholder in its sequence expanded into its image
+        tokens (`positions` index the expanded sequences; ids already expanded stay as they are).
+        Rows with images run without a prefix (a prefix state holding an image is fine: its tails are text).
         """
         self._local_only("capture_batch")
         if not sequences:
             raise BadInputError("capture_batch needs at least one sequence")
         sequences = [self.encode(list(seq)) for seq in sequences]
+        vision: dict[str, Any] = {}
+        if images is not None:
+            if prefix is not None:
+                raise BadInputError("capture_batch with images runs without a prefix: prefill the prefix with its "
+                                    "images instead, and give text tails")
+            sequences, vision = self._vision_inputs(sequences, images)
+        elif prefix is None:
+            self._refuse_image_tokens([t for seq in sequences for t in seq], "capture_batch without images")
         sites = self._check_sites(capture)
         call = self._bind("capture_batch", interventions, lengths=[len(seq) for seq in sequences],
                           batch_rows=len(sequences), capture=sites)
@@ -583,6 +593,14 @@ class Engine:
             mask[b, shared:shared + len(tail)] = 1
         kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask, logits_to_keep=1,
                                       position_ids=torch.arange(shared, shared + width, device=dev).expand(len(sequences), -1))
+        flat = kwargs["position_ids"]  # token positions (what installed interventions read)
+        if prefix is not None:  # tails after an image of a 3-D-rotary model (Qwen-VL) sit at an offset
+            kwargs["position_ids"] = flat + self._rope_offset(prefix.ids)
+        if vision and "image_grid_thw" in vision:  # Qwen-VL: 3-D positions of the right-padded rows
+            from probes.vision import mrope_positions
+
+            kwargs["position_ids"] = mrope_positions(self.model, input_ids, mask, vision, self.handle.vision)
+        kwargs.update({k: v for k, v in vision.items() if k != "mm_token_type_ids"})
         if prefix is not None:
             cache = _cache_view(prefix.cache, shared)
             if cache is None or cache.get_seq_length() != shared:
@@ -596,7 +614,7 @@ class Engine:
         with self.lock, call:
             runner = call.runner
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = len(sequences), width, "trace"
-            runner.ctx.positions = kwargs["position_ids"]
+            runner.ctx.positions = flat
             stopper = None
             if stop_early:
                 last = get_module(self.model, Site("resid_post", deepest).module_path(self.handle.family))
@@ -686,7 +704,9 @@ class Engine:
         extended step by step at the cost of the new tokens only); `base` itself is left as it was.
         A vision-language model takes the prompt's `images` (one per `<image>`, probes.vision): the
         state's ids then hold the image tokens, and forks and extensions must start after them (a state
-        keeps the image tokens' keys and values, not their pixels). Qwen2-VL's 3-D positions are refused.
+        keeps the image tokens' keys and values, not their pixels). Under 3-D rotary positions (Qwen-VL)
+        the image's positions come from the model's `get_rope_index` and text after it sits at its index
+        plus the image's offset (`probes.vision.mrope_offset`), as in Hugging Face's own decoding.
         """
         self._local_only("prefill")
         ids = self.encode(prompt, chat=chat)
@@ -695,9 +715,6 @@ class Engine:
             if base is not None:
                 raise BadInputError("prefill with images starts a new state; extend it with base= and text only")
             (ids,), vision = self._vision_inputs([ids], [images])
-            if "image_grid_thw" in vision:
-                raise BadInputError("Qwen2-VL's 3-D rotary positions do not fit a prefix state: prefill refuses its "
-                                    "images (generate and trace take them)")
         shared = 0
         if base is not None:
             self._check_state(base)
@@ -709,10 +726,22 @@ class Engine:
         if not vision:
             self._refuse_image_tokens(ids[shared:], "prefill")
         t = torch.tensor([ids[shared:]], device=self.handle.device)
+        mask = torch.ones(1, len(ids), dtype=torch.long, device=t.device)
+        positions = torch.arange(shared, len(ids), device=t.device).view(1, -1) + self._rope_offset(ids[:shared])
+        if vision and "image_grid_thw" in vision:  # Qwen-VL: the image's 3-D positions, from the model's own function
+            from probes.vision import mrope_positions
+
+            positions = mrope_positions(self.model, t, mask, vision, self.handle.vision)
+            vision = {k: v for k, v in vision.items() if k != "mm_token_type_ids"}
         with self.lock:
-            self._forward(t, torch.ones(1, len(ids), dtype=torch.long, device=t.device),
-                          torch.arange(shared, len(ids), device=t.device).view(1, -1), cache, extra=vision)
+            self._forward(t, mask, positions, cache, extra=vision)
         return PrefixState(ids, cache, self.handle.fingerprint)
+
+    def _rope_offset(self, ids: Sequence[int]) -> int:
+        """Where text after `ids` sits past its index under 3-D rotary positions (0 for other models)."""
+        from probes.vision import mrope_offset
+
+        return mrope_offset(self.model, self.handle.vision, ids)
 
     def _refuse_image_tokens(self, todo: Sequence[int], what: str) -> None:
         """Image tokens can only be computed with their pixels; a state keeps their cache entries only."""
@@ -758,6 +787,7 @@ class Engine:
         if not todo:
             raise BadInputError("fork needs a non-empty suffix")
         self._refuse_image_tokens(todo, "this fork")
+        offset = self._rope_offset(prefix_ids[:cached])  # 3-D rotary positions after an image (Qwen-VL), else 0
         seq = prefix_ids + list(suffix_ids)
         step = _Step([seq], torch.ones(1, len(seq), dtype=torch.long, device=dev), None, [False], [""])
         records: list[TokenRecord] = []
@@ -766,7 +796,7 @@ class Engine:
             runner = call.runner
             runner.ctx.last_only, runner.ctx.phase = True, "decode"
             feed = torch.tensor([todo], device=dev)
-            pos = torch.arange(cached, len(seq), device=dev).view(1, -1)
+            pos = torch.arange(cached, len(seq), device=dev).view(1, -1) + offset
             logits = self._forward(feed, step.mask, pos, cache)
             for t in range(max_new_tokens):
                 next_ids, recs = self._step_records(logits, Sampling(), None, top_k, step, t, runner, [])
@@ -779,7 +809,8 @@ class Engine:
                 if rec.finished:
                     break
                 step.mask = torch.ones(1, len(seq), dtype=torch.long, device=dev)
-                logits = self._forward(next_ids.view(1, 1), step.mask, torch.tensor([[len(seq) - 1]], device=dev), cache)
+                logits = self._forward(next_ids.view(1, 1), step.mask, torch.tensor([[len(seq) - 1 + offset]], device=dev),
+                                       cache)
         return records
 
     def free(self, state: PrefixState) -> None:

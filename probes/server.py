@@ -404,10 +404,12 @@ class RequestBudget:
         self._bound(rows * n_tokens, "max_capture_tokens", f"tokens ({rows} rows x {n_tokens} tokens)",
                     "a shorter text or fewer mask rows")
 
-    def check_sequences(self, sequences: list[list[int]], what: str = "sequences") -> None:
-        """/capture_batch and /minimize_entropy (token ids), /head_means (texts, tokenized here)."""
+    def check_sequences(self, sequences: list[list[int]], what: str = "sequences", images: Any = None) -> None:
+        """/capture_batch (token ids, each row's images) and /minimize_entropy (token ids), /head_means (texts,
+        tokenized here)."""
         self._bound(len(sequences), "max_capture_sequences", what, "split the request")
         total = sum(len(seq) if isinstance(seq, list) else len(self.engine.encode(seq)) for seq in sequences)
+        total += self.images([im for entry in images or [] for im in entry])
         self._bound(total, "max_capture_tokens", f"tokens in all {what}", "send fewer or shorter ones")
 
     def check_prefill(self, body: PrefillRequest) -> None:
@@ -658,11 +660,11 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     @app.post("/capture_batch")
     async def capture_batch(body: CaptureBatchRequest, request: Request) -> JSONResponse:
         engine = state.ready_engine()
-        await state.within_budget(lambda budget: budget.check_sequences(body.sequences))
+        await state.within_budget(lambda budget: budget.check_sequences(body.sequences, images=body.images))
         prefix = state.states.get(body.prefix) if body.prefix else None
         result = await state.run(request, lambda: engine.capture_batch(
             body.sequences, body.capture, prefix=prefix, stop_after_last_site=body.stop_after_last_site,
-            positions=body.positions))
+            positions=body.positions, images=body.images))
         return strict({"activations": tensors_to_b64(result)})
 
     @app.post("/head_means")

@@ -197,6 +197,7 @@ class CaptureBatchRequest(_Body):
     prefix: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
     stop_after_last_site: bool = True
     positions: list[list[int]] | None = Field(None, max_length=MAX_SEQUENCES)
+    images: list[list[ImageB64]] | None = Field(None, max_length=MAX_SEQUENCES)  # per sequence, for a VLM
 
 
 class HeadMeansRequest(_Body):

@@ -37,6 +37,8 @@ import torch
 from probes import attention_masks, interventions, kv_policies, routing  # noqa: F401  (importing registers every wire kind)
 from probes.calls import Call
 from probes.kv_cache import kv_bytes_per_sequence
+from probes.memory_budget import check_call as check_memory
+from probes.memory_budget import check_handle as check_memory_of
 from probes.records import Readout, TokenRecord, Trace
 from probes.sampling import Sampling  # noqa: F401  (re-exported: probes.Sampling, probes.engine.Sampling)
 from probes.sites import FAMILIES, Site, get_module, list_sites, validate_site
@@ -280,7 +282,11 @@ class Engine:
 
     def capabilities(self) -> dict[str, bool]:
         """What this backend can do; a page declares what it needs instead of probing with hasattr."""
-        local = not self.handle.remote
+        if self.handle.remote:  # an ndif: model: what its nnsight traces serve (probes.ndif.VERDICTS, with reasons)
+            from probes.ndif import capability_report
+
+            return {row["capability"]: row["verdict"] != "refused" for row in capability_report(self.handle)}
+        local = True
         have = {name: local for name in CAPABILITIES}
         have["trace"] = True
         have["router"] = local and self.handle.arch.is_moe
@@ -315,8 +321,10 @@ class Engine:
               capture: Sequence[Site] = (), max_new_tokens: int = 0) -> Call:
         """The per-call context with every intervention bound: each checked once, before any model work
         (`probes.calls`); the kinds install themselves when the call is entered."""
-        return Call(self.handle, mode, lengths=lengths, batch_rows=batch_rows, capture=capture,
+        call = Call(self.handle, mode, lengths=lengths, batch_rows=batch_rows, capture=capture,
                     max_new_tokens=max_new_tokens).bind(interventions)
+        check_memory(self.handle, call)  # the estimated size against the memory budget (probes.memory_budget)
+        return call
 
     # ----- generation -----
 
@@ -343,7 +351,6 @@ class Engine:
         prompt; with `prompts`, one image or list of images per prompt. The prompt holds `<image>`
         once per image; `TokenRecord`s cover the generated tokens only.
         """
-        self._local_only("streaming generation")
         if (prompt is None) == (prompts is None):
             raise BadInputError("pass either prompt= or prompts=")
         batch_prompts = [prompt] if prompts is None else list(prompts)
@@ -362,6 +369,8 @@ class Engine:
         # every intervention checked here, not at the first token: before any stream
         call = self._bind("generate", interventions, lengths=[len(row) for row in ids], batch_rows=len(ids),
                           capture=sites, max_new_tokens=max_new_tokens)
+        if self.handle.remote:  # an ndif: model: one nnsight generate, the records after it (probes.ndif)
+            return self._ndif_generate(ids, sites, max_new_tokens, sampling or Sampling(), seed, call, top_k, tuple(stop))
         live = _Live()
         run = self._generate(live, ids, max_new_tokens, sampling or Sampling(), seed, call, top_k, tuple(stop), vision)
         return GenerationStream(self, run, live)
@@ -552,7 +561,6 @@ class Engine:
         tokens (`positions` index the expanded sequences; ids already expanded stay as they are).
         Rows with images run without a prefix (a prefix state holding an image is fine: its tails are text).
         """
-        self._local_only("capture_batch")
         if not sequences:
             raise BadInputError("capture_batch needs at least one sequence")
         sequences = [self.encode(list(seq)) for seq in sequences]
@@ -567,6 +575,8 @@ class Engine:
         sites = self._check_sites(capture)
         call = self._bind("capture_batch", interventions, lengths=[len(seq) for seq in sequences],
                           batch_rows=len(sequences), capture=sites)
+        if self.handle.remote:  # an ndif: model: one nnsight trace over the batch (probes.ndif)
+            return self._ndif_capture_batch(sequences, sites, call, prefix, positions, stop_after_last_site)
         if prefix is not None:
             self._check_state(prefix)
         shared = len(prefix.ids) if prefix is not None else 0
@@ -645,7 +655,10 @@ class Engine:
         (ids,), vision = self._vision_inputs([ids], None if images is None else [images])
         sites = self._check_sites(capture)
         call = self._bind("capture", interventions, lengths=[len(ids)], capture=sites)
-        return self._capture_forward(ids, sites, call, vision)[0]
+        # the logits are not returned: compute the last position's only (a 4,096-token capture of a
+        # 49k-vocabulary model would otherwise make 0.8 GB of logits and pay the unembedding per position)
+        keep = 0 if any(site.kind == "logits" for site in sites) else 1
+        return self._capture_forward(ids, sites, call, vision, logits_to_keep=keep)[0]
 
     def _vision_inputs(self, rows: list[list[int]], images: Any, n_samples: int = 1):
         """(rows with each `<image>` expanded into image tokens, pixel inputs), checked before model work."""
@@ -655,11 +668,13 @@ class Engine:
             images = [im for im in images for _ in range(n_samples)]
         return prepare(self.handle.vision, self.handle.model_id, rows, images, self.handle.dtype, self.handle.device)
 
-    def _capture_forward(self, ids: list[int], sites: list[Site], call: Call, vision: dict[str, Any] | None = None):
+    def _capture_forward(self, ids: list[int], sites: list[Site], call: Call, vision: dict[str, Any] | None = None,
+                         logits_to_keep: int = 0):
         """(activations {site: [seq, ...]}, logits [seq, vocab]) of one teacher-forced forward; with
-        `call.rows` > 1 (row masks) the same ids run as that many batch rows: [rows, seq, ...] out."""
+        `call.rows` > 1 (row masks) the same ids run as that many batch rows: [rows, seq, ...] out.
+        `logits_to_keep` > 0: the logits of that many last positions only (0: every position)."""
         if self.handle.remote:  # the call refused every intervention already
-            return self._remote_trace(ids, sites)
+            return self._remote_trace(ids, sites, call)
         n_rows = call.rows
         input_ids = torch.tensor([ids] * n_rows, device=self.handle.device)
         if n_rows > 1 and vision:  # every row sees the same image(s)
@@ -668,23 +683,37 @@ class Engine:
             runner = call.runner
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = n_rows, len(ids), "trace"
             runner.ctx.positions = torch.arange(len(ids), device=self.handle.device).expand(n_rows, -1)
-            logits = self.model(input_ids=input_ids, use_cache=False, **(vision or {})).logits
+            logits = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=logits_to_keep,
+                                **(vision or {})).logits
         if n_rows > 1:
             return dict(runner.captured), logits
         return {name: v[0] for name, v in runner.captured.items()}, logits[0]
 
-    def _remote_trace(self, ids: list[int], sites: list[Site]):
-        """A trace of an `ndif:` model: the same sites read through nnsight's remote execution."""
-        from probes.remote import nnsight_capture
+    def _remote_trace(self, ids: list[int], sites: list[Site], call: Call):
+        """A trace of an `ndif:` model: the same sites read (and edited) in one nnsight trace (probes.ndif)."""
+        from probes import ndif
 
-        acts = nnsight_capture(self.handle, ids, sites, remote=True)
-        logits = acts["logits"] if any(s.name == "logits" for s in sites) else acts.pop("logits")
-        return acts, logits
+        ndif.check_sites(self.handle, sites)
+        acts, logits, fired = ndif.forward(self.handle, call, torch.tensor([ids]), None, sites)
+        call.runner.ctx.fired = fired  # what the edits reported, read by trace() as after a local forward
+        return {name: v[0] for name, v in acts.items()}, logits[0]
+
+    def _ndif_capture_batch(self, sequences, sites, call, prefix, positions, stop_after_last_site):
+        from probes import ndif
+
+        return ndif.capture_batch(self.handle, call, sequences, sites, prefix, positions, stop_after_last_site,
+                                  self.tok.pad_token_id or 0)
+
+    def _ndif_generate(self, ids, sites, max_new_tokens, sampling, seed, call, top_k, stop):
+        from probes import ndif
+
+        return ndif.generate(self, ids, sites, max_new_tokens, sampling, seed, call, top_k, stop)
 
     def _local_only(self, what: str) -> None:
         if self.handle.remote:
-            raise BadInputError(f"{what} needs the weights in this process; {self.handle.model_id} runs on NDIF, "
-                                "where only trace() is available (or handle.nnsight with remote=True)")
+            from probes.ndif import refused_call
+
+            raise refused_call(self.handle, what)
 
     @torch.no_grad()
     def head_means(self, texts: Sequence[str], layer: int) -> torch.Tensor:
@@ -725,6 +754,7 @@ class Engine:
         shared = cache.get_seq_length()
         if not vision:
             self._refuse_image_tokens(ids[shared:], "prefill")
+        check_memory_of(self.handle, mode="prefill", lengths=[len(ids)], what="prefill()")
         t = torch.tensor([ids[shared:]], device=self.handle.device)
         mask = torch.ones(1, len(ids), dtype=torch.long, device=t.device)
         positions = torch.arange(shared, len(ids), device=t.device).view(1, -1) + self._rope_offset(ids[:shared])
@@ -791,7 +821,8 @@ class Engine:
         seq = prefix_ids + list(suffix_ids)
         step = _Step([seq], torch.ones(1, len(seq), dtype=torch.long, device=dev), None, [False], [""])
         records: list[TokenRecord] = []
-        call = self._bind("fork", interventions, lengths=[len(seq)], batch_rows=1, capture=sites)
+        call = self._bind("fork", interventions, lengths=[len(seq)], batch_rows=1, capture=sites,
+                          max_new_tokens=max_new_tokens)
         with self.lock, call:
             runner = call.runner
             runner.ctx.last_only, runner.ctx.phase = True, "decode"
@@ -856,7 +887,6 @@ class Engine:
         `top_k` (and `bottom_k`) tokens per row with their logits and probabilities and, for
         `token_ids` (one per row), that token's probability and rank.
         """
-        self._local_only("readout")
         x = torch.as_tensor(vectors)
         if x.ndim == 1:
             x = x.view(1, -1)
@@ -880,12 +910,20 @@ class Engine:
         final_norm = get_module(self.model, FAMILIES[self.handle.family]["final_norm"]) if norm else None
         out = {k: [] for k in ("top_ids", "top_logits", "top_probs", "bottom_ids", "bottom_logits", "token_probs",
                                "token_ranks")}
+        shipped = None
+        if self.handle.remote:  # an ndif: model: the norm and unembedding run in one nnsight trace (probes.ndif)
+            from probes.ndif import readout_rows
+
+            shipped = readout_rows(self.handle, x.to(self.handle.dtype), norm).float()
         with self.lock:
             for lo in range(0, x.shape[0], 256):
-                rows = x[lo:lo + 256].to(head.weight.device, head.weight.dtype)
-                if final_norm is not None:
-                    rows = final_norm(rows)
-                logits = head(rows).float()
+                if shipped is not None:
+                    logits = shipped[lo:lo + 256]
+                else:
+                    rows = x[lo:lo + 256].to(head.weight.device, head.weight.dtype)
+                    if final_norm is not None:
+                        rows = final_norm(rows)
+                    logits = head(rows).float()
                 probs = logits.softmax(-1)
                 tv, ti = logits.topk(top_k, dim=-1)
                 out["top_ids"].append(ti.cpu())

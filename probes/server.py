@@ -50,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from probes.attention_masks import rows_needed
 from probes.engine import Engine, Sampling
+from probes.memory_budget import check_handle as check_memory_of
 from probes.states import DEFAULT_MAX_STATE_BYTES, DEFAULT_MAX_STATES, DEFAULT_STATE_TTL_S, PrefixStore
 from probes.tokens import tokenizer_files
 from probes.vision import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, MAX_IMAGES, open_image
@@ -393,6 +394,7 @@ class RequestBudget:
         self._bound(rows * per_row, "max_batch_tokens",
                     f"tokens ({rows} sequences x ({longest} prompt + {image_tokens} image + {body.max_new_tokens} "
                     "new tokens))", "fewer samples or tokens")
+        self.check_memory("generate", [longest + image_tokens] * rows, body.capture, max_new_tokens=body.max_new_tokens)
 
     def check_trace(self, body: Any, interventions: list[Any]) -> None:
         """/trace and /input_x_gradient: a text, its images, and mask rows (each row reruns the text)."""
@@ -403,6 +405,9 @@ class RequestBudget:
         n_tokens = len(self.engine.encode(body.text, chat=body.chat)) + self.images(body.images or [])
         self._bound(rows * n_tokens, "max_capture_tokens", f"tokens ({rows} rows x {n_tokens} tokens)",
                     "a shorter text or fewer mask rows")
+        gradient = not hasattr(body, "capture")  # /input_x_gradient reads `sites`
+        self.check_memory("gradient" if gradient else "trace", [n_tokens],
+                          getattr(body, "sites", None) or [] if gradient else body.capture, rows=rows)
 
     def check_sequences(self, sequences: list[list[int]], what: str = "sequences", images: Any = None) -> None:
         """/capture_batch (token ids, each row's images) and /minimize_entropy (token ids), /head_means (texts,
@@ -415,6 +420,15 @@ class RequestBudget:
     def check_prefill(self, body: PrefillRequest) -> None:
         n_tokens = len(self.engine.encode(body.prompt, chat=body.chat)) + self.images(body.images or [])
         self._bound(n_tokens, "max_capture_tokens", "prompt tokens", "a shorter prompt")
+        self.check_memory("prefill", [n_tokens], [])
+
+    def check_memory(self, mode: str, lengths: list[int], capture: list[str], rows: int = 1,
+                     max_new_tokens: int = 0) -> None:
+        """Sequence length x sites (attention patterns: length squared), the KV cache and the logits the
+        call would hold, against the memory budget (probes.memory_budget: THOUGHTSCOPE_MEMORY_BUDGET);
+        a 413 `MemoryBudgetError` with the estimate, before a queue place."""
+        check_memory_of(self.engine.handle, mode=mode, lengths=lengths, rows=rows, sites=capture,
+                        max_new_tokens=max_new_tokens, what=f"this {mode} request")
 
     def check_fork(self, body: ForkRequest) -> None:
         n_suffix = len(body.suffix) if isinstance(body.suffix, list) else len(
@@ -660,7 +674,8 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
     @app.post("/capture_batch")
     async def capture_batch(body: CaptureBatchRequest, request: Request) -> JSONResponse:
         engine = state.ready_engine()
-        await state.within_budget(lambda budget: budget.check_sequences(body.sequences, images=body.images))
+        await state.within_budget(lambda budget: (budget.check_sequences(body.sequences, images=body.images), budget.check_memory(
+            "capture_batch", [len(seq) for seq in body.sequences], body.capture)))
         prefix = state.states.get(body.prefix) if body.prefix else None
         result = await state.run(request, lambda: engine.capture_batch(
             body.sequences, body.capture, prefix=prefix, stop_after_last_site=body.stop_after_last_site,

@@ -55,6 +55,11 @@ class RequestTooLargeError(ThoughtscopeError):
     http_status = 413
 
 
+class MemoryBudgetError(RequestTooLargeError):
+    """A capture, trace or stream whose estimated memory is over the budget (probes.memory_budget),
+    refused before any model work; the message carries the estimate, its parts and the budget."""
+
+
 class InvalidRequestError(BadInputError):
     """The request body does not match the schema (wrong type, unknown field, value out of range)."""
 
@@ -91,5 +96,12 @@ class ConflictError(ThoughtscopeError):
 
 class TimeoutExceededError(ThoughtscopeError):
     """A request waited or ran longer than the server allows (queue wait, stream time, a stalled reader)."""
+
+    http_status = 503
+
+
+class ClusterError(ThoughtscopeError):
+    """A Ray cluster that cannot be reached in time, lacks the resources asked for, or lost every model
+    replica (analyses.distributed); the message says what to start or what to ask for instead."""
 
     http_status = 503

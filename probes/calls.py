@@ -64,9 +64,10 @@ class Call:
                 raise BadInputError(cls.elsewhere or f"{cls.__name__} does not apply in {self.mode}()")
             if cls.exclusive and any(type(b).exclusive == cls.exclusive for b in self.bound):
                 raise BadInputError(cls.exclusive_hint or f"pass at most one {cls.exclusive} per call")
-            if getattr(self.handle, "remote", False):
-                raise BadInputError("interventions on ndif: models are not supported; trace without them, "
-                                    "or load the model locally with hf:")
+            if getattr(self.handle, "remote", False):  # an ndif: model serves site edits only (probes.ndif)
+                from probes.ndif import check_intervention
+
+                check_intervention(self.handle, iv)
             self.bound.append(iv.bind(self))
         if self.teacher_forced:
             self.rows = max((b.batch_rows() for b in self.bound), default=1)

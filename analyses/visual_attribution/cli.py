@@ -1,4 +1,5 @@
-"""`thoughtscope eval vis-attr`: faithfulness of visual attribution on toy-vlm's held-out scenes.
+"""`thoughtscope eval vis-attr`: faithfulness of visual attribution on toy-vlm's held-out scenes, on any
+supported VLM family (the toy's own model, or an LLaVA / Idefics3 / SmolVLM / Qwen2-VL one fed the same scenes).
 
 The estimator is trained on `--n-train` training scenes (exhaustive effects as targets), its settings
 chosen on `--n-dev` development scenes (the choice is in the JSON's settings), and every
@@ -10,6 +11,7 @@ runs it against a model server (images travel as PNG bytes). The JSON carries a 
 
     thoughtscope eval vis-attr --model toy-vlm --n 40 --n-train 40 --json
     thoughtscope eval vis-attr --model toy-vlm --k 4 --save estimators/toy-vlm-k4
+    thoughtscope eval vis-attr --model toy-vlm:small --regions objects --json
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ def register(cli: typer.Typer) -> None:
 
     @ev.command("vis-attr")
     def vis_attr(
-        model: str = typer.Option("toy-vlm", "--model", help="a toy-vlm id (toy-vlm or toy-vlm:small)"),
+        model: str = typer.Option("toy-vlm", "--model", help="a vision-language model: toy-vlm, toy-vlm:small, an "
+                                  "hf: LLaVA / Idefics3 / SmolVLM / Qwen2-VL folder, tiny-random:<llava|smolvlm|"
+                                  "qwen2_vl> (code paths only); the toy scenes are resized to its input"),
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
         n: int = typer.Option(40, "--n", help="held-out (eval split) scenes"),
@@ -38,7 +42,9 @@ def register(cli: typer.Typer) -> None:
         epochs: int = typer.Option(300, "--epochs", help="estimator epochs when --n-dev 0 (full batch, Adam)"),
         lds_subsets: int = typer.Option(8, "--lds-subsets", help="random half-size cell sets per scene for the LDS "
                                         "(0 skips it)"),
-        k: int = typer.Option(0, "--k", help="regions: 0 = the 9 cells; K = K Ward clusters of the visual tokens"),
+        k: int = typer.Option(0, "--k", help="regions: 0 = --regions; K = K Ward clusters of the visual tokens"),
+        regions: str = typer.Option("grid", "--regions", help="grid: the scene's 9 cells; objects: each object's "
+                                    "true box and the background (the same table)"),
         seed: int = typer.Option(0, "--seed"),
         save: Optional[str] = typer.Option(None, "--save", help="write the fitted estimator to PATH.safetensors + "
                                            "PATH.json (AmortizedAttribution.load reads it back)"),
@@ -48,7 +54,7 @@ def register(cli: typer.Typer) -> None:
         b = backend(model, server, token)
         with TerminalProgress(enabled=not as_json) as progress:
             result = run_study(b, n_train=n_train, n_eval=n, seed=seed, epochs=epochs, n_subsets=lds_subsets,
-                               k=k or None, progress=progress, n_dev=n_dev)
+                               k=k or None, progress=progress, n_dev=n_dev, regions=regions)
         record = provenance(b.info(), data="probes.toys.vlm scenes",
                             split="train (estimator) / dev (its settings) / eval (scores)",
                             seed=seed, settings=result.settings, command="eval vis-attr")

@@ -41,7 +41,9 @@ from analyses.evaluation import bootstrap_interval, sign_test
 from analyses.visual_attribution.attribution import (attention_features, exhaustive_effects, gradient_scores,
                                                      masked_drops as drops, raw_attention)
 from analyses.visual_attribution.estimator import AmortizedAttribution
-from analyses.visual_attribution.regions import Region, cluster_regions, grid_regions, positions
+from analyses.visual_attribution.regions import (Region, cluster_regions, grid_regions, object_regions,
+                                                 positions)
+from probes.image_regions import region_cells
 from probes.backend import Backend, require
 from probes.toys import vlm
 from probes.vision import expand, image_token_groups, spec_of
@@ -78,23 +80,78 @@ class StudyResult:
                 "comparison": self.comparison, "example": self.example}
 
 
-def toy_scene(backend: Backend, example: Any, k: int | None = None) -> SceneResult:
-    """Exhaustive effects and attention features of one toy-vlm example's description spans, over the
-    9 cells or, with `k`, over k Ward clusters of the visual tokens' features (`resid_pre.0`, the
-    projected patch features); a span's true region is the one holding its cell."""
+REGION_KINDS = ("grid", "objects")
+REGION_NOTES = {"grid": "the 9 grid cells (one visual token each)",
+                "objects": "each object's true pixel box (the visual tokens it overlaps) and the background (the "
+                           "tokens no object box touches)"}
+
+
+def _is_toy(backend: Backend) -> bool:
+    return str(backend.info().get("model_id", "")).startswith("toy-vlm")
+
+
+def scene_text_and_spans(backend: Backend, example: Any) -> tuple[str, list[tuple[int, int]]]:
+    """The scene's prompt and reference trace as one text for this backend, and each description span's
+    token positions [start, end) in the traced (expanded) sequence. toy-vlm: its word-level layout; any
+    other VLM: the model's image placeholder, its own tokenizer, spans from the tokens' character offsets."""
+    if _is_toy(backend):
+        text = f"{vlm.prompt_text(example.question)} {example.trace} <eos>"
+        return text, [(example.input_positions(s).start, example.input_positions(s).stop) for s in example.spans]
     spec = spec_of(backend)
-    if spec.grid != vlm.GRID:
-        raise BadInputError(f"this study needs toy-vlm (a {vlm.GRID}x{vlm.GRID} token grid); this model has "
-                            f"{spec.grid}x{spec.grid}")
-    text = f"{vlm.prompt_text(example.question)} {example.trace} <eos>"
-    spans = [(example.input_positions(s).start, example.input_positions(s).stop) for s in example.spans]
+    head = f"{spec.placeholder} {example.question}\n"
+    text = head + example.trace
+    ids = backend.encode(text)
+    shift = len(expand(spec, ids, 1)[0]) - len(ids)  # the spans follow the image
+    ends = np.cumsum([len(t) for t in backend.token_texts(ids)])
+    lead = int(ends[-1]) - len(text)  # characters the tokenizer put before the text (a BOS token's text)
+    spans = []
+    for s in example.spans:
+        a, b = lead + len(head) + s.start, lead + len(head) + s.end
+        first = int(np.searchsorted(ends, a, side="right"))  # the token holding character a
+        last = int(np.searchsorted(ends, b - 1, side="right"))  # the token holding character b - 1
+        spans.append((first + shift, last + 1 + shift))
+    return text, spans
+
+
+def scene_regions(backend: Backend, spec: Any, example: Any, text: str, k: int | None = None,
+                  regions: str = "grid") -> tuple[list[Region], list[int]]:
+    """(regions, each span's true region index) of a scene: `regions="grid"` the 9 scene cells (on toy-vlm
+    exactly its 9 visual tokens; on another family the tokens whose centres lie in the cell),
+    `"objects"` the objects' true boxes plus the background (`object_regions`), or with `k` k Ward clusters
+    of the visual tokens' features (`resid_pre.0`, the projected patch features). A span's true region is
+    the one holding its object: its box, or (grid, clusters) its cell's centre token."""
+    checks.choice("regions", regions, REGION_KINDS)
+    if regions == "objects":
+        return object_regions(spec, example), [s.object_index for s in example.spans]
+    size = (int(example.image.shape[1]), int(example.image.shape[0]))
+    cell_boxes = [(c * vlm.CELL, r * vlm.CELL, (c + 1) * vlm.CELL, (r + 1) * vlm.CELL)
+                  for r in range(vlm.GRID) for c in range(vlm.GRID)]
+    centre = [region_cells(spec, (x0 + vlm.CELL / 2 - 0.5, y0 + vlm.CELL / 2 - 0.5, x0 + vlm.CELL / 2 + 0.5,
+                                  y0 + vlm.CELL / 2 + 0.5), size)[0] for x0, y0, _, _ in cell_boxes]
     if k:
         trace = backend.trace(text, capture=["resid_pre.0"], images=[example.image])
         group = image_token_groups(spec, trace.token_ids)[0]
-        regions = cluster_regions(spec, trace.activations["resid_pre.0"][group].double().numpy(), k)
-    else:
-        regions = grid_regions(spec, vlm.GRID, vlm.GRID)
-    true = [next(j for j, r in enumerate(regions) if s.cell in r.cells) for s in example.spans]
+        found = cluster_regions(spec, trace.activations["resid_pre.0"][group][spec.lead:].double().numpy(), k)
+    elif spec.grid == vlm.GRID:
+        found = grid_regions(spec, vlm.GRID, vlm.GRID)
+    else:  # each token to the scene cell holding its centre; a cell holding no token's centre gets its centre's token
+        owner = [min(int((t % spec.grid + 0.5) / spec.grid * vlm.GRID), vlm.GRID - 1)
+                 + vlm.GRID * min(int((t // spec.grid + 0.5) / spec.grid * vlm.GRID), vlm.GRID - 1)
+                 for t in range(spec.grid ** 2)]
+        found = [Region(vlm.CELL_NAMES[c], tuple(t for t in range(spec.grid ** 2) if owner[t] == c) or (centre[c],),
+                        cell_boxes[c]) for c in range(vlm.GRID ** 2)]
+    if not k:  # the grid's regions are the scene's cells in reading order
+        return found, [s.cell for s in example.spans]
+    return found, [next(j for j, r in enumerate(found) if centre[s.cell] in r.cells) for s in example.spans]
+
+
+def toy_scene(backend: Backend, example: Any, k: int | None = None, regions: str = "grid") -> SceneResult:
+    """Exhaustive effects and attention features of one toy-vlm example's description spans, over the
+    scene's 9 cells, its objects (`regions="objects"`) or, with `k`, over k Ward clusters of the visual
+    tokens' features (`scene_regions`); any VLM family runs it (the scene image resized to its input)."""
+    spec = spec_of(backend)
+    text, spans = scene_text_and_spans(backend, example)
+    regions, true = scene_regions(backend, spec, example, text, k, regions)
     start = time.perf_counter()
     effects = exhaustive_effects(backend, text, example.image, spans, regions)
     mid = time.perf_counter()
@@ -205,25 +262,32 @@ def _pearson(a: np.ndarray, b: np.ndarray) -> float:
 
 def run_study(backend: Backend, n_train: int = 40, n_eval: int = 40, seed: int = 0, epochs: int = 300,
               n_subsets: int = 8, deletion_k: tuple[int, ...] = (1, 2), k: int | None = None,
-              progress: Callable[[str, int, int], None] | None = None, n_dev: int = 0) -> StudyResult:
+              progress: Callable[[str, int, int], None] | None = None, n_dev: int = 0,
+              regions: str = "grid") -> StudyResult:
     """Train the estimator on `n_train` training scenes, score every method on `n_eval` eval scenes
     (with `n_subsets` random cell sets per scene for the LDS, 0 to skip it, and top-k deletion).
     With `n_dev` > 0 the estimator's settings (features, epochs, l2: DEV_GRID) are chosen on that many
-    development-split scenes (`choose_settings`) and `epochs` is unused; else the defaults with `epochs`."""
+    development-split scenes (`choose_settings`) and `epochs` is unused; else the defaults with `epochs`.
+    `regions`: "grid" (the scene's 9 cells) or "objects" (the objects' true boxes and the background), the
+    same protocol and table either way; `k` clusters instead of either."""
     require(backend, "vision", "trace", "interventions")
     clusters = k  # `k` is also the comprehension variable below
     checks.integer("n_train", n_train, low=2)
     checks.integer("n_eval", n_eval, low=2)
     checks.integer("n_dev", n_dev, low=0, why="0: no development choice")
-    if clusters is not None and not (isinstance(clusters, int) and 2 <= clusters <= vlm.GRID * vlm.GRID):
-        raise BadInputError(f"K={clusters} regions: toy-vlm has {vlm.GRID * vlm.GRID} visual tokens, so K must be "
-                            f"2..{vlm.GRID * vlm.GRID}")
+    checks.choice("regions", regions, REGION_KINDS)
+    n_tokens = spec_of(backend).grid ** 2
+    if clusters is not None and not (isinstance(clusters, int) and 2 <= clusters <= n_tokens):
+        raise BadInputError(f"K={clusters} regions: this model has {n_tokens} visual tokens, so K must be "
+                            f"2..{n_tokens}")
+    if clusters is not None and regions != "grid":
+        raise BadInputError(f"K clusters replace the regions: give K or regions={regions!r}, not both")
     scenes: dict[str, list[SceneResult]] = {}
     for split, n in (("train", n_train), ("dev", n_dev), ("eval", n_eval)):
         exs = vlm.examples(split, n, seed=seed)
         scenes[split] = []
         for i, ex in enumerate(exs):
-            scenes[split].append(toy_scene(backend, ex, k=clusters))
+            scenes[split].append(toy_scene(backend, ex, k=clusters, regions=regions))
             if progress is not None:
                 progress(f"{split} scenes", i + 1, n)
     train = scenes["train"]
@@ -300,7 +364,9 @@ def run_study(backend: Backend, n_train: int = 40, n_eval: int = 40, seed: int =
     settings = {"n_train_scenes": n_train, "n_eval_scenes": n_eval, "n_train_spans": n_train_spans,
                 "n_eval_spans": n_spans, "seed": seed,
                 "regions": (f"{clusters} Ward clusters of resid_pre.0 at the image tokens, per scene" if clusters
-                            else "the 9 grid cells (one visual token each)"),
+                            else REGION_NOTES[regions] if regions != "grid" or _is_toy(backend) else
+                            "the 9 scene cells, each the visual tokens whose centres lie in it"),
+                "region_kind": "clusters" if clusters else regions,
                 "estimator": {"epochs": est.epochs, "lr": est.lr, "l2": est.l2, "features": est.features},
                 "n_dev_scenes": n_dev,
                 "dev_choice": dev_choice if dev_choice else "none: the estimator's default settings, not tuned",

@@ -5,10 +5,14 @@ Three kinds (METHODS.md, method 4; vSTREAM, Kang et al. 2026, arXiv 2604.16587):
 - `cluster_regions`: agglomerative (Ward) clusters of the visual tokens' features (the language
   model's input embeddings at the image tokens, i.e. the projected patch features), restricted to
   grid neighbours so each cluster is a connected patch of the image (scikit-learn);
-- `box_regions`: pixel boxes, e.g. a toy scene's true object regions.
+- `box_regions`, `mask_regions`: pixel boxes (x0, y0, x1, y1) and H x W boolean masks of the image as
+  given, mapped to the visual tokens they cover through the engine's resize and the family's patch and
+  merge geometry (probes.image_regions); `regions_from_json` reads a list of them (the page's upload);
+- `object_regions`: a toy-vlm scene's true object boxes, plus the background (the study's "objects" option).
 
-A region is a set of token cells (0..grid^2-1, reading order); `positions` turns it into token
-positions of one traced sequence (probes.vision). Every check runs before model work.
+A region is a set of token cells (0..grid^2-1, reading order) and, when it came from pixels, the box it
+was drawn as; `positions` turns it into token positions of one traced sequence (probes.vision). Every
+check runs before model work.
 
 Example:
     >>> from probes.vision import VisionSpec
@@ -19,14 +23,19 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from probes.vision import VisionSpec, box_cells, image_token_groups
+from probes.image_regions import check_box, check_mask, check_min_coverage, region_cells
+from probes.vision import VisionSpec, image_token_groups
 from thoughtscope.errors import BadInputError
+
+MAX_REGIONS = 256  # per image: each region is one masked row of the exhaustive effects
+MAX_REGIONS_JSON_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -35,9 +44,13 @@ class Region:
 
     name: str
     cells: tuple[int, ...]
+    box: tuple[float, float, float, float] | None = None  # as drawn, in pixels of the image as given
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "cells": list(self.cells)}
+        d: dict[str, Any] = {"name": self.name, "cells": list(self.cells)}
+        if self.box is not None:
+            d["box"] = list(self.box)
+        return d
 
 
 def grid_regions(spec: VisionSpec, rows: int, cols: int) -> list[Region]:
@@ -77,13 +90,94 @@ def cluster_regions(spec: VisionSpec, features: Any, k: int) -> list[Region]:
     return [Region(f"cluster {i}", tuple(int(j) for j in np.flatnonzero(labels == c))) for i, c in enumerate(order)]
 
 
+def _names(names: Sequence[str] | None, n: int, kind: str) -> list[str]:
+    names = list(names) if names is not None else [f"{kind} {i}" for i in range(n)]
+    if len(names) != n:
+        raise BadInputError(f"{len(names)} names for {n} {kind}es" if kind == "box" else
+                            f"{len(names)} names for {n} {kind}s")
+    if not 1 <= n <= MAX_REGIONS:
+        raise BadInputError(f"give 1..{MAX_REGIONS} regions; got {n}")
+    return [str(v) for v in names]
+
+
 def box_regions(spec: VisionSpec, boxes: Sequence[Sequence[float]], size: tuple[int, int],
-                names: Sequence[str] | None = None) -> list[Region]:
-    """One region per pixel box (x0, y0, x1, y1) of an image of `size` (width, height)."""
-    names = list(names) if names is not None else [f"box {i}" for i in range(len(boxes))]
-    if len(names) != len(boxes):
-        raise BadInputError(f"{len(names)} names for {len(boxes)} boxes")
-    return [Region(name, tuple(box_cells(spec, box, size))) for name, box in zip(names, boxes)]
+                names: Sequence[str] | None = None, min_coverage: float = 0.0) -> list[Region]:
+    """One region per pixel box (x0, y0, x1, y1; exclusive ends) of an image of `size` (width, height): the
+    visual tokens the box covers by more than `min_coverage` of their area (default: any overlap)."""
+    names = _names(names, len(boxes), "box")
+    return [Region(name, tuple(region_cells(spec, box, size, min_coverage)), check_box(box, size))
+            for name, box in zip(names, boxes)]
+
+
+def mask_regions(spec: VisionSpec, masks: Sequence[Any], size: tuple[int, int],
+                 names: Sequence[str] | None = None, min_coverage: float = 0.0) -> list[Region]:
+    """One region per H x W boolean mask of an image of `size` (width, height); its box is the mask's bounds."""
+    names = _names(names, len(masks), "mask")
+    out = []
+    for name, mask in zip(names, masks):
+        m = check_mask(mask, size)
+        ys, xs = np.nonzero(m)
+        bounds = (float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1))
+        out.append(Region(name, tuple(region_cells(spec, m, size, min_coverage)), bounds))
+    return out
+
+
+def regions_from_json(spec: VisionSpec, data: Any, size: tuple[int, int]) -> list[Region]:
+    """Regions from a JSON document (text, bytes or the parsed object), drawn on the image as given:
+
+        {"size": [W, H],                      # optional: the image the regions were drawn on
+         "min_coverage": 0.0,                 # optional: a token belongs if the region covers more of it
+         "regions": [{"name": "ring", "box": [x0, y0, x1, y1]},
+                     {"name": "sky", "mask": [[0, 1, ...], ...]}]}   # H rows of W 0/1 values
+
+    (a bare list of region objects is read as "regions"). Every region is checked (NaN, zero area,
+    outside the image, a mask of another size) before any model work."""
+    if isinstance(data, (bytes, bytearray, str)):
+        if len(data) > MAX_REGIONS_JSON_BYTES:
+            raise BadInputError(f"the regions JSON is {len(data)} bytes; the limit is {MAX_REGIONS_JSON_BYTES}")
+        try:
+            data = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise BadInputError(f"the regions file is not JSON ({err})") from err
+    doc = {"regions": data} if isinstance(data, list) else data
+    if not isinstance(doc, dict) or not isinstance(doc.get("regions"), list):
+        raise BadInputError('regions JSON: {"regions": [{"name": ..., "box": [x0, y0, x1, y1]} or '
+                            '{"name": ..., "mask": [[0/1, ...], ...]}, ...]}')
+    w, h = size
+    drawn = doc.get("size")
+    if drawn is not None and list(drawn) != [w, h]:
+        raise BadInputError(f"these regions were drawn on a {drawn[0]}x{drawn[1]} image but the image is {w}x{h}: "
+                            "draw them on this image (or drop \"size\")")
+    min_coverage = check_min_coverage(doc.get("min_coverage", 0.0))
+    items = doc["regions"]
+    _names(None, len(items), "region")  # the count check
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or (("box" in item) == ("mask" in item)):
+            raise BadInputError(f"region {i}: give exactly one of \"box\" or \"mask\"")
+        name = str(item.get("name", f"region {i}"))
+        try:
+            if "box" in item:
+                out.extend(box_regions(spec, [item["box"]], size, [name], min_coverage))
+            else:
+                out.extend(mask_regions(spec, [np.asarray(item["mask"])], size, [name], min_coverage))
+        except BadInputError as err:
+            raise BadInputError(f"region {i} ({name!r}): {err}") from err
+    return out
+
+
+def object_regions(spec: VisionSpec, example: Any, background: bool = True) -> list[Region]:
+    """A toy-vlm scene's objects as regions (their true pixel boxes, probes.toys.vlm), in reading order,
+    and with `background` one more region of every token no object box touches (so the regions cover the
+    image, as the grid cells do)."""
+    size = (int(example.image.shape[1]), int(example.image.shape[0]))
+    regions = box_regions(spec, [o.box for o in example.objects], size,
+                          [f"{o.cell_name} {o.colour} {o.shape}" for o in example.objects])
+    taken = {c for r in regions for c in r.cells}
+    rest = tuple(c for c in range(spec.grid * spec.grid) if c not in taken)
+    if background and rest:
+        regions.append(Region("background", rest))
+    return regions
 
 
 def positions(spec: VisionSpec, token_ids: Sequence[int], region: Region, image_index: int = 0) -> list[int]:
@@ -97,9 +191,13 @@ def positions(spec: VisionSpec, token_ids: Sequence[int], region: Region, image_
     return [groups[image_index][spec.lead + c] for c in region.cells]
 
 
-def cell_map(spec: VisionSpec, regions: Sequence[Region], values: Sequence[float]) -> np.ndarray:
-    """A [grid, grid] map with each region's value painted on its cells (a heat map over the image)."""
-    out = np.zeros(spec.grid * spec.grid)
+def cell_map(spec: VisionSpec, regions: Sequence[Region], values: Sequence[float],
+             empty: float = 0.0) -> np.ndarray:
+    """A [grid, grid] map with each region's value painted on its cells (a heat map over the image); a cell
+    in several regions gets their mean, a cell in none `empty` (NaN draws nothing there)."""
+    total, count = np.zeros(spec.grid * spec.grid), np.zeros(spec.grid * spec.grid)
     for region, v in zip(regions, values):
-        out[list(region.cells)] = float(v)
+        total[list(region.cells)] += float(v)
+        count[list(region.cells)] += 1
+    out = np.where(count > 0, total / np.maximum(count, 1), empty)
     return out.reshape(spec.grid, spec.grid)

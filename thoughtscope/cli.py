@@ -30,7 +30,7 @@ import analyses
 from thoughtscope.errors import BadInputError, ThoughtscopeError
 
 CORE_COMMANDS = ("probes.cli", "probes.validate_cli", "probes.server_cli", "app.cli")
-CORE_BENCHMARKS = ("probes.bench", "probes.steer_bench", "app.bench")
+CORE_BENCHMARKS = ("probes.bench", "probes.steer_bench", "app.bench", "benchmarks.curves")
 
 console = Console(stderr=True)
 

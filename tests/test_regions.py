@@ -118,3 +118,70 @@ def test_bad_masks_and_thresholds_are_refused():
         region_cells(spec, (0, 0, 8, 8), (48, 48), min_coverage=0.5)  # a quarter of one token
     with pytest.raises(BadInputError, match="width, height"):
         region_cells(spec, (0, 0, 8, 8), (0, 48))
+
+
+def test_a_regions_json_of_boxes_and_masks_becomes_token_regions():
+    """The page's upload format: boxes and masks in pixels of the image as given, one region each (with the
+    box it was drawn as), the minimum coverage applied; the count and each region's own check before any model work."""
+    import json
+
+    from analyses.visual_attribution import cell_map, regions_from_json
+
+    spec = VisionSpec("llava", image_token_id=7, image_size=48, patch_size=16)  # 3 x 3 tokens
+    mask = np.zeros((96, 96), dtype=int)
+    mask[64:, 64:] = 1  # the bottom-right token, on an image twice the input's side
+    doc = {"size": [96, 96], "regions": [{"name": "top row", "box": [0, 0, 96, 32]},
+                                         {"name": "corner", "mask": mask.tolist()},
+                                         {"box": [0, 0, 40, 40]}]}
+    regions = regions_from_json(spec, json.dumps(doc), (96, 96))
+    assert [(r.name, r.cells, r.box) for r in regions] == [
+        ("top row", (0, 1, 2), (0.0, 0.0, 96.0, 32.0)), ("corner", (8,), (64.0, 64.0, 96.0, 96.0)),
+        ("region 2", (0, 1, 3, 4), (0.0, 0.0, 40.0, 40.0))]
+    assert [r.cells for r in regions_from_json(spec, {**doc, "min_coverage": 0.5}, (96, 96))][2] == (0,)
+    # overlapping regions paint their mean; a token in none draws nothing (NaN)
+    painted = cell_map(spec, regions[:2], [1.0, 3.0], empty=np.nan)
+    assert painted[0].tolist() == [1.0, 1.0, 1.0] and painted[2, 2] == 3.0 and np.isnan(painted[1, 1])
+    bad = [({"regions": [{"box": [0, 0, float("nan"), 5]}]}, "region 0 .*NaN"),
+           ({"regions": [{"name": "flat", "box": [3, 3, 3, 9]}]}, "region 0 \\('flat'\\).*zero area"),
+           ({"regions": [{"box": [50, 50, 120, 60]}]}, "not inside the 96x96"),
+           ({"regions": [{"box": [0, 0, 1, 1], "mask": [[1]]}]}, "exactly one"),
+           ({"regions": [{"mask": [[1, 0], [0, 1]]}]}, "mask is 2x2"),
+           ({"regions": []}, "1..256 regions"),
+           ({"size": [48, 48], "regions": [{"box": [0, 0, 8, 8]}]}, "drawn on a 48x48 image"),
+           ({"boxes": []}, "regions JSON"),
+           ("not json {", "not JSON")]
+    for doc, match in bad:
+        with pytest.raises(BadInputError, match=match):
+            regions_from_json(spec, doc if isinstance(doc, str) else json.dumps(doc), (96, 96))
+
+
+def test_a_toy_scenes_object_regions_are_its_objects_cells_and_the_background():
+    from analyses.visual_attribution import object_regions
+    from probes.toys import vlm
+
+    spec = VisionSpec("llava", image_token_id=7, image_size=48, patch_size=16)  # toy-vlm's geometry
+    ex = vlm.examples("eval", 1, seed=0)[0]
+    regions = object_regions(spec, ex)
+    cells = [o.cell for o in ex.objects]
+    assert [r.cells for r in regions] == [(c,) for c in cells] + [tuple(c for c in range(9) if c not in cells)]
+    assert [r.box for r in regions[:-1]] == [tuple(float(v) for v in o.box) for o in ex.objects]
+    assert regions[-1].name == "background" and regions[0].name == f"{ex.objects[0].cell_name} " \
+        f"{ex.objects[0].colour} {ex.objects[0].shape}"
+
+
+@pytest.mark.parametrize("family", TINY_VLMS)
+def test_the_toy_scenes_spans_on_every_family_are_the_description_phrases(family):
+    """The study runs on any VLM family: the toy scene's text through the model's own placeholder and
+    tokenizer, each span's token positions decoding to its description phrase."""
+    from analyses.visual_attribution.evaluate import scene_regions, scene_text_and_spans
+    from probes.toys import vlm
+
+    engine = Engine.from_id(f"tiny-random:{family}", device="cpu")
+    spec = spec_of(engine)
+    ex = vlm.examples("eval", 1, seed=0)[0]
+    text, spans = scene_text_and_spans(engine, ex)
+    ids = expand(spec, engine.encode(text), 1)[0]
+    assert [engine.decode(ids[s:e]).strip() for s, e in spans] == [ex.trace[s.start:s.end] for s in ex.spans]
+    grid, true = scene_regions(engine, spec, ex, text)  # 4 x 4 tokens: each to the scene cell holding its centre
+    assert [r.cells for r in grid] == [(0,), (1, 2), (3,), (4, 8), (5, 6, 9, 10), (7, 11), (12,), (13, 14), (15,)]
+    assert true == [s.cell for s in ex.spans]

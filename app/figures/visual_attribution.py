@@ -4,7 +4,9 @@ with intervals. Builders take a plain dict and compute nothing.
 
 Heat map `data`: `image` (rows of [r, g, b] uint8, at most 96 pixels a side), `scores` ([grid][grid]
 floats, reading order top-left first), `title` and `method` (what the scores are: raw attention,
-exhaustive effect in nats, ...), optionally `unit` and `opacity` (of the heat map over the image, 0.5).
+exhaustive effect in nats, ...), optionally `unit`, `opacity` (of the heat map over the image, 0.5) and
+`boxes` ([{name, box: [x0, y0, x1, y1]}] in the image's pixels: the regions as drawn, outlined). A score of
+None draws nothing (a token in no region).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ def heatmap_figure(data: Any) -> go.Figure:
                              opacity=float(d.get("opacity", 0.5)), xgap=1, ygap=1, name=d.get("method", "scores"),
                              colorbar=dict(title=d.get("unit", "")),
                              hovertemplate="%{z:.4g}<extra>%{fullData.name}</extra>"))
+    for item in d.get("boxes", []):  # the regions as drawn (pixel edges sit half a pixel before their centres)
+        x0, y0, x1, y1 = item["box"]
+        fig.add_shape(type="rect", x0=x0 - 0.5, y0=y0 - 0.5, x1=x1 - 0.5, y1=y1 - 0.5, line=dict(color="white", width=2),
+                      label=dict(text=item["name"], textposition="top left", font=dict(color="white", size=11)))
     fig.update_xaxes(showticklabels=False, range=[-0.5, width - 0.5], showgrid=False, zeroline=False)
     fig.update_yaxes(showticklabels=False, range=[height - 0.5, -0.5], showgrid=False, zeroline=False,
                      scaleanchor="x")

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import streamlit as st
 
-from analyses.visual_attribution import exhaustive_effects
+from analyses.visual_attribution import cell_map, exhaustive_effects
 from analyses.visual_attribution.evaluate import run_study
 from analyses.visual_attribution.ship import DEFAULT_MODEL, EPOCHS, NAME, STUDY_SETTINGS
 from analyses.visual_attribution.stream import stream_attribution
@@ -96,10 +96,22 @@ def elsewhere_section(ctx) -> None:
     draw_study(ctx, stored.json("study.json"), stored.provenance)
 
 
-def heatmap_data(image: np.ndarray, grid: int, scores: np.ndarray, method: str, unit: str, title: str) -> dict[str, Any]:
-    small = image[:: max(1, image.shape[0] // 96), :: max(1, image.shape[1] // 96)]
-    return {"image": small.tolist(), "scores": np.asarray(scores).reshape(grid, grid).round(6).tolist(),
-            "method": method, "unit": unit, "title": title}
+def heatmap_data(image: np.ndarray, grid: int, scores: np.ndarray, method: str, unit: str, title: str,
+                 spec: Any = None, regions: Any = None) -> dict[str, Any]:
+    """The heat map's data: `scores` per visual token ([grid * grid], reading order) or, with `spec` and
+    `regions`, one score per region painted on its tokens (a token in no region draws nothing, one in
+    several their mean) with each region's box as drawn outlined."""
+    step_y, step_x = max(1, image.shape[0] // 96), max(1, image.shape[1] // 96)
+    small = image[::step_y, ::step_x]
+    out: dict[str, Any] = {"image": small.tolist(), "method": method, "unit": unit, "title": title}
+    if regions is None:
+        out["scores"] = np.asarray(scores).reshape(grid, grid).round(6).tolist()
+        return out
+    painted = cell_map(spec, regions, np.asarray(scores, dtype=float), empty=np.nan).round(6)
+    out["scores"] = [[None if np.isnan(v) else float(v) for v in row] for row in painted]
+    out["boxes"] = [{"name": r.name, "box": [r.box[0] / step_x, r.box[1] / step_y, r.box[2] / step_x,
+                                             r.box[3] / step_y]} for r in regions if r.box is not None]
+    return out
 
 
 def live_generation(ctx, prompt: str, image: np.ndarray, regions: Any, est: Any, spec: Any, answer: Any,
@@ -120,7 +132,8 @@ def live_generation(ctx, prompt: str, image: np.ndarray, regions: Any, est: Any,
             method = "amortized" if s.predicted is not None else "raw attention"
             scores = s.predicted if s.predicted is not None else s.attention
             live.plotly_chart(heatmap_figure(heatmap_data(image, spec.grid, scores, method, "",
-                                                          f"live: span {s.index} {s.text!r}, {method}")),
+                                                          f"live: span {s.index} {s.text!r}, {method}", spec,
+                                                          regions)),
                               theme=None, config={"displaylogo": False})
     return {"ids": ids + generated, "image": image, "spans": spans, "text": text}
 
@@ -135,7 +148,8 @@ def span_section(ctx, run: dict[str, Any], spec: Any, regions: Any) -> None:
     methods = ["raw attention"] + (["amortized"] if span.predicted is not None else [])
     method = st.radio("Scores", methods, horizontal=True, key="va_method")
     scores, unit = (span.attention, "attention") if method == "raw attention" else (span.predicted, "nats")
-    data = heatmap_data(run["image"], spec.grid, scores, method, unit, f"span {labels[pick]!r}: {method}")
+    data = heatmap_data(run["image"], spec.grid, scores, method, unit, f"span {labels[pick]!r}: {method}", spec,
+                        regions)
     show_figure(heatmap_figure(data), data, "vis_attr_heatmap")
     start = st.button("Exhaustive effects for this span", key="va_exhaustive")
     backend, ids, picture = ctx.backend, run["ids"], run["image"]
@@ -143,10 +157,10 @@ def span_section(ctx, run: dict[str, Any], spec: Any, regions: Any) -> None:
     work = one_step("exhaustive effects", lambda: exhaustive_effects(backend, ids, picture, [(span.start, span.end)],
                                                                      regions)[0])
     key = ctx.result_key("va-exhaustive", ids=list(map(int, ids)), span=[span.start, span.end],
-                         image=hash(np.asarray(picture).tobytes()))
+                         image=hash(np.asarray(picture).tobytes()), regions=[list(r.cells) for r in regions])
     eff = run_job(key, work, label=f"Exhaustive effects of span {labels[pick]!r}", kind="va-exhaustive",
                   page=PAGE_NAME, start=start)
     if eff is not None:  # only for the span it was computed for
         done = heatmap_data(run["image"], spec.grid, eff, "exhaustive effect", "nats",
-                     f"span {labels[pick]!r}: log-prob drop, each token masked")
+                            f"span {labels[pick]!r}: log-prob drop, each region masked", spec, regions)
         show_figure(heatmap_figure(done), done, "vis_attr_exhaustive", figure="vis_attr_heatmap")

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import streamlit as st
 
-from analyses.visual_attribution import grid_regions
+from analyses.visual_attribution import grid_regions, object_regions, regions_from_json
 from analyses.visual_attribution.estimator import AmortizedAttribution
 from analyses.visual_attribution.evaluate import fit_estimator
 from analyses.visual_attribution.ship import EPOCHS, NAME, STUDY_SETTINGS, load_estimator as _load_shipped
@@ -61,9 +61,9 @@ def uploaded_image(data: bytes | None) -> np.ndarray | None:
     return None if data is None else np.asarray(load_image(bytes(data)))
 
 
-def _scene(ctx, spec) -> tuple[np.ndarray, str]:
-    """(image, prompt with <image>) from the widgets: a composed toy scene or a seeded random image,
-    unless an image is uploaded."""
+def _scene(ctx, spec) -> tuple[np.ndarray, str, Any]:
+    """(image, prompt with <image>, the composed toy scene or None) from the widgets: a composed toy scene or
+    a seeded random image, unless an image is uploaded."""
     c1, c2 = st.columns(2)
     seed = int(c1.number_input("Scene seed", 0, 10_000, 0, key="va_seed"))
     upload = st.file_uploader("Or upload an image (PNG or JPEG; resized to the model's input)",
@@ -74,13 +74,62 @@ def _scene(ctx, spec) -> tuple[np.ndarray, str]:
     if _is_toy(ctx):
         ex = vlm.examples("eval", 1, seed=seed)[0]
         question = c2.text_input("Question", ex.question, key=f"va_q{seed}")
-        return (ex.image if image is None else image), vlm.prompt_text(question)
+        return (ex.image if image is None else image), vlm.prompt_text(question), (ex if image is None else None)
     if image is None:
         side = spec.image_size
         image = (np.random.default_rng(seed).random((side, side, 3)) * 255).astype(np.uint8)
     prompt = c2.text_input(f"Prompt (put {spec.placeholder} where the image goes)",
                            f"Describe {spec.placeholder} in a few words:", key="va_p")
-    return image, prompt
+    return image, prompt, None
+
+
+REGION_CHOICES = ("visual tokens", "scene objects", "boxes", "regions JSON")
+BOXES_HELP = "one box per line: name x0 y0 x1 y1 (pixels of the image as given, exclusive ends)"
+
+
+def parse_boxes(text: str) -> list[dict[str, Any]]:
+    """The boxes text area's lines ("name x0 y0 x1 y1"; the name may hold spaces) as regions-JSON entries."""
+    out = []
+    for n, line in enumerate(ln for ln in text.splitlines() if ln.strip()):
+        parts = line.split()
+        try:
+            if len(parts) < 4:
+                raise ValueError(line)
+            box = [float(v) for v in parts[-4:]]
+        except ValueError as err:
+            raise BadInputError(f"boxes line {n + 1} {line.strip()!r}: {BOXES_HELP}") from err
+        out.append({"name": " ".join(parts[:-4]) or f"box {n}", "box": box})
+    if not out:
+        raise BadInputError(f"type at least one box ({BOXES_HELP})")
+    return out
+
+
+def _regions(spec, image: np.ndarray, scene: Any) -> list[Any]:
+    """The regions the page attributes to: every visual token, the composed toy scene's objects (and the
+    background), boxes typed in, or an uploaded regions JSON (analyses.visual_attribution.regions_from_json);
+    a bad region is shown as an error and the page falls back to the visual tokens."""
+    choices = [c for c in REGION_CHOICES if c != "scene objects" or scene is not None]
+    kind = st.radio("Regions", choices, horizontal=True, key="va_regions")
+    size = (int(image.shape[1]), int(image.shape[0]))
+    tokens = grid_regions(spec, spec.grid, spec.grid)
+    regions = None
+    with shows_errors():
+        if kind == "scene objects":
+            regions = object_regions(spec, scene)
+        elif kind == "boxes":
+            text = st.text_area(f"Boxes on the {size[0]}x{size[1]} image ({BOXES_HELP})",
+                                f"left half 0 0 {size[0] // 2} {size[1]}\nright half {size[0] // 2} 0 {size[0]} {size[1]}",
+                                key="va_boxes")
+            regions = regions_from_json(spec, {"regions": parse_boxes(text)}, size)
+        elif kind == "regions JSON":
+            upload = st.file_uploader('Regions JSON: {"regions": [{"name": ..., "box": [x0, y0, x1, y1]} or '
+                                      '{"name": ..., "mask": [[0/1, ...], ...]}]} in pixels of the image as given',
+                                      type=["json"], key="va_regions_json")
+            if upload is None:
+                st.caption("no regions file yet: every visual token is a region")
+            else:
+                regions = regions_from_json(spec, upload.getvalue(), size)
+    return regions if regions is not None else tokens
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
@@ -136,7 +185,7 @@ def render(ctx) -> None:
     missing = [n for n in NEEDS if not have.get(n)]
     if missing:
         st.info(f"`{ctx.model_id}` cannot do {', '.join(missing)} here: this page needs a vision-language model "
-                "with local weights. Pick toy-vlm (trained here), tiny-random:llava or an hf: LLaVA / SmolVLM folder "
+                "with local weights. Pick toy-vlm (trained here), tiny-random:llava or an hf: LLaVA / SmolVLM / Qwen2-VL folder "
                 "in the sidebar.")
         elsewhere_section(ctx)
         return
@@ -145,10 +194,11 @@ def render(ctx) -> None:
     if stored is not None and not stored and (stored.damaged or "other weights" in stored.reason):
         st.warning(stored.reason + " Fit the estimator and run the study here.")
     stored = stored or None
-    image, prompt = _scene(ctx, spec)
+    image, prompt, scene = _scene(ctx, spec)
     est = _estimator(ctx, stored)
-    regions = grid_regions(spec, spec.grid, spec.grid)
-    st.caption(f"{spec.family} token grid {spec.grid} x {spec.grid}: one region per visual token")
+    regions = _regions(spec, image, scene)
+    st.caption(f"{spec.family} token grid {spec.grid} x {spec.grid}, {len(regions)} regions: "
+               + ", ".join(f"{r.name} ({len(r.cells)} tokens)" for r in regions[:6]) + (" ..." if len(regions) > 6 else ""))
     if stored is not None and st.session_state.get("va_seed", 0) == STUDY_SETTINGS["seed"] and \
             st.session_state.get("va_upload") is None:
         stored_scene(stored, spec.grid)

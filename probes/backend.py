@@ -157,9 +157,15 @@ def require(backend: Backend, *needed: str) -> None:
     have = backend.capabilities()
     missing = [name for name in needed if not have.get(name, False)]
     if missing:
-        model = backend.info().get("model_id", "this model")
+        info = backend.info()
+        model = info.get("model_id", "this model")
+        why = ""
+        if info.get("remote"):  # an ndif: model says why it refuses each (probes.ndif.VERDICTS)
+            from probes.ndif import verdict
+
+            why = "; ".join(f"{name}: {verdict(name)[1]}" for name in missing) + "; "
         raise BadInputError(f"{model} cannot do {', '.join(missing)} on this backend "
-                            f"(it can: {', '.join(k for k, v in have.items() if v)})")
+                            f"({why}it can: {', '.join(k for k, v in have.items() if v)})")
 
 
 def open_backend(model: str | None = None, server: str | None = None, token: str | None = None,

@@ -75,7 +75,7 @@ def capability_report(handle: Any) -> list[dict[str, str]]:
 
 def refused(handle: Any, what: str, capability: str) -> BadInputError:
     """The error for a refused capability: which, and why."""
-    return BadInputError(f"{what} is refused on {handle.model_id} (an ndif: model, capability "
+    return BadInputError(f"{what} is refused on {handle.model_id}, which runs on NDIF (capability "
                          f"'{capability}'): {verdict(capability)[1]}; load the model locally with hf: for it")
 
 
@@ -84,7 +84,7 @@ def check_intervention(handle: Any, iv: Any) -> None:
     from probes.interventions import Intervention
 
     if not isinstance(iv, Intervention):
-        raise BadInputError(f"{type(iv).__name__} ({iv.kind}) is refused on {handle.model_id} (an ndif: model): "
+        raise BadInputError(f"{type(iv).__name__} ({iv.kind}) is refused on {handle.model_id}, which runs on NDIF: "
                             "attention masks, router rules and KV policies replace module internals a trace does "
                             "not reach; only site edits (add, rescale, ablate_heads, steering edits) are served")
 
@@ -101,12 +101,17 @@ def open_rehearsal(model_id: str, **load_kwargs: Any) -> Any:
 
     if model_id.startswith(("ndif:", "ndif-local:")):
         raise BadInputError(f"ndif-local: takes a zoo model id (tiny-random:llama, smollm2-135m, ...), not {model_id}")
-    handle = load_model(model_id, **load_kwargs)
-    handle.model_id = f"ndif-local:{model_id}"
-    handle.remote = True
-    handle._extras["ndif_remote"] = "local"
-    handle._extras["vision"] = None  # images are refused on ndif: backends
-    return handle
+    return rehearse(load_model(model_id, **load_kwargs))
+
+
+def rehearse(handle: Any) -> Any:
+    """A rehearsal handle over the weights of a loaded local `handle` (shared, never changed: the rehearsal
+    registers no hooks); `Engine(rehearse(engine.handle))` is how the tests pair the two paths."""
+    import dataclasses
+
+    # one nnsight wrapper per module tree, shared; images are refused on ndif: backends
+    extras = {"ndif_remote": "local", "vision": None, "nnsight": handle.nnsight}
+    return dataclasses.replace(handle, model_id=f"ndif-local:{handle.model_id}", remote=True, _extras=extras)
 
 
 # ----- the program a trace body runs (shipped to NDIF by value) -----

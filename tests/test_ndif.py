@@ -1,0 +1,186 @@
+"""ndif: models through nnsight traces, rehearsed with nnsight's remote="local" (the request is serialised as
+NDIF would receive it, deserialised with this project's modules hidden, then run here).
+
+Every served method of an `ndif:`-style backend equals the in-process engine on the same weights. The
+tolerance is exact (0) throughout: the trace runs the same modules in the same order on the same inputs,
+and the edits are the same `apply()` calls. (No network here: a real NDIF run is not part of the tests.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from probes import Engine, Sampling
+from probes.edits import Additive
+from probes.interventions import AddVector, HeadAblation, MaskAttention, ProjectionRescale
+from probes.ndif import rehearse
+from thoughtscope.errors import BadInputError, ModelLoadError
+
+SITES = ["resid_post.0", "z.1", "mlp_out.1"]
+
+
+@pytest.fixture(scope="module")
+def ndif_llama(llama):
+    """The rehearsal backend over the session's tiny llama weights (shared, no second load)."""
+    return Engine(rehearse(llama.handle))
+
+
+def _vector(seed: int = 0) -> torch.Tensor:
+    return torch.randn(64, generator=torch.Generator().manual_seed(seed))
+
+
+EDITS = {
+    "none": [],
+    "add": [AddVector("resid_post.0", _vector(), scale=2.0)],
+    "rescale": [ProjectionRescale("resid_pre.1", _vector(1), alpha=1.0)],
+    "ablate": [HeadAblation(1, [0, 2])],
+    "steer": [Additive("resid_post.0", _vector(2), strength=2.0, term="up", tokens="prompt", start=1)],
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_trace_with_each_site_edit_equals_the_engine(llama, ndif_llama, edit):
+    ours = llama.trace("one two three four", capture=SITES, interventions=EDITS[edit])
+    theirs = ndif_llama.trace("one two three four", capture=SITES, interventions=EDITS[edit])
+    for site in SITES:
+        torch.testing.assert_close(theirs.activations[site], ours.activations[site], atol=0, rtol=0)
+    torch.testing.assert_close(theirs.logprobs, ours.logprobs, atol=0, rtol=0, equal_nan=True)
+    assert theirs.fired.keys() == ours.fired.keys()
+    for name in ours.fired:
+        torch.testing.assert_close(theirs.fired[name], ours.fired[name], atol=0, rtol=0, equal_nan=True)
+    if edit != "none":  # the edit acted (the comparison is not between two unedited passes)
+        plain = llama.trace("one two three four", capture=SITES)
+        assert not torch.equal(plain.logprobs.nan_to_num(), ours.logprobs.nan_to_num())
+
+
+def test_steering_report_is_the_norm_added_at_each_position(llama, ndif_llama):
+    """The steering term acts on prompt positions >= 1: its report is |2 v| there and NaN at position 0."""
+    fired = ndif_llama.trace("one two three four", interventions=EDITS["steer"]).fired["up"]
+    assert torch.isnan(fired[0])
+    torch.testing.assert_close(fired[1:], torch.full((len(fired) - 1,), float(2 * _vector(2).norm())))
+
+
+def test_capture_batch_with_per_row_scales_equals_the_engine(llama, ndif_llama):
+    seqs = [llama.encode("one two three"), llama.encode("four five six seven eight")]
+    edit = [AddVector("resid_post.0", _vector(), scale=[1.0, -1.0])]
+    ours = llama.capture_batch(seqs, SITES, interventions=edit)
+    theirs = ndif_llama.capture_batch(seqs, SITES, interventions=edit)
+    picked = ndif_llama.capture_batch(seqs, SITES, interventions=edit, positions=[[0, 2], [4]])
+    for site in SITES:
+        torch.testing.assert_close(theirs[site], ours[site], atol=0, rtol=0)
+        torch.testing.assert_close(picked[site], torch.stack([ours[site][0, 0], ours[site][0, 2], ours[site][1, 4]]))
+
+
+@pytest.mark.parametrize("case", ["greedy", "steered", "sampled batch"])
+def test_generate_equals_the_engine_record_for_record(llama, ndif_llama, case):
+    kwargs = {
+        "greedy": dict(prompt="one two three"),
+        "steered": dict(prompt="one two three",
+                        interventions=[Additive("resid_post.0", _vector(), strength=2.0, term="up", tokens="generated")]),
+        "sampled batch": dict(prompts=["one two", "three four five six"], n_samples=2,
+                              sampling=Sampling(temperature=0.8), seed=3),
+    }[case]
+    ours = list(llama.generate(max_new_tokens=5, capture=["resid_post.1"], **kwargs))
+    theirs = list(ndif_llama.generate(max_new_tokens=5, capture=["resid_post.1"], **kwargs))
+    assert [(r.batch_index, r.token_id) for r in theirs] == [(r.batch_index, r.token_id) for r in ours]
+    for a, b in zip(ours, theirs):
+        assert (b.logprob, b.entropy, b.top_ids, b.fired, b.finished) == (a.logprob, a.entropy, a.top_ids, a.fired,
+                                                                         a.finished)
+        torch.testing.assert_close(b.activations["resid_post.1"], a.activations["resid_post.1"], atol=0, rtol=0)
+    if case == "steered":  # a generated-only term: nothing at the first token, |2 v| from the second on
+        assert ours[0].fired == {} and ours[1].fired["up"] == pytest.approx(float(2 * _vector().norm()), rel=1e-6)
+
+
+def test_readout_and_logit_lens_equal_the_engine(llama, ndif_llama):
+    from analyses.logit_lens import logit_lens, trace_completion
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    for norm in (True, False):
+        ours, theirs = llama.readout(x, norm=norm, token_ids=[1, 2, 3]), ndif_llama.readout(x, norm=norm, token_ids=[1, 2, 3])
+        assert torch.equal(theirs.top_ids, ours.top_ids) and torch.equal(theirs.token_ranks, ours.token_ranks)
+        torch.testing.assert_close(theirs.top_logits, ours.top_logits, atol=0, rtol=0)
+    # the lens page's path: a completion trace, then every layer read out. ndif: skips the attention patterns
+    # (refused); the engine is asked for none either, since eager attention (which patterns need) rounds
+    # differently from sdpa
+    ours = trace_completion(llama, "one two three", [5, 6], attention=False)
+    theirs = trace_completion(ndif_llama, "one two three", [5, 6])
+    assert not any(name.startswith("attn_pattern") for name in theirs.trace.activations)
+    lens_ours, lens_theirs = logit_lens(ours.trace, llama), logit_lens(theirs.trace, ndif_llama)
+    np.testing.assert_equal(lens_theirs.to_dict(), lens_ours.to_dict())  # NaN (the last position) equals NaN
+
+
+def test_router_sites_of_an_moe_equal_the_engine(moe):
+    ndif_moe = Engine(rehearse(moe.handle))
+    assert ndif_moe.capabilities()["router"]
+    sites = ["router.0", "experts.0", "expert_gates.0", "resid_post.1"]
+    ours = moe.trace("one two three", capture=sites)
+    theirs = ndif_moe.trace("one two three", capture=sites)
+    for site in sites:
+        torch.testing.assert_close(theirs.activations[site], ours.activations[site], atol=0, rtol=0)
+
+
+# ----- what an ndif: backend refuses, and why
+
+
+def test_capabilities_say_served_recomputed_or_refused_with_a_reason(ndif_llama):
+    from probes.engine import CAPABILITIES
+    from probes.ndif import capability_report
+
+    rows = {r["capability"]: r for r in capability_report(ndif_llama.handle)}
+    assert set(rows) == set(CAPABILITIES) and all(r["reason"] for r in rows.values())
+    assert {n for n, r in rows.items() if r["verdict"] != "refused"} == {
+        "trace", "capture_batch", "interventions", "generate", "readout"}  # router: a dense model has none
+    assert rows["generate"]["verdict"] == "recomputed" and "not streamed" in rows["generate"]["reason"]
+    assert ndif_llama.capabilities() == {n: r["verdict"] != "refused" for n, r in rows.items()}
+
+
+def test_refused_capabilities_name_which_and_why(ndif_llama):
+    from probes.backend import require
+
+    with pytest.raises(BadInputError, match="cannot do fork, grad on this backend .fork: prefix states"):
+        require(ndif_llama, "fork", "grad")
+    with pytest.raises(BadInputError, match="prefill is refused on ndif-local:tiny-random:llama, which runs on NDIF"):
+        ndif_llama.prefill("hello")
+    with pytest.raises(BadInputError, match="capturing attn_pattern.0 is refused .* eager attention"):
+        ndif_llama.trace("hello there", capture=["attn_pattern.0"])
+    with pytest.raises(BadInputError, match="MaskAttention .mask_attention. is refused .* only site edits"):
+        ndif_llama.trace("hello there", interventions=[MaskAttention([0], queries=[1])])
+    with pytest.raises(BadInputError, match="capture_batch with a prefix state is refused"):
+        ndif_llama.capture_batch([[1, 2, 3]], ["resid_post.0"], prefix=object())
+
+
+def test_a_missing_ndif_key_is_refused_before_any_network(monkeypatch):
+    from nnsight import CONFIG
+
+    from probes.zoo import load_model
+
+    monkeypatch.delenv("NDIF_API_KEY", raising=False)
+    monkeypatch.setattr(CONFIG.API, "APIKEY", None)
+    with pytest.raises(ModelLoadError, match="ndif: models need an NDIF API key.*export NDIF_API_KEY"):
+        load_model("ndif:meta-llama/Llama-3.1-8B")
+
+
+def test_ndif_local_model_ids_open_the_rehearsal():
+    from probes.zoo import load_model
+
+    with pytest.raises(BadInputError, match="ndif-local: takes a zoo model id"):
+        load_model("ndif-local:ndif:meta-llama/Llama-3.1-8B")
+
+
+@pytest.mark.model
+def test_smollm2_through_the_rehearsal_equals_the_engine(smollm2):
+    ndif_smol = Engine(rehearse(smollm2.handle))
+    d = smollm2.arch().d_model
+    edit = [AddVector("resid_post.10", torch.randn(d, generator=torch.Generator().manual_seed(0)), scale=4.0)]
+    sites = ["resid_post.3", "mlp_out.10", "z.20"]
+    ours = smollm2.trace("What is 2 + 3?", capture=sites, interventions=edit, chat=True)
+    theirs = ndif_smol.trace("What is 2 + 3?", capture=sites, interventions=edit, chat=True)
+    for site in sites:
+        torch.testing.assert_close(theirs.activations[site], ours.activations[site], atol=0, rtol=0)
+    torch.testing.assert_close(theirs.logprobs, ours.logprobs, atol=0, rtol=0, equal_nan=True)
+    gen_ours = list(smollm2.generate("What is 2 + 3?", chat=True, max_new_tokens=6, interventions=edit))
+    gen_theirs = list(ndif_smol.generate("What is 2 + 3?", chat=True, max_new_tokens=6, interventions=edit))
+    assert [r.token_id for r in gen_theirs] == [r.token_id for r in gen_ours]
+    assert [r.logprob for r in gen_theirs] == [r.logprob for r in gen_ours]

@@ -28,6 +28,7 @@ from rich.table import Table
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, eval_group
 from analyses.cot_entropy import evaluate_cot_exit, evaluate_cot_vote
 from analyses.cot_entropy.settling import evaluate_settling
+from analyses.distributed.options import RAY_OPTION, REPLICAS_OPTION, ray_runner
 from analyses.families import default_task, family_for
 from probes.backend import Backend
 from thoughtscope.errors import BadInputError
@@ -112,18 +113,21 @@ def register(cli: typer.Typer) -> None:
         step_delimiter: Optional[str] = typer.Option(None, help="regex ending a step (default: per family)"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
         per_problem: bool = typer.Option(True, help="include per-problem rows in the JSON"),
+        ray: Optional[str] = RAY_OPTION,
+        replicas: Optional[int] = REPLICAS_OPTION,
     ) -> None:
         """Vanilla, CUSUM early exit, DEER and Dynasor-CoT: settings chosen on development, run once on evaluation."""
         h_grid, deer_grid = parse_numbers(h, "--h"), parse_numbers(deer, "--deer")
         dynasor_grid = parse_dynasor(dynasor) or None
         bandwidths = parse_numbers(bandwidth, "--bandwidth") if bandwidth else None
+        replicas_of = ray_runner(model, server, ray, replicas)
         engine = backend(model, server, token)
-        with TerminalProgress() as progress:
+        with replicas_of as runner, TerminalProgress() as progress:
             report = evaluate_cot_exit(engine, _task(engine, task), n, n_calibration, n_dev, h_grid=h_grid,
                                        deer_grid=deer_grid, dynasor_grid=dynasor_grid, density=density,
                                        bandwidths=bandwidths, bins=bins, tolerance=tolerance, cost=cost,
                                        family=_family(engine, step_delimiter), max_new_tokens=max_new_tokens,
-                                       seed=seed, batch_size=batch_size, progress=progress)
+                                       seed=seed, batch_size=batch_size, progress=progress, runner=runner)
         if as_json:
             print(json.dumps(report.to_dict(with_results=per_problem)))
             return

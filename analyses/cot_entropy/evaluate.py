@@ -293,13 +293,14 @@ def evaluate_cot_exit(backend: Backend, task: str = "arith", n: int = 100, n_cal
                       bandwidths: Sequence[float] | None = None, bins: int = 10, tolerance: float = 0.02,
                       cost: str = "generated", family: ModelFamily | None = None, max_new_tokens: int = 96,
                       seed: int = 0, batch_size: int = 8, n_resamples: int = 2000,
-                      progress: Progress | None = None) -> CotExitReport:
+                      progress: Progress | None = None, runner: Any = None) -> CotExitReport:
     """Vanilla, CUSUM, DEER and Dynasor-CoT under the evaluation protocol (module docstring).
 
     `n`, `n_calibration`, `n_dev`: problems of the evaluation, calibration and development splits.
     `h_grid`, `deer_grid`, `dynasor_grid` ((k, m) pairs): the candidates chosen from on development;
     `tolerance`: how much development accuracy below vanilla a setting may lose; `cost`: which token
-    count it minimises (`generated`, or `with_probes`).
+    count it minimises (`generated`, or `with_probes`). `runner` (`analyses.distributed.RayRunner`): the
+    traces are generated on its model replicas, batch by batch with the serial run's seeds (the same report).
     """
     if not h_grid or not deer_grid:
         raise BadInputError("give at least one CUSUM threshold h and one DEER threshold to choose from")
@@ -310,7 +311,7 @@ def evaluate_cot_exit(backend: Backend, task: str = "arith", n: int = 100, n_cal
     family = family or family_for(backend)
     dynasor_grid = [tuple(map(int, km)) for km in (dynasor_grid or default_dynasor_grid(family))]
     splits = load_splits(task, n_calibration, n_dev, n, seed=seed)
-    common = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
+    common = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, runner=runner)
     t0 = time.perf_counter()
     cal_traces = probe_traces(backend, splits.calibration, family, [StoppingRule(probe_step_ends=True)], seed=seed,
                               on_progress=_stage(progress, "calibration"), **common)

@@ -16,6 +16,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from analyses.cot_entropy.detector import CalibrationTrace, CusumDetector
@@ -313,41 +314,61 @@ def _trace_from_records(backend: Backend, prompt_ids, records, family, rules, pr
 
 def probe_traces(backend: Backend, problems: Sequence[Problem], family: ModelFamily, rules: Sequence[StoppingRule], *,
                  max_new_tokens: int = 96, sampling: Any = None, seed: int = 0, n_samples: int = 1,
-                 batch_size: int = 8, on_progress: Callable[[int, int], None] | None = None) -> list[ProbedTrace]:
+                 batch_size: int = 8, on_progress: Callable[[int, int], None] | None = None,
+                 runner: Any = None) -> list[ProbedTrace]:
     """Generate every problem's trace(s) in batches, then probe each where any of `rules` would.
 
     Returns `n_samples` traces per problem, problem by problem; `on_progress(done, total)` after each,
     and again (same counts) after every decoding step of a batch and before every probe, so a job's
-    Stop (raised from the callback) ends the work within one model call.
+    Stop (raised from the callback) ends the work within one model call. With a `runner`
+    (`analyses.distributed.RayRunner`) the same batches, with the same seeds, run on its model replicas
+    and `on_progress` follows finished batches: the traces are those of the serial run.
     """
     if not problems:
         raise BadInputError("no problems to run")
     checks.integer("batch_size", batch_size, low=1)
-    out: list[ProbedTrace] = []
     total = len(problems) * n_samples
     per_batch = max(1, batch_size // n_samples)
-    for start in range(0, len(problems), per_batch):
-        chunk = list(problems[start:start + per_batch])
-        prompts = [_prompt_of(p, family) for p in chunk]
-        chat = prompts[0][1]
-        by_index: dict[int, list[Any]] = defaultdict(list)
-        stream = backend.generate(prompts=[p for p, _ in prompts], n_samples=n_samples, max_new_tokens=max_new_tokens,
-                                  sampling=sampling, seed=seed + start, chat=chat, top_k=0)
-        rows = len(chunk) * n_samples
-        between = (lambda: on_progress(len(out), total)) if on_progress else None
-        try:
-            for count, rec in enumerate(stream, 1):
-                by_index[rec.batch_index].append(rec)
-                if between and count % rows == 0:
-                    between()
-        finally:  # a Stop raised mid-stream ends the generation here, in this thread (it holds the engine's lock)
-            if hasattr(stream, "close"):
-                stream.close()
-        for i, problem in enumerate(chunk):
-            prompt_ids = backend.encode(prompts[i][0], chat=chat)
-            for s in range(n_samples):
-                out.append(_trace_from_records(backend, prompt_ids, by_index[i * n_samples + s], family, rules,
-                                               problem.id, problem.answer, between=between))
-                if on_progress:
-                    on_progress(len(out), total)
+    batches = [(list(problems[start:start + per_batch]), seed + start) for start in range(0, len(problems), per_batch)]
+    settings = dict(family=family, rules=list(rules), max_new_tokens=max_new_tokens, sampling=sampling,
+                    n_samples=n_samples)
+    if runner is not None:
+        done = runner.map(partial(probe_batch, **settings), batches, weights=[len(b) * n_samples for b, _ in batches],
+                          on_progress=on_progress)
+        return [trace for traces in done for trace in traces]
+    out: list[ProbedTrace] = []
+    between = (lambda: on_progress(len(out), total)) if on_progress else None
+    for batch in batches:
+        probe_batch(backend, batch, **settings, out=out, between=between)
+    return out
+
+
+def probe_batch(backend: Backend, batch: tuple[list[Problem], int], *, family: ModelFamily,
+                rules: Sequence[StoppingRule], max_new_tokens: int, sampling: Any, n_samples: int,
+                out: list[ProbedTrace] | None = None, between: Callable[[], None] | None = None) -> list[ProbedTrace]:
+    """One batch of `probe_traces`: (problems, seed) -> their probed traces, appended to `out`;
+    `between()` after every decoding step, before every probe and after every trace."""
+    chunk, batch_seed = batch
+    out = [] if out is None else out
+    prompts = [_prompt_of(p, family) for p in chunk]
+    chat = prompts[0][1]
+    by_index: dict[int, list[Any]] = defaultdict(list)
+    stream = backend.generate(prompts=[p for p, _ in prompts], n_samples=n_samples, max_new_tokens=max_new_tokens,
+                              sampling=sampling, seed=batch_seed, chat=chat, top_k=0)
+    rows = len(chunk) * n_samples
+    try:
+        for count, rec in enumerate(stream, 1):
+            by_index[rec.batch_index].append(rec)
+            if between and count % rows == 0:
+                between()
+    finally:  # a Stop raised mid-stream ends the generation here, in this thread (it holds the engine's lock)
+        if hasattr(stream, "close"):
+            stream.close()
+    for i, problem in enumerate(chunk):
+        prompt_ids = backend.encode(prompts[i][0], chat=chat)
+        for s in range(n_samples):
+            out.append(_trace_from_records(backend, prompt_ids, by_index[i * n_samples + s], family, rules,
+                                           problem.id, problem.answer, between=between))
+            if between:
+                between()
     return out

@@ -23,6 +23,7 @@ import typer
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
                              group)
+from analyses.distributed.options import RAY_OPTION, REPLICAS_OPTION, ray_runner
 from analyses.moe_router.evaluate import ExpertSetting, evaluate_active_experts, evaluate_expert_sample
 from analyses.moe_router.maps import profile_task
 from analyses.moe_router.stats import HeadTail
@@ -86,17 +87,20 @@ def register(cli: typer.Typer) -> None:
         n_resamples: int = typer.Option(2000, help="bootstrap resamples"),
         per_problem: bool = typer.Option(False, help="include per-problem rows in the JSON"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+        ray: Optional[str] = RAY_OPTION,
+        replicas: Optional[int] = REPLICAS_OPTION,
     ) -> None:
         """Greedy, temperature sampling and Expert-Sample (chosen on development): pass@n and best-of-n on evaluation."""
         settings_grid = parse_grid(grid) or None
         temps = parse_floats(temperature, "--temperature")
         combined_temps = parse_floats(combined, "--combined") or None
+        replicas_of = ray_runner(model, server, ray, replicas)
         b = backend(model, server, token)
-        with TerminalProgress(enabled=not as_json) as progress:
+        with replicas_of as runner, TerminalProgress(enabled=not as_json) as progress:
             report = evaluate_expert_sample(b, task, n, n_dev, samples, grid=settings_grid, temperatures=temps,
                                             combined_temperatures=combined_temps, max_new_tokens=max_new_tokens,
                                             seed=seed, batch_rows=batch_rows, n_resamples=n_resamples,
-                                            progress=progress)
+                                            progress=progress, runner=runner)
         payload = report.to_dict(per_problem=per_problem)
         record = _provenance(b, "thoughtscope eval expert-sample", "development+evaluation", seed,
                              payload["settings"], report.task)

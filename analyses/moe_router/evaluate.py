@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -236,11 +237,29 @@ def batch_seed(seed: int, batch: int) -> int:
     return int(seed) * 100_003 + int(batch)
 
 
+def generate_batch(backend: Backend, batch: tuple[list[Any], bool, int], *, method: Method, n: int,
+                   max_new_tokens: int) -> tuple[dict[int, list[str]], dict[int, float], dict[int, int]]:
+    """One batch of `draw_samples`: (prompts, chat, seed) -> per row its token texts, summed log-prob and token
+    count; a Ray replica (`analyses.distributed`) runs the same call."""
+    prompts, chat, s = batch
+    pieces: dict[int, list[str]] = {}
+    lp_sum: dict[int, float] = {}
+    count: dict[int, int] = {}
+    for rec in backend.generate(prompts=prompts, n_samples=n, max_new_tokens=max_new_tokens,
+                                sampling=method.sampling(), seed=s, interventions=method.interventions(s),
+                                top_k=0, chat=chat):
+        pieces.setdefault(rec.batch_index, []).append(rec.text)
+        lp_sum[rec.batch_index] = lp_sum.get(rec.batch_index, 0.0) + rec.logprob
+        count[rec.batch_index] = count.get(rec.batch_index, 0) + 1
+    return pieces, lp_sum, count
+
+
 def draw_samples(backend: Backend, items: Sequence[Item], method: Method, n_samples: int, *, max_new_tokens: int = 48,
                  seed: int = 0, batch_rows: int = 128, keep_texts: bool = False, progress: Progress | None = None,
-                 stage: str | None = None) -> Samples:
+                 stage: str | None = None, runner: Any = None) -> Samples:
     """Draw `n_samples` answers per problem with `method` (one per problem when the method is deterministic),
-    `batch_rows` sequences per generate call (whole problems of N samples each)."""
+    `batch_rows` sequences per generate call (whole problems of N samples each). With a `runner`
+    (`analyses.distributed.RayRunner`) the same batches, with the same seeds, run on its model replicas."""
     items = list(items)
     if not items:
         raise BadInputError("no problems to sample")
@@ -252,18 +271,16 @@ def draw_samples(backend: Backend, items: Sequence[Item], method: Method, n_samp
     texts: list[list[str]] = [[] for _ in items]
     stage = stage or method.name
     t0 = time.perf_counter()
-    for b, lo in enumerate(range(0, P, per_batch)):
+    starts = list(range(0, P, per_batch))
+    batches = [([it.prompt for it in items[lo:lo + per_batch]], items[lo].chat, batch_seed(seed, b))
+               for b, lo in enumerate(starts)]
+    one_batch = partial(generate_batch, method=method, n=n, max_new_tokens=max_new_tokens)
+    done = None if runner is None else runner.map(
+        one_batch, batches, weights=[len(prompts) for prompts, _, _ in batches],
+        on_progress=(lambda finished, total: progress(stage, finished, total)) if progress else None)
+    for b, lo in enumerate(starts):
         chunk = items[lo:lo + per_batch]
-        s = batch_seed(seed, b)
-        pieces: dict[int, list[str]] = {}
-        lp_sum: dict[int, float] = {}
-        count: dict[int, int] = {}
-        for rec in backend.generate(prompts=[it.prompt for it in chunk], n_samples=n, max_new_tokens=max_new_tokens,
-                                    sampling=method.sampling(), seed=s, interventions=method.interventions(s),
-                                    top_k=0, chat=chunk[0].chat):
-            pieces.setdefault(rec.batch_index, []).append(rec.text)
-            lp_sum[rec.batch_index] = lp_sum.get(rec.batch_index, 0.0) + rec.logprob
-            count[rec.batch_index] = count.get(rec.batch_index, 0) + 1
+        pieces, lp_sum, count = done[b] if done is not None else one_batch(backend, batches[b])
         for row in range(len(chunk) * n):
             p, j = lo + row // n, row % n
             text = "".join(pieces.get(row, []))
@@ -396,7 +413,7 @@ def evaluate_expert_sample(backend: Backend, task: str = "auto", n: int = 100, n
                            grid: Sequence[ExpertSetting] | None = None, temperatures: Sequence[float] = TEMPERATURES,
                            combined_temperatures: Sequence[float] | None = None, max_new_tokens: int = 48,
                            seed: int = 0, batch_rows: int = 128, n_resamples: int = 2000,
-                           progress: Progress | None = None) -> ExpertSampleReport:
+                           progress: Progress | None = None, runner: Any = None) -> ExpertSampleReport:
     """Choose Expert-Sample (and its temperature when combined) on development, then run greedy, every
     temperature, Expert-Sample and Expert-Sample + temperature once on evaluation. All inputs are checked
     before any model work."""
@@ -418,7 +435,7 @@ def evaluate_expert_sample(backend: Backend, task: str = "auto", n: int = 100, n
     task = resolve_task(task, backend)
     dev = load_items(task, "development", n_dev, seed=seed, backend=backend)
     ev = load_items(task, "evaluation", n, seed=seed, backend=backend)
-    kw = dict(max_new_tokens=max_new_tokens, seed=seed, batch_rows=batch_rows)
+    kw = dict(max_new_tokens=max_new_tokens, seed=seed, batch_rows=batch_rows, runner=runner)
 
     choices = {"expert_sample": choose_expert_setting(backend, dev, grid, n_samples, progress=progress, **kw)}
     chosen: ExpertSetting = choices["expert_sample"].chosen

@@ -87,7 +87,9 @@ def load_image(image: Any):
     if isinstance(image, (bytes, bytearray, str)):
         try:
             img.load()
-        except (OSError, ValueError, Image.DecompressionBombError) as err:
+        except Image.DecompressionBombError as err:
+            raise _bomb(err) from err
+        except (OSError, ValueError) as err:
             raise BadInputError(f"these bytes are not an image PIL can read ({err.__class__.__name__}); "
                                 "send PNG or JPEG bytes") from err
     return img if img.mode == "RGB" else img.convert("RGB")
@@ -115,7 +117,9 @@ def open_image(image: Any, check: bool = True):
             with warnings.catch_warnings():  # PIL warns of a "decompression bomb"; our size check below refuses it
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 img = Image.open(io.BytesIO(data))  # lazy: the header only
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
+        except Image.DecompressionBombError as err:  # PIL's own limit (twice Image.MAX_IMAGE_PIXELS), from the header
+            raise _bomb(err) from err
+        except (UnidentifiedImageError, OSError, ValueError) as err:
             raise BadInputError(f"these bytes are not an image PIL can read ({err.__class__.__name__}); "
                                 "send PNG or JPEG bytes") from err
     else:
@@ -128,6 +132,11 @@ def open_image(image: Any, check: bool = True):
         raise BadInputError(f"image mode {img.mode!r} is not supported; convert it to RGB "
                             f"(accepted modes: {', '.join(ACCEPTED_MODES)})")
     return img
+
+
+def _bomb(err: Exception) -> BadInputError:
+    return BadInputError(f"the image declares more pixels than it is safe to decode (a decompression bomb: {err}); "
+                         f"an image may have at most {MAX_IMAGE_PIXELS} pixels, {MAX_IMAGE_SIDE} per side (resize it)")
 
 
 def check_image_size(width: int, height: int, max_side: int = MAX_IMAGE_SIDE,

@@ -6,6 +6,8 @@
   captured site (target <= 1.10)
 - `steer_generate`: the same with one additive intervention (target <= 1.10)
 - `fork_probe`: a 16-token probe forked from a 512-token prefix / a 16-token forward from scratch (target <= 2)
+- `ndif_local_overhead`: a 3-site capture through nnsight `remote="local"` (the NDIF path) / the engine's
+  (reported, no target; probes.ndif_bench)
 
 `thoughtscope bench validation`: `validate_s` and `badge_overhead` (probes.validate_bench).
 
@@ -108,8 +110,10 @@ def bench_fork_probe(engine: Any, prefix_tokens: int = 512, probe_tokens: int = 
 def run_hooks(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
     engine = Engine.from_id(model_id)
     torch.manual_seed(0)
+    from probes.ndif_bench import bench_ndif_local_overhead
+
     return [bench_capture_forward(engine), bench_generate(engine, steer=False), bench_generate(engine, steer=True),
-            bench_fork_probe(engine)]
+            bench_fork_probe(engine), bench_ndif_local_overhead(engine)]
 
 
 def run_server(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:

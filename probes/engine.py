@@ -674,7 +674,7 @@ class Engine:
         `call.rows` > 1 (row masks) the same ids run as that many batch rows: [rows, seq, ...] out.
         `logits_to_keep` > 0: the logits of that many last positions only (0: every position)."""
         if self.handle.remote:  # the call refused every intervention already
-            return self._remote_trace(ids, sites, call)
+            return self._remote_trace(ids, sites, call, logits_to_keep)
         n_rows = call.rows
         input_ids = torch.tensor([ids] * n_rows, device=self.handle.device)
         if n_rows > 1 and vision:  # every row sees the same image(s)
@@ -689,14 +689,18 @@ class Engine:
             return dict(runner.captured), logits
         return {name: v[0] for name, v in runner.captured.items()}, logits[0]
 
-    def _remote_trace(self, ids: list[int], sites: list[Site], call: Call):
-        """A trace of an `ndif:` model: the same sites read (and edited) in one nnsight trace (probes.ndif)."""
+    def _remote_trace(self, ids: list[int], sites: list[Site], call: Call, logits_to_keep: int = 0):
+        """A trace of an `ndif:` model: the same sites read (and edited) in one nnsight trace (probes.ndif);
+        a capture that returns no logits reads none and stops after its deepest site."""
         from probes import ndif
 
         ndif.check_sites(self.handle, sites)
-        acts, logits, fired = ndif.forward(self.handle, call, torch.tensor([ids]), None, sites)
+        layered = all(s.layer is not None for s in sites)
+        acts, logits, fired = ndif.forward(self.handle, call, torch.tensor([ids]), None, sites,
+                                           want_logits=logits_to_keep == 0 or not layered,
+                                           stop_after_last_site=layered)
         call.runner.ctx.fired = fired  # what the edits reported, read by trace() as after a local forward
-        return {name: v[0] for name, v in acts.items()}, logits[0]
+        return {name: v[0] for name, v in acts.items()}, None if logits is None else logits[0]
 
     def _ndif_capture_batch(self, sequences, sites, call, prefix, positions, stop_after_last_site):
         from probes import ndif

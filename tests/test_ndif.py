@@ -184,3 +184,55 @@ def test_smollm2_through_the_rehearsal_equals_the_engine(smollm2):
     gen_theirs = list(ndif_smol.generate("What is 2 + 3?", chat=True, max_new_tokens=6, interventions=edit))
     assert [r.token_id for r in gen_theirs] == [r.token_id for r in gen_ours]
     assert [r.logprob for r in gen_theirs] == [r.logprob for r in gen_ours]
+
+
+# ----- the methods' own entry points on the rehearsal backend
+
+
+def test_method_entry_points_equal_the_engine(llama, ndif_llama):
+    """Steering sweeps, RISE step vectors and fuzzy-concept reads take the backend as it is (no method knows
+    it is on NDIF). RISE's harvest reuses a prefix state on the engine and runs whole sequences on ndif:
+    (no fork): the same numbers up to float rounding, atol 1e-5."""
+    from analyses.fuzzy_concepts.harvest import Sample, TextSource
+    from analyses.rise.harvest import step_residuals
+    from analyses.steering import steering_grid
+
+    direction = _vector(5)
+    grids = [steering_grid(b, "one two three", "resid_post.0", direction, [-1.0, 0.0, 2.0], max_new_tokens=4)
+             for b in (llama, ndif_llama)]
+    assert [grids[1].comparison(s).steered_text for s in (-1.0, 0.0, 2.0)] == \
+        [grids[0].comparison(s).steered_text for s in (-1.0, 0.0, 2.0)]
+    base = llama.encode("a shared prefix of more than eight tokens in every row")
+    seqs = [base + llama.encode(" one two", add_special_tokens=False), base + llama.encode(" three", add_special_tokens=False)]
+    positions = [[len(base), len(base) + 1], [len(base)]]
+    ours, theirs = (step_residuals(b, seqs, positions, layers=[0, 1]) for b in (llama, ndif_llama))
+    for a, b in zip(ours, theirs):
+        for site in a:
+            torch.testing.assert_close(b[site], a[site], atol=1e-5, rtol=0)
+    samples = [Sample(id="s0", key="k0", ids=seqs[0], position=len(base) + 1, text="one two", span=(4, 7))]
+    source = TextSource(word="two", kind="texts", texts=("one two",))
+    torch.testing.assert_close(source.read(ndif_llama, samples, "resid_post.1"), source.read(llama, samples, "resid_post.1"),
+                               atol=0, rtol=0)
+
+
+def test_router_maps_of_a_generation_equal_the_engine(moe):
+    from analyses.moe_router.maps import generation_map
+
+    ours = generation_map(moe, "one two three", max_new_tokens=4)
+    theirs = generation_map(Engine(rehearse(moe.handle)), "one two three", max_new_tokens=4)
+    np.testing.assert_equal(theirs.to_dict(), ours.to_dict())
+
+
+def test_visual_attribution_is_refused_with_the_reason(ndif_llama):
+    from analyses.visual_attribution.attribution import exhaustive_effects
+
+    with pytest.raises(BadInputError, match="cannot do vision on this backend .vision: image inputs"):
+        exhaustive_effects(ndif_llama, "a <image> b", None, [[0, 1]], [])
+
+
+def test_ndif_local_overhead_row(llama):
+    from probes.ndif_bench import bench_ndif_local_overhead
+
+    row = bench_ndif_local_overhead(llama, repeats=1, tokens=16)
+    assert row["bench"] == "ndif_local_overhead" and row["sites"] == ["resid_post.1", "mlp_out.1", "attn_out.1"]
+    assert row["ratio"] == pytest.approx(row["ndif_local_s"] / row["engine_s"], rel=2e-3)

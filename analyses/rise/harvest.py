@@ -350,7 +350,9 @@ def step_residuals(backend: Backend, sequences: Sequence[list[int]], positions: 
     """
     sites = [f"resid_post.{layer}" for layer in layers]
     shared = _shared_prefix(sequences, positions)
-    prefix = backend.prefill(list(sequences[0][:shared])) if shared >= 8 else None
+    # a backend without prefix states (an ndif: model) runs every sequence whole: the same values, more tokens
+    reuse = shared >= 8 and backend.capabilities().get("fork", False)
+    prefix = backend.prefill(list(sequences[0][:shared])) if reuse else None
     out: list[dict[str, torch.Tensor]] = []
     try:
         if prefix is not None and on_pass:

@@ -11,6 +11,9 @@
 
 `thoughtscope bench validation`: `validate_s` and `badge_overhead` (probes.validate_bench).
 
+`thoughtscope bench vision`: `vlm_stream_generate`, a tiny Qwen2.5-VL streaming with an image / HF
+`generate` (target <= 1.10; probes.vision_bench).
+
 Each pair is timed in alternation (A, B, A, B, ...) and compared by medians, so a slow moment of
 the machine hits both sides.
 """
@@ -27,6 +30,7 @@ from probes.interventions import AddVector
 from probes.server_bench import bench_server, bench_server_fork_probe
 from probes.timing import STORY, alternate_pair, sig
 from probes.validate_bench import run_validation as run_validation_group
+from probes.vision_bench import run_vision
 
 
 def bench_capture_forward(engine: Any, repeats: int = 15, tokens: int = 128) -> dict[str, Any]:
@@ -125,4 +129,5 @@ def run_validation(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
 
 
 # Groups for `thoughtscope bench GROUP` (discovered by the entry point, as each method's bench.py is).
-BENCHMARKS = {"hooks": run_hooks, "server": run_server, "validation": run_validation}
+BENCHMARKS = {"hooks": run_hooks, "server": run_server, "validation": run_validation,
+              "vision": run_vision}  # probes.vision_bench: vlm_stream_generate

@@ -294,3 +294,15 @@ def test_bad_images_through_the_server_are_4xx(tiny_server_url):
     r = httpx.post(f"{tiny_server_url}/capture_batch", json={"sequences": [ids], "capture": ["resid_post.0"],
                                                                "images": [[wide]]}, timeout=60)
     assert r.status_code == 413 and "9000x100" in r.text
+
+
+def test_the_vlm_stream_generate_bench_row():
+    """`thoughtscope bench vision` holds `vlm_stream_generate`; its row's ratio is its two printed times'."""
+    from probes.vision_bench import bench_vlm_stream_generate
+    from thoughtscope.cli import benchmark_groups
+
+    assert "vision" in benchmark_groups()
+    row = bench_vlm_stream_generate(_engine("tiny-random:qwen2_5_vl"), tokens=3, repeats=1)
+    assert (row["bench"], row["target"], row["engine_tokens"], row["image_tokens"]) == ("vlm_stream_generate", 1.10,
+                                                                                        3, 16)
+    assert row["ratio"] == pytest.approx(row["engine_s_per_token"] / row["hf_s_per_token"], rel=2e-3)

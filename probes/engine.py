@@ -570,8 +570,9 @@ class Engine:
                 raise BadInputError("capture_batch with images runs without a prefix: prefill the prefix with its "
                                     "images instead, and give text tails")
             sequences, vision = self._vision_inputs(sequences, images)
-        elif prefix is None:
-            self._refuse_image_tokens([t for seq in sequences for t in seq], "capture_batch without images")
+        else:  # image tokens past the prefix would run without their pixels
+            skip = len(prefix.ids) if prefix is not None else 0
+            self._refuse_image_tokens([t for seq in sequences for t in seq[skip:]], "capture_batch without images")
         sites = self._check_sites(capture)
         call = self._bind("capture_batch", interventions, lengths=[len(seq) for seq in sequences],
                           batch_rows=len(sequences), capture=sites)

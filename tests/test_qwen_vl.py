@@ -78,6 +78,11 @@ def test_greedy_generation_with_an_image_equals_hugging_face_generate(new_vlm):
     assert torch.allclose(recs[1].activations["resid_post.1"], full.activations["resid_post.1"][len(ids)], atol=1e-4)
     other = new_vlm.trace(PROMPT, images=[_image(3)])
     assert not torch.allclose(full.logprobs[len(ids) - 2:len(ids)], other.logprobs[-2:])
+    # the gradient slot runs from input embeddings with the image and the 3-D positions: its target is the trace's
+    seq = ids + [r.token_id for r in recs]
+    g = new_vlm.input_x_gradient(seq, target="logprob", positions=[len(seq) - 2, len(seq) - 1], sites=["resid_pre.0"],
+                                 images=[img])
+    assert g.target_value == pytest.approx(float(full.logprobs[-2:].double().sum()), abs=1e-3)
 
 
 def test_a_fork_from_an_image_prefix_equals_hugging_face(qwen):
@@ -259,6 +264,9 @@ def test_bad_images_are_refused_before_model_work(new_vlm, llama):
             new_vlm.capture_batch([new_vlm.encode(PROMPT)], ["resid_post.0"], images=[_image(), _image()])
         with pytest.raises(BadInputError, match="without their pixels"):  # image tokens given as ids, no image
             new_vlm.capture_batch([[new_vlm.handle.vision.image_token_id] * 16], ["resid_post.0"])
+        with pytest.raises(BadInputError, match="without their pixels"):  # ... or in a tail after a prefix
+            new_vlm.capture_batch([text_state.ids + [new_vlm.handle.vision.image_token_id]], ["resid_post.0"],
+                                  prefix=text_state)
         with pytest.raises(BadInputError, match="text-only"):
             llama.capture_batch([llama.encode("a <image>")], ["resid_post.0"], images=[_image()])
     finally:

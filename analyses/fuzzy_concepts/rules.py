@@ -220,11 +220,14 @@ class FuzzyRuleLayer:
         best = (math.inf, None)
         batch = n if self.batch_size is None else min(int(self.batch_size), n)
         every = max(1, self.steps // 50)
+        row_sq = x.pow(2).sum(1)  # |x_i|^2, fixed: the expanded reconstruction error reads it every step
         for step in range(int(self.steps) + 1):
-            rows = x if batch == n else x[torch.randperm(n, generator=gen)[:batch]]
-            wbar = torch.softmax(_log_memberships(rows @ P.T, C, log_sigma), dim=-1)
-            recon = (wbar @ U - rows).pow(2).sum(1).mean()
-            loss = recon + self.sparsity * _entropy(wbar).mean()
+            if batch == n:
+                rows, rows_sq = x, row_sq.mean()
+            else:
+                picked = torch.randperm(n, generator=gen)[:batch]
+                rows, rows_sq = x[picked], row_sq[picked].mean()
+            loss = _fit_loss(rows, rows_sq, P, C, log_sigma, U, self.sparsity)
             history.append(float(loss.detach()))
             if batch == n and history[-1] < best[0]:  # full batch: keep the best parameters seen
                 best = (history[-1], [p.detach().clone() for p in (P, C, log_sigma, U)])
@@ -417,6 +420,23 @@ class FuzzyRuleLayer:
         layer.n_iter_, layer.loss_history_ = config.get("n_iter", 0), []
         layer.metadata_ = config.get("metadata", {})  # type: ignore[attr-defined]  # only a loaded layer has one
         return layer
+
+
+def _fit_loss(rows: torch.Tensor, rows_sq_mean: torch.Tensor, P: torch.Tensor, C: torch.Tensor,
+              log_sigma: torch.Tensor, U: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """The training loss: mean |wbar U - x|^2 over the rows plus `sparsity` times the mean firing entropy.
+
+    The squared error is expanded, |wbar U - x|^2 = wbar (U U^T) wbar^T - 2 wbar (U x) + |x|^2, so a step
+    never builds an [n, d] tensor: one matrix product of the rows with [P; U] gives both the features
+    s = P x and the products U x, and the rest is [n, K] work (K x K for U U^T). Forward and backward then
+    read the n x d rows twice per step instead of five products and several n x d elementwise passes.
+    """
+    m = P.shape[0]
+    projected = rows @ torch.cat([P, U]).T  # [n, m + K]
+    s, xu = projected[:, :m], projected[:, m:]
+    wbar = torch.softmax(_log_memberships(s, C, log_sigma), dim=-1)
+    recon = (wbar * (wbar @ (U @ U.T) - 2 * xu)).sum(1).mean() + rows_sq_mean
+    return recon + sparsity * _entropy(wbar).mean()
 
 
 def _log_memberships(s: torch.Tensor, C: torch.Tensor, log_sigma: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,9 @@ REPLICAS_OPTION = typer.Option(None, "--replicas", help="model replicas (Ray act
 
 
 def ray_runner(model: str, server: str | None, ray: str | None, replicas: int | None) -> Any:
-    """A started `RayRunner` as a context manager when `--ray` is given, else a context yielding None."""
+    """A started `RayRunner` (its replicas loaded) as a context manager when `--ray` is given, else a context
+    yielding None. Started before the command loads its own model, so a cluster that is not there, or too
+    small, is said within seconds."""
     if ray is None:
         if replicas is not None:
             raise BadInputError("--replicas needs --ray (auto or a cluster address)")
@@ -25,4 +27,4 @@ def ray_runner(model: str, server: str | None, ray: str | None, replicas: int | 
         raise BadInputError("--ray runs one model replica per Ray actor; give --model, not --server")
     from analyses.distributed.runner import RayRunner
 
-    return RayRunner(model, address=ray, replicas=replicas)
+    return RayRunner(model, address=ray, replicas=replicas).start()

@@ -109,6 +109,8 @@ class RayRunner:
     # ----- the cluster and the replicas
 
     def start(self) -> "RayRunner":
+        if self.actors:  # started already (`ray_runner` starts it before the command enters its `with`)
+            return self
         ray = self._ray = import_ray()
         if not ray.is_initialized():
             self._connect(ray)
@@ -142,7 +144,21 @@ class RayRunner:
         options = dict(log_to_driver=False, include_dashboard=False)  # stdout stays the command's (--json)
         if address and address not in ("auto", "local"):
             check_reachable(address, self.connect_timeout_s)
-            ray.init(address=address, **options)
+            # something listens there; Ray's own wait for its GCS (a minute by default) is cut to ours
+            wait, os.environ["RAY_gcs_server_port_wait_time_s"] = (os.environ.get("RAY_gcs_server_port_wait_time_s"),
+                                                                   str(max(1, round(self.connect_timeout_s))))
+            try:
+                ray.init(address=address, **options)
+            except Exception as err:  # Ray raises ConnectionError or RuntimeError with a page of its logs
+                raise ClusterError(f"no Ray cluster answered at {address} within {self.connect_timeout_s:g} s "
+                                   f"(something listens there, but Ray could not connect: {str(err).splitlines()[0]}): "
+                                   "start one there with `ray start --head`, or use --ray auto for a local cluster "
+                                   "on this machine") from None
+            finally:
+                if wait is None:
+                    os.environ.pop("RAY_gcs_server_port_wait_time_s", None)
+                else:
+                    os.environ["RAY_gcs_server_port_wait_time_s"] = wait
         else:
             ray.init(num_cpus=os.cpu_count() or 1, **options)
         self._started_cluster = True

@@ -185,3 +185,29 @@ def test_the_toy_scenes_spans_on_every_family_are_the_description_phrases(family
     grid, true = scene_regions(engine, spec, ex, text)  # 4 x 4 tokens: each to the scene cell holding its centre
     assert [r.cells for r in grid] == [(0,), (1, 2), (3,), (4, 8), (5, 6, 9, 10), (7, 11), (12,), (13, 14), (15,)]
     assert true == [s.cell for s in ex.spans]
+
+
+def test_eval_vis_attr_runs_on_another_family_over_object_regions(monkeypatch, capsys):
+    """`thoughtscope eval vis-attr` on a SmolVLM (tiny random: code paths, not faithfulness): the toy scenes
+    resized to its input, object regions, the study's table; a bad --regions is a clear error."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from probes.toys import vlm
+    from thoughtscope import cli as cli_module
+
+    args = ["eval", "vis-attr", "--model", "tiny-random:smolvlm", "--n", "2", "--n-train", "2", "--n-dev", "0",
+            "--lds-subsets", "0", "--regions", "objects", "--json"]
+    result = CliRunner().invoke(cli_module.build(), args)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["settings"]["region_kind"] == "objects" and out["provenance"]["model"] == "tiny-random:smolvlm"
+    spans = sum(len(ex.spans) for ex in vlm.examples("eval", 2, seed=0))
+    assert out["settings"]["n_eval_spans"] == spans == out["metrics"]["exhaustive_hit"]["n"]
+    assert np.shape(out["example"]["effects"])[1] == len(vlm.examples("eval", 1, seed=0)[0].objects) + 1
+    monkeypatch.setattr("sys.argv", ["thoughtscope", *args[:-3], "--regions", "stars"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "regions 'stars' is not an option" in err and "Traceback" not in err

@@ -1,5 +1,6 @@
 """`thoughtscope eval vis-attr`: faithfulness of visual attribution on toy-vlm's held-out scenes, on any
-supported VLM family (the toy's own model, or an LLaVA / Idefics3 / SmolVLM / Qwen2-VL one fed the same scenes).
+supported VLM family (the toy's own model, or an LLaVA / Idefics3 / SmolVLM / Qwen2-VL / Qwen2.5-VL / Qwen3-VL
+one fed the same scenes).
 
 The estimator is trained on `--n-train` training scenes (exhaustive effects as targets), its settings
 chosen on `--n-dev` development scenes (the choice is in the JSON's settings), and every
@@ -21,7 +22,8 @@ from typing import Optional
 import typer
 
 from analyses.clikit import SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group
-from analyses.visual_attribution.evaluate import run_study
+from analyses.visual_attribution.evaluate import REGION_KINDS, run_study
+from thoughtscope import checks
 from thoughtscope.provenance import provenance, with_provenance
 
 
@@ -31,8 +33,9 @@ def register(cli: typer.Typer) -> None:
     @ev.command("vis-attr")
     def vis_attr(
         model: str = typer.Option("toy-vlm", "--model", help="a vision-language model: toy-vlm, toy-vlm:small, an "
-                                  "hf: LLaVA / Idefics3 / SmolVLM / Qwen2-VL folder, tiny-random:<llava|smolvlm|"
-                                  "qwen2_vl> (code paths only); the toy scenes are resized to its input"),
+                                  "hf: LLaVA / Idefics3 / SmolVLM / Qwen2-VL / Qwen2.5-VL / Qwen3-VL folder, tiny-random:<llava|"
+                                  "smolvlm|qwen2_vl|qwen2_5_vl|qwen3_vl> (code paths only); the toy scenes are "
+                                  "resized to its input"),
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
         n: int = typer.Option(40, "--n", help="held-out (eval split) scenes"),
@@ -51,6 +54,7 @@ def register(cli: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Amortized attribution, raw attention and exhaustive ablation against the true regions."""
+        checks.choice("regions", regions, REGION_KINDS)  # before the model loads
         b = backend(model, server, token)
         with TerminalProgress(enabled=not as_json) as progress:
             result = run_study(b, n_train=n_train, n_eval=n, seed=seed, epochs=epochs, n_subsets=lds_subsets,

@@ -185,8 +185,8 @@ def render(ctx) -> None:
     missing = [n for n in NEEDS if not have.get(n)]
     if missing:
         st.info(f"`{ctx.model_id}` cannot do {', '.join(missing)} here: this page needs a vision-language model "
-                "with local weights. Pick toy-vlm (trained here), tiny-random:llava or an hf: LLaVA / SmolVLM / Qwen2-VL folder "
-                "in the sidebar.")
+                "with local weights. Pick toy-vlm (trained here), tiny-random:llava or an hf: LLaVA, SmolVLM or "
+                "Qwen2-VL / Qwen2.5-VL / Qwen3-VL folder in the sidebar.")
         elsewhere_section(ctx)
         return
     spec = spec_of(ctx.backend)

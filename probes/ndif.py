@@ -11,7 +11,7 @@ streamed).
 
 `remote="local"` (nnsight 0.8) serialises the trace exactly as a real NDIF request, deserialises it
 with this project's modules hidden, and runs it here: that is how the tests rehearse this path on
-`tiny-random:` models and the embedded model (`open_rehearsal`, model id `ndif-local:<zoo id>`).
+`tiny-random:` models and the embedded model (`rehearse`, model id `ndif-local:<zoo id>`).
 
 `VERDICTS` says, for every capability of `probes.engine.CAPABILITIES`, whether an `ndif:` backend
 serves it (through a trace), recomputes it (the same result by another route) or refuses it, and why
@@ -62,10 +62,8 @@ def verdict(capability: str) -> tuple[str, str]:
 
 def capability_report(handle: Any) -> list[dict[str, str]]:
     """Rows {capability, verdict, reason} for an ndif: model (router on a dense model is refused: no router)."""
-    from probes.engine import CAPABILITIES
-
     rows = []
-    for name in CAPABILITIES:
+    for name in VERDICTS:  # every capability of probes.engine.CAPABILITIES (a test holds the two equal)
         status, reason = verdict(name)
         if name == "router" and not handle.arch.is_moe:
             status, reason = "refused", f"{handle.arch.model_type} is a dense model: it has no router"
@@ -94,19 +92,11 @@ def remote_mode(handle: Any) -> bool | str:
     return handle._extras.get("ndif_remote", True)
 
 
-def open_rehearsal(model_id: str, **load_kwargs: Any) -> Any:
-    """A handle that behaves as an `ndif:` model (no local hooks, every call an nnsight trace) but runs
-    its traces with `remote="local"` on the zoo model `model_id` loaded here."""
-    from probes.zoo import load_model
-
-    if model_id.startswith(("ndif:", "ndif-local:")):
-        raise BadInputError(f"ndif-local: takes a zoo model id (tiny-random:llama, smollm2-135m, ...), not {model_id}")
-    return rehearse(load_model(model_id, **load_kwargs))
-
-
 def rehearse(handle: Any) -> Any:
-    """A rehearsal handle over the weights of a loaded local `handle` (shared, never changed: the rehearsal
-    registers no hooks); `Engine(rehearse(engine.handle))` is how the tests pair the two paths."""
+    """A handle that behaves as an `ndif:` model (no local hooks, every call an nnsight trace) but runs its
+    traces with `remote="local"` over the weights of a loaded local `handle` (shared, never changed: the
+    rehearsal registers no hooks). `Engine(rehearse(engine.handle))` is how the tests pair the two paths;
+    the model id `ndif-local:<zoo id>` opens one (probes.zoo)."""
     import dataclasses
 
     # one nnsight wrapper per module tree, shared; images are refused on ndif: backends
@@ -284,22 +274,21 @@ class EngineChoice:
     with the engine's seeded generator), so a sampled NDIF generation equals the engine's token for token.
     Built on the server on first use (a torch generator does not travel)."""
 
-    def __init__(self, sampling: Any, seed: int):
-        self.sampling, self.seed, self.gen = sampling, int(seed), None
+    def __init__(self, choose: Any, sampling: Any, seed: int):
+        self.choose, self.sampling, self.seed, self.gen = choose, sampling, int(seed), None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        from probes.engine import Engine
-
         if self.gen is None:
             self.gen = torch.Generator(device="cpu").manual_seed(self.seed)
         logp = torch.log_softmax(scores.float(), dim=-1)
-        chosen = Engine._choose(None, scores, logp, self.sampling, self.gen)
+        chosen = self.choose(None, scores, logp, self.sampling, self.gen)  # Engine._choose, shipped by value
         forced = torch.full_like(scores, float("-inf"))
         return forced.scatter(-1, chosen.view(-1, 1), 0.0)
 
 
 def generate_steps(handle: Any, call: Any, input_ids: torch.Tensor, mask: torch.Tensor, sites: list[Site],
-                   max_new_tokens: int, sampling: Any, seed: int, eos_ids: list[int], pad_id: int) -> list[dict]:
+                   max_new_tokens: int, sampling: Any, seed: int, eos_ids: list[int], pad_id: int,
+                   choose: Any) -> list[dict]:
     """One nnsight `generate` under the call's site edits: per decoding step, the last position's logits
     [batch, vocab], captures {site: [batch, 1, ...]} and reports {name: [batch, 1]}."""
     import nnsight
@@ -325,7 +314,7 @@ def generate_steps(handle: Any, call: Any, input_ids: torch.Tensor, mask: torch.
     embed = _embedding_path(handle) if run is not None else None
     inputs = {"input_ids": input_ids, "attention_mask": mask}
     with lm.generate(inputs, generation_config=config, remote=remote_mode(handle),
-                     logits_processor=LogitsProcessorList([EngineChoice(sampling, seed)])) as tracer:
+                     logits_processor=LogitsProcessorList([EngineChoice(choose, sampling, seed)])) as tracer:
         steps = nnsight.save([])
         state = {"mask": mask, "flat": flat}
         for t in tracer.iter[:max_new_tokens]:
@@ -428,16 +417,14 @@ def generate(engine: Any, ids: list[list[int]], sites: list[Site], max_new_token
              call: Any, top_k: int, stop: tuple[str, ...]) -> "RecordsAfterRun":
     """`Engine.generate` of an ndif: model: one nnsight generate, then the records built from its saved steps
     by the engine's own `_step_records` (the same tokens, log-probs, entropies, top-k, captures, reports)."""
-    from probes.engine import _Step
-
     handle = engine.handle
     check_sites(handle, sites)
     input_ids, mask = engine._left_pad(ids)
     steps = generate_steps(handle, call, input_ids, mask, sites, max_new_tokens, sampling, seed,
-                           engine.eos_ids(), engine.tok.pad_token_id or 0)
+                           engine.eos_ids(), engine.tok.pad_token_id or 0, type(engine)._choose)
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     described = call.described()
-    step = _Step([list(x) for x in ids], mask, None, [False] * len(ids), [""] * len(ids))
+    step = _Rows([list(x) for x in ids], [False] * len(ids), [""] * len(ids))
     records = []
     for t, saved in enumerate(steps):
         runner = _SavedForward(saved)
@@ -453,6 +440,15 @@ def generate(engine: Any, ids: list[list[int]], sites: list[Site], max_new_token
         if all(step.finished):
             break
     return RecordsAfterRun(records, step.texts)
+
+
+@dataclass
+class _Rows:
+    """What `Engine._step_records` reads of a generation in flight: each row's ids so far, whether it ended."""
+
+    ids: list[list[int]]
+    finished: list[bool]
+    texts: list[str]
 
 
 class _SavedForward:

@@ -282,9 +282,12 @@ def load_model(
     elif model_id.startswith("ndif:"):
         return _load_ndif(model_id, dt)
     elif model_id.startswith("ndif-local:"):  # the NDIF path rehearsed here: nnsight remote="local" (probes.ndif)
-        from probes.ndif import open_rehearsal
+        inner = model_id.split(":", 1)[1]
+        if inner.startswith(("ndif:", "ndif-local:")):
+            raise BadInputError(f"ndif-local: takes a zoo model id (tiny-random:llama, smollm2-135m, ...), not {inner}")
+        from probes.ndif import rehearse
 
-        return open_rehearsal(model_id.split(":", 1)[1], device=device, dtype=dtype)
+        return rehearse(load_model(inner, device=device, dtype=dtype))
     else:
         raise UnknownModelError(
             f"unknown model id {model_id!r}. Known: {DEFAULT_MODEL}, {', '.join(toy_model_ids())}, "

@@ -136,7 +136,7 @@ def test_capabilities_say_served_recomputed_or_refused_with_a_reason(ndif_llama)
     assert ndif_llama.capabilities() == {n: r["verdict"] != "refused" for n, r in rows.items()}
 
 
-def test_refused_capabilities_name_which_and_why(ndif_llama):
+def test_refused_capabilities_name_which_and_why(llama, ndif_llama):
     from probes.backend import require
 
     with pytest.raises(BadInputError, match="cannot do fork, grad on this backend .fork: prefix states"):
@@ -148,7 +148,7 @@ def test_refused_capabilities_name_which_and_why(ndif_llama):
     with pytest.raises(BadInputError, match="MaskAttention .mask_attention. is refused .* only site edits"):
         ndif_llama.trace("hello there", interventions=[MaskAttention([0], queries=[1])])
     with pytest.raises(BadInputError, match="capture_batch with a prefix state is refused"):
-        ndif_llama.capture_batch([[1, 2, 3]], ["resid_post.0"], prefix=object())
+        ndif_llama.capture_batch([[1, 2, 3]], ["resid_post.0"], prefix=llama.prefill([1, 2]))
 
 
 def test_a_missing_ndif_key_is_refused_before_any_network(monkeypatch):

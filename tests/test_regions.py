@@ -149,6 +149,8 @@ def test_a_regions_json_of_boxes_and_masks_becomes_token_regions():
            ({"regions": []}, "1..256 regions"),
            ({"size": [48, 48], "regions": [{"box": [0, 0, 8, 8]}]}, "drawn on a 48x48 image"),
            ({"boxes": []}, "regions JSON"),
+           ({"regions": [{"mask": [[1, 0], [1]]}]}, "H rows of W"),
+           ({"size": 96, "regions": [{"box": [0, 0, 8, 8]}]}, "width, height"),
            ("not json {", "not JSON")]
     for doc, match in bad:
         with pytest.raises(BadInputError, match=match):

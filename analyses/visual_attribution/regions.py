@@ -145,6 +145,8 @@ def regions_from_json(spec: VisionSpec, data: Any, size: tuple[int, int]) -> lis
                             '{"name": ..., "mask": [[0/1, ...], ...]}, ...]}')
     w, h = size
     drawn = doc.get("size")
+    if drawn is not None and not (isinstance(drawn, list) and len(drawn) == 2):
+        raise BadInputError(f'regions JSON: "size" is [width, height] of the image they were drawn on; got {drawn!r}')
     if drawn is not None and list(drawn) != [w, h]:
         raise BadInputError(f"these regions were drawn on a {drawn[0]}x{drawn[1]} image but the image is {w}x{h}: "
                             "draw them on this image (or drop \"size\")")
@@ -160,7 +162,11 @@ def regions_from_json(spec: VisionSpec, data: Any, size: tuple[int, int]) -> lis
             if "box" in item:
                 out.extend(box_regions(spec, [item["box"]], size, [name], min_coverage))
             else:
-                out.extend(mask_regions(spec, [np.asarray(item["mask"])], size, [name], min_coverage))
+                try:
+                    mask = np.asarray(item["mask"])
+                except ValueError as err:  # ragged rows
+                    raise BadInputError(f"a mask is H rows of W 0/1 values ({err})") from err
+                out.extend(mask_regions(spec, [mask], size, [name], min_coverage))
         except BadInputError as err:
             raise BadInputError(f"region {i} ({name!r}): {err}") from err
     return out

@@ -1,0 +1,84 @@
+"""Work counted on the hot paths the growth curves measure (benchmarks/curves.py): a regression that
+recomputes a prefix, copies a capture every step or feeds the whole sequence again shows up here as a
+count, not as a time. And the curves' shape check on hand-worked numbers."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from benchmarks.curves import shape_ratio
+
+
+@contextlib.contextmanager
+def fed_tokens(engine):
+    """Columns of input_ids fed to each call of the model's forward (a prefix recomputed shows up here)."""
+    widths = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        widths.append(int(ids.shape[-1]))
+
+    handle = engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield widths
+    finally:
+        handle.remove()
+
+
+def test_the_shape_check_extrapolates_the_lower_points_by_hand():
+    linear = shape_ratio([1, 2, 3, 4], [2, 4, 6, 10], "linear")  # a line through 2, 4, 6 predicts 8
+    assert linear["predicted_top"] == pytest.approx(8.0) and linear["ratio"] == 1.25 and linear["holds"]
+    quad = shape_ratio([1, 2, 3, 4, 5], [1, 4, 9, 16, 50], "quadratic")  # n^2 predicts 25: twice over
+    assert quad["predicted_top"] == pytest.approx(25.0) and quad["ratio"] == 2.0 and not quad["holds"]
+    flat = shape_ratio([1, 2, 4, 8], [10, 10, 10, 5], "flat", higher_is_worse=False)  # throughput halved
+    assert flat["ratio"] == 2.0 and not flat["holds"]
+
+
+def test_a_stream_feeds_one_token_per_step_and_keeps_one_position_per_record(llama):
+    prompt = list(range(5, 45))
+    with fed_tokens(llama) as widths:
+        records = list(llama.generate(prompt, max_new_tokens=12, capture=["resid_post.0", "resid_post.1"]))
+    n = len(records)
+    assert widths == [40] + [1] * (n - 1)  # the prompt once, then one token per step
+    d = llama.arch().d_model
+    for rec in records:  # each record holds its own position, never a copy of the sequence so far
+        for v in rec.activations.values():
+            assert v.shape == (d,) and v.untyped_storage().nbytes() == d * v.element_size()
+
+
+def test_a_fork_computes_the_suffix_and_its_new_tokens_never_the_prefix(llama):
+    prefix = list(range(5, 305))
+    state = llama.prefill(prefix)
+    with fed_tokens(llama) as widths:
+        records = llama.fork(state, list(range(400, 416)), max_new_tokens=4)
+        llama.fork(state, list(range(400, 416)), max_new_tokens=1, at=150)  # from inside the prefix: no recompute
+    assert widths == [16] + [1] * (len(records) - 1) + [16]
+
+
+def test_a_live_prefix_extends_by_the_new_tokens_only(llama):
+    from analyses.cot_entropy.probing import LivePrefix
+
+    live = LivePrefix(llama, list(range(5, 37)))
+    with fed_tokens(llama) as widths:
+        for end in (10, 25, 60):
+            live.at(list(range(100, 100 + end)))
+    live.close()
+    assert widths == [32 + 10, 15, 35]
+
+
+def test_probes_over_a_trace_run_one_prefill_and_one_fork_per_position(llama):
+    from analyses.cot_entropy.probing import probe_positions
+    from analyses.families import family_for
+
+    family = family_for("tiny-random:llama")
+    suffix = len(llama.encode(family.answer_suffix, add_special_tokens=False))
+    prompt, trace = list(range(5, 37)), list(range(100, 228))  # 32 + 128 tokens
+    with fed_tokens(llama) as widths:
+        probes = probe_positions(llama, prompt, trace, range(32, 129, 32), family)
+    assert len(probes) == 4
+    assert widths[0] == 32 + 128  # the longest prefix, once
+    # each fork feeds the suffix alone (never the prefix), then one token per decoded answer token
+    assert suffix > 1 and widths[1:].count(suffix) == 4 and set(widths[1:]) <= {1, suffix}

@@ -204,7 +204,8 @@ def test_eval_vis_attr_runs_on_another_family_over_object_regions(monkeypatch, c
     result = CliRunner().invoke(cli_module.build(), args)
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["settings"]["region_kind"] == "objects" and out["provenance"]["model"] == "tiny-random:smolvlm"
+    assert out["settings"]["regions"].startswith("each object's true pixel box")
+    assert out["provenance"]["model"] == "tiny-random:smolvlm"
     spans = sum(len(ex.spans) for ex in vlm.examples("eval", 2, seed=0))
     assert out["settings"]["n_eval_spans"] == spans == out["metrics"]["exhaustive_hit"]["n"]
     assert np.shape(out["example"]["effects"])[1] == len(vlm.examples("eval", 1, seed=0)[0].objects) + 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analyses.visual_attribution.evaluate import run_study, toy_scene
+from analyses.visual_attribution.evaluate import REGION_NOTES, run_study, toy_scene
 from probes.engine import Engine
 from probes.toys import vlm
 
@@ -38,7 +38,8 @@ def test_the_study_over_object_regions_reports_the_grid_cells_table(small_vlm):
     assert sorted(objects["metrics"]) == sorted(grid["metrics"]) and len(grid["metrics"]) == 23
     assert sorted(objects["comparison"]) == sorted(grid["comparison"])
     assert sorted(objects["costs"]) == sorted(grid["costs"])
-    assert objects["settings"]["region_kind"] == "objects" and grid["settings"]["region_kind"] == "grid"
+    assert (objects["settings"]["regions"], grid["settings"]["regions"]) == (REGION_NOTES["objects"],
+                                                                             REGION_NOTES["grid"])
     assert objects["metrics"]["amortized_hit"]["n"] == grid["metrics"]["amortized_hit"]["n"] == \
         objects["settings"]["n_eval_spans"]
     # the example scene: one score per object and the background for every span

@@ -366,7 +366,6 @@ def run_study(backend: Backend, n_train: int = 40, n_eval: int = 40, seed: int =
                 "regions": (f"{clusters} Ward clusters of resid_pre.0 at the image tokens, per scene" if clusters
                             else REGION_NOTES[regions] if regions != "grid" or _is_toy(backend) else
                             "the 9 scene cells, each the visual tokens whose centres lie in it"),
-                "region_kind": "clusters" if clusters else regions,
                 "estimator": {"epochs": est.epochs, "lr": est.lr, "l2": est.l2, "features": est.features},
                 "n_dev_scenes": n_dev,
                 "dev_choice": dev_choice if dev_choice else "none: the estimator's default settings, not tuned",

@@ -214,3 +214,30 @@ def test_eval_vis_attr_runs_on_another_family_over_object_regions(monkeypatch, c
         cli_module.main()
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "regions 'stars' is not an option" in err and "Traceback" not in err
+
+
+def test_streamed_span_attention_over_a_box_and_a_mask_equals_the_offline_features():
+    """The streaming heat map over pixel regions (tiny SmolVLM: pixel shuffle): each finished span's attention
+    to a box and to a mask equals `attention_features` over the same regions on the finished sequence, and
+    each region's feature is the sum of its tokens' single-token features."""
+    from analyses.visual_attribution import Region, attention_features, box_regions, mask_regions
+    from analyses.visual_attribution.stream import stream_attribution
+
+    engine = Engine.from_id("tiny-random:smolvlm", device="cpu")
+    spec = spec_of(engine)
+    image = (np.random.default_rng(1).random((100, 80, 3)) * 255).astype(np.uint8)  # 80 wide, 100 high
+    mask = np.zeros((100, 80), dtype=bool)
+    mask[60:, :30] = True
+    regions = box_regions(spec, [(40, 0, 80, 50)], (80, 100), ["top right"]) + mask_regions(spec, [mask], (80, 100))
+    assert [r.cells for r in regions] == [(2, 3, 6, 7), (8, 9, 12, 13)]
+    prompt = "look <image> then"
+    events = list(stream_attribution(engine, prompt, image, regions, max_new_tokens=10, delimiters=("e", "a", "s")))
+    spans = [e.span for e in events if e.span is not None]
+    assert spans and len(events) == 10
+    full = expand(spec, engine.encode(prompt), 1)[0] + [e.record.token_id for e in events]
+    offline = attention_features(engine, full, image, [(s.start, s.end) for s in spans], regions)
+    singles = attention_features(engine, full, image, [(s.start, s.end) for s in spans],
+                                 [Region(f"t{c}", (c,)) for c in range(16)])
+    for s, feats, one in zip(spans, offline, singles):
+        assert np.allclose(s.features, feats, atol=1e-5)
+        assert np.allclose(feats, [one[list(r.cells)].sum(0) for r in regions], atol=1e-5)

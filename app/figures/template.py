@@ -9,6 +9,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from app.figures.margins import settle_margins
+
 # Okabe-Ito: distinguishable under the common colour-vision deficiencies.
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 SEQUENTIAL = "Viridis"
@@ -51,7 +53,8 @@ def export_size(fig: go.Figure, width: int | None = None, height: int | None = N
 
 
 def styled(fig: go.Figure, title: str | None = None) -> go.Figure:
-    """Apply the project template (and a title) to a figure; returns the same figure.
+    """Apply the project template (and a title) to a figure, with the margins its labels will need set up
+    front; returns the same figure.
 
     Traces get fixed ids (plotly.js otherwise draws each with a random one), so the same figure
     always exports to the same SVG bytes."""
@@ -61,4 +64,4 @@ def styled(fig: go.Figure, title: str | None = None) -> go.Figure:
             trace.uid = f"t{i}"
     if title is not None:
         fig.update_layout(title=dict(text=title, x=0.01, xanchor="left"))
-    return fig
+    return settle_margins(fig)  # the browser draws it once (app/figures/margins.py says why)

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from probes import attention_masks, interventions, kv_policies, routing  # noqa: F401  (importing registers every wire kind)
+from probes import attention_rows
 from probes.calls import Call
 from probes.kv_cache import kv_bytes_per_sequence
 from probes.memory_budget import check_call as check_memory
@@ -574,8 +576,12 @@ class Engine:
             skip = len(prefix.ids) if prefix is not None else 0
             self._refuse_image_tokens([t for seq in sequences for t in seq[skip:]], "capture_batch without images")
         sites = self._check_sites(capture)
+        # patterns read at chosen rows only: computed as rows (probes.attention_rows), never as seq x seq
+        pattern_sites = [s for s in sites if s.kind == "attn_pattern"] if (
+            positions is not None and not interventions and not self.handle.remote and any(positions)
+            and attention_rows.supported(self.model)) else []
         call = self._bind("capture_batch", interventions, lengths=[len(seq) for seq in sequences],
-                          batch_rows=len(sequences), capture=sites)
+                          batch_rows=len(sequences), capture=[s for s in sites if s not in pattern_sites])
         if self.handle.remote:  # an ndif: model: one nnsight trace over the batch (probes.ndif)
             return self._ndif_capture_batch(sequences, sites, call, prefix, positions, stop_after_last_site)
         if prefix is not None:
@@ -622,7 +628,16 @@ class Engine:
             kwargs["use_cache"] = False
         deepest = max((s.layer for s in sites if s.layer is not None), default=None)
         stop_early = stop_after_last_site and deepest is not None and all(s.layer is not None for s in sites)
-        with self.lock, call:
+        rows, columns = None, sorted({p - shared for pos in (positions or []) for p in pos})
+        if pattern_sites:
+            deepest_pattern = max(s.layer for s in pattern_sites)
+            # nothing wanted after the deepest pattern layer's attention: the forward ends inside it
+            in_attention = stop_early and all(s.layer < deepest_pattern for s in sites if s not in pattern_sites)
+            rows = attention_rows.AttentionRows(
+                self.model, {s.layer: get_module(self.model, s.module_path(self.handle.family)) for s in pattern_sites},
+                columns, stop=_stop_forward if in_attention else None)
+            stop_early = stop_early and not in_attention
+        with self.lock, call, (rows or contextlib.nullcontext()):
             runner = call.runner
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = len(sequences), width, "trace"
             runner.ctx.positions = flat
@@ -640,8 +655,15 @@ class Engine:
             captured = dict(runner.captured)
         if positions is None:
             return captured
-        return {name: torch.cat([v[b, [p - shared for p in pos]] for b, pos in enumerate(positions)])
-                for name, v in captured.items()}
+        picked = {name: torch.cat([v[b, [p - shared for p in pos]] for b, pos in enumerate(positions)])
+                  for name, v in captured.items()}
+        if rows is not None:  # [batch, heads, columns, keys] -> the chosen rows as [rows, heads, keys]
+            at = {c: i for i, c in enumerate(columns)}
+            for s in pattern_sites:
+                r = rows.rows[s.layer]
+                picked[s.name] = torch.cat([r[b, :, [at[p - shared] for p in pos]].transpose(0, 1)
+                                            for b, pos in enumerate(positions)])
+        return {s.name: picked[s.name] for s in sites if s.name in picked}
 
     @torch.no_grad()
     def capture(self, text: Prompt, capture: Sequence[str], interventions: Sequence[Any] = (),
@@ -695,13 +717,7 @@ class Engine:
         a capture that returns no logits reads none and stops after its deepest site."""
         from probes import ndif
 
-        ndif.check_sites(self.handle, sites)
-        layered = all(s.layer is not None for s in sites)
-        acts, logits, fired = ndif.forward(self.handle, call, torch.tensor([ids]), None, sites,
-                                           want_logits=logits_to_keep == 0 or not layered,
-                                           stop_after_last_site=layered)
-        call.runner.ctx.fired = fired  # what the edits reported, read by trace() as after a local forward
-        return {name: v[0] for name, v in acts.items()}, None if logits is None else logits[0]
+        return ndif.trace_rows(self.handle, call, ids, sites, logits_to_keep)
 
     def _ndif_capture_batch(self, sequences, sites, call, prefix, positions, stop_after_last_site):
         from probes import ndif

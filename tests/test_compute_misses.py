@@ -68,3 +68,80 @@ def test_a_fit_follows_the_direct_loss_trajectory_step_by_step():
     assert layer.n_iter_ == 40 and len(layer.loss_history_) == 41
     assert torch.allclose(torch.tensor(layer.loss_history_), torch.tensor(history), rtol=1e-5, atol=1e-6)
     assert history[0] - history[-1] > 3e-3  # the replay moved (0.3045 -> 0.3006): a trajectory, not 41 copies
+
+
+# ----------------------------------------------------------------------------- attention rows
+
+
+def _rows_equal_eager(engine, sequences, positions, extra_sites=(), images=None):
+    """capture_batch's rows of every attn_pattern layer (and `extra_sites`) against eager full traces."""
+    sites = [f"attn_pattern.{layer}" for layer in range(engine.arch().n_layers)] + list(extra_sites)
+    rows = engine.capture_batch(sequences, sites, positions=positions, images=images)
+    start = 0
+    for b, (seq, pos) in enumerate(zip(sequences, positions)):
+        trace = engine.trace(seq, capture=sites, images=None if images is None else [images[b]])
+        n = len(trace.token_ids)
+        for site in sites:
+            got = rows[site][start:start + len(pos)]
+            want = trace.activations[site][pos]
+            if site.startswith("attn_pattern"):
+                assert got.shape == (len(pos), engine.arch().n_heads, rows[site].shape[-1])
+                assert float(got[..., n:].abs().sum()) == 0.0  # a shorter row never reads the padding keys
+                got = got[..., :n]
+            assert torch.allclose(got, want, atol=1e-6), (b, site)
+        start += len(pos)
+    assert start == rows[sites[0]].shape[0]
+
+
+def test_attention_rows_equal_eager_probabilities_in_a_padded_batch(llama, moe):
+    for engine in (llama, moe):  # 4 query heads over 2 key-value heads: grouped keys
+        a, b = engine.encode("one two three four five six seven"), engine.encode("alpha beta gamma")
+        _rows_equal_eager(engine, [a, b], [[2, 4, len(a) - 1], [len(b) - 1, 1]], extra_sites=["resid_post.0"])
+        assert engine.model.config._attn_implementation == "sdpa"  # restored after the call
+
+
+def test_attention_rows_end_the_forward_inside_the_deepest_layer_and_skip_the_seq_by_seq_patterns(llama):
+    """Counting work: with rows, the last layer's MLP never runs and no attention function returns weights."""
+    from probes.sites import Site, get_module
+
+    ids = llama.encode("one two three four five")
+    n_layers = llama.arch().n_layers
+    mlp = get_module(llama.model, Site("mlp_out", n_layers - 1).module_path(llama.handle.family))
+    attn = [get_module(llama.model, Site("attn_pattern", layer).module_path(llama.handle.family))
+            for layer in range(n_layers)]
+    calls, weights = [], []
+    hooks = [mlp.register_forward_hook(lambda *_: calls.append("mlp"))]
+    hooks += [m.register_forward_hook(lambda _m, _a, out: weights.append(out[1])) for m in attn]
+    try:
+        llama.capture_batch([ids], [f"attn_pattern.{layer}" for layer in range(n_layers)], positions=[[3, 4]])
+        assert calls == [] and all(w is None for w in weights) and len(weights) == n_layers - 1
+        weights.clear()
+        llama.trace(ids, capture=[f"attn_pattern.{n_layers - 1}"])  # the full pattern: eager, [1, heads, 5, 5]
+        assert calls == ["mlp"] and weights[-1].shape[-2:] == (5, 5)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_attention_rows_with_an_image_and_the_features_that_read_them():
+    """A VLM: the rows over image and text keys equal eager attention, and `attention_features` from rows
+    (no trace given) equals the features read from a full eager trace."""
+    import numpy as np
+
+    from analyses.visual_attribution import attention_features, grid_regions
+    from probes import Engine
+    from probes.vision import spec_of
+
+    llava = Engine.from_id("tiny-random:llava", device="cpu")
+    image = (np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8)
+    text = "a b <image> c d e f g"
+    n = len(llava.trace(text, images=[image]).token_ids)
+    _rows_equal_eager(llava, [llava.encode(text)], [[n - 4, n - 2, n - 1]], images=[image])
+    regions = grid_regions(spec_of(llava), 2, 2)
+    spans = [(n - 3, n), (n - 5, n - 3)]
+    sites = [f"attn_pattern.{layer}" for layer in range(llava.arch().n_layers)]
+    from_rows = attention_features(llava, text, image, spans, regions)
+    from_trace = attention_features(llava, text, image, spans, regions,
+                                    trace=llava.trace(text, capture=sites, images=[image]))
+    assert from_rows.shape == (2, 4, llava.arch().n_layers * llava.arch().n_heads)
+    assert np.allclose(from_rows, from_trace, atol=1e-6) and float(np.abs(from_rows).sum()) > 0

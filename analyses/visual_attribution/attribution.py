@@ -63,12 +63,6 @@ def check_spans(spans: Sequence[Sequence[int]], n_tokens: int, image_end: int) -
     return out
 
 
-def _spec_and_trace(backend: Backend, text: Any, image: Any, capture: Sequence[str] = ()):
-    require(backend, "vision", "trace", "interventions")
-    spec = spec_of(backend)
-    return spec, backend.trace(text, capture=list(capture), images=[image])
-
-
 def span_logprobs(logprobs: torch.Tensor, spans: Sequence[tuple[int, int]]) -> np.ndarray:
     lp = torch.as_tensor(logprobs).double()
     return np.array([float(lp[s:e].sum()) for s, e in spans])
@@ -136,24 +130,53 @@ def attention_features(backend: Backend, text: Any, image: Any, spans: Sequence[
     """[n_spans, n_regions, n_layers * n_heads]: attention from the span's tokens to the region's
     tokens, per layer and head (mean over the span's queries, sum over the region's keys). Pass a
     `trace` that captured every `attn_pattern.L` to reuse it (streaming does)."""
-    spec = spec_of(backend)
     n_layers = backend.arch().n_layers
     sites = [f"attn_pattern.{layer}" for layer in range(n_layers)]
     if trace is None:
-        _, trace = _spec_and_trace(backend, text, image, capture=sites)
+        return _features_from_rows(backend, text, image, spans, regions, sites)
+    spec = spec_of(backend)
     missing = [s for s in sites if s not in trace.activations]
     if missing:
         raise BadInputError(f"the trace lacks {missing[:3]}...: capture every attn_pattern layer")
     ids = trace.token_ids
     spans = check_spans(spans, len(ids), 0)
-    pos = [positions(spec, ids, r) for r in regions]
     # [layers, seq(query), heads, kv]
     pat = torch.stack([trace.activations[s].float() for s in sites])
-    feats = np.zeros((len(spans), len(regions), pat.shape[0] * pat.shape[2]))
-    for i, (s, e) in enumerate(spans):
-        rows = pat[:, s - 1:e - 1]  # the queries that predict the span's tokens
-        for j, p in enumerate(pos):
-            feats[i, j] = rows[..., p].sum(-1).mean(1).reshape(-1).numpy()
+    return _span_region_features(pat, [range(s - 1, e - 1) for s, e in spans], _region_matrix(spec, ids, regions))
+
+
+def _features_from_rows(backend: Backend, text: Any, image: Any, spans: Sequence[Sequence[int]],
+                        regions: Sequence[Region], sites: list[str]) -> np.ndarray:
+    """`attention_features` from one pass that computes only the attention rows the features read (the
+    queries predicting a span's tokens, over every key: `capture_batch` with `positions`, which an engine
+    computes as rows, probes.attention_rows), and ends after the last layer's attention."""
+    require(backend, "vision", "trace", "interventions")
+    spec = spec_of(backend)
+    ids = expand(spec, backend.encode(text), 1)[0]  # the token layout, as the backend expands it
+    spans = check_spans(spans, len(ids), 0)
+    queries = sorted({q for s, e in spans for q in range(s - 1, e - 1)})
+    rows = backend.capture_batch([backend.encode(text)], sites, positions=[queries], images=[image])
+    at = {q: i for i, q in enumerate(queries)}
+    pat = torch.stack([rows[s].float() for s in sites])  # [layers, queries, heads, kv]
+    return _span_region_features(pat, [[at[q] for q in range(s - 1, e - 1)] for s, e in spans],
+                                 _region_matrix(spec, ids, regions))
+
+
+def _region_matrix(spec: Any, ids: Sequence[int], regions: Sequence[Region]) -> torch.Tensor:
+    """[tokens, regions]: 1 where a token is one of the region's visual tokens."""
+    out = torch.zeros(len(ids), len(regions))
+    for j, r in enumerate(regions):
+        out[list(positions(spec, ids, r)), j] = 1.0
+    return out
+
+
+def _span_region_features(pat: torch.Tensor, span_rows: Sequence[Sequence[int]], regions: torch.Tensor) -> np.ndarray:
+    """[n_spans, n_regions, layers * heads] from attention rows pat [layers, rows, heads, kv]: each span's
+    rows averaged, summed over each region's keys (one product with the region matrix per span)."""
+    feats = np.zeros((len(span_rows), regions.shape[1], pat.shape[0] * pat.shape[2]))
+    for i, picked in enumerate(span_rows):
+        mean = pat[:, list(picked)].mean(1)  # [layers, heads, kv]: the queries that predict the span's tokens
+        feats[i] = (mean[..., :regions.shape[0]] @ regions).permute(2, 0, 1).reshape(regions.shape[1], -1).numpy()
     return feats
 
 

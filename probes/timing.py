@@ -10,6 +10,7 @@ by medians, so a slow moment hits both sides.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,17 +25,30 @@ def sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def synchronize() -> None:
+    """Wait for queued GPU work, so a clock read after a CUDA forward counts its kernels, not their launch
+    (benchmarks.gpu); nothing on a CPU (torch is looked up, not imported: this module stays a leaf)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def clock() -> float:
+    synchronize()
+    return time.perf_counter()
+
+
 def alternate_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
     """Time a and b in alternation after one warm-up each; return both lists of seconds."""
     a(), b()
     ta, tb = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         a()
-        ta.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        ta.append(clock() - t0)
+        t0 = clock()
         b()
-        tb.append(time.perf_counter() - t0)
+        tb.append(clock() - t0)
     return ta, tb
 
 
@@ -47,9 +61,9 @@ def alternate(sides: dict[str, Callable[[], Any]], rounds: int) -> dict[str, lis
             fn()
         for _ in range(rounds):
             for name, fn in sides.items():
-                start = time.perf_counter()
+                start = clock()
                 fn()
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
 
     with ThreadPoolExecutor(1) as pool:
         pool.submit(run).result()

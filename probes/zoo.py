@@ -36,6 +36,7 @@ import torch
 
 from probes.arch import ArchInfo, arch_from_config  # noqa: F401  (re-exported; the type lives in a leaf module)
 from probes.paths import user_cache_dir  # noqa: F401  (re-exported; a leaf the toys use without the zoo)
+from probes.sharding import dispatch, input_device, parse_device_map
 from thoughtscope.errors import BadInputError, ModelLoadError, UnknownModelError
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ def load_model(
     model_id: str = DEFAULT_MODEL,
     device: str | torch.device = "auto",
     dtype: str | torch.dtype | None = None,
-    device_map: str | None = None,
+    device_map: str | dict[str, Any] | None = None,
     trust_remote_code: bool = False,
     on_progress: Any = None,
 ) -> ModelHandle:
@@ -271,6 +272,7 @@ def load_model(
         raise UnknownModelError("empty model id; try 'smollm2-135m' or run `thoughtscope models`")
     model_id = model_id.strip()
     dev, dt = resolve_device(device, dtype)
+    device_map = parse_device_map(device_map)  # a map naming a module, device or GPU this machine lacks fails here
     if model_id == DEFAULT_MODEL:
         model, tok = _load_smollm2(dt)
     elif model_id.startswith("tiny-random:"):
@@ -302,7 +304,9 @@ def load_model(
         tok.pad_token = tok.eos_token
     arch = arch_from_config(model.config)
     fp = fingerprint(model_id, model)
-    handle = ModelHandle(model_id, model, tok, arch, fp, next(model.parameters()).device, dt)
+    if device_map is not None and not model_id.startswith("hf:"):  # hf: models are placed by from_pretrained
+        model = dispatch(model, device_map, dt)  # probes.sharding: checked to cover the model, then dispatched
+    handle = ModelHandle(model_id, model, tok, arch, fp, input_device(model), dt)
     handle.vision  # a VLM family the engine cannot run (probes.vision) fails here, at load
     return handle
 
@@ -334,6 +338,9 @@ def fingerprint(model_id: str, model: Any) -> str:
     h.update(json.dumps(config, sort_keys=True).encode())
     for name, p in model.named_parameters():
         h.update(name.encode())
+        if p.device.type == "meta":  # offloaded to disk by an hf: device map: its shape stands in for its bytes
+            h.update(repr(tuple(p.shape)).encode())
+            continue
         h.update(p.detach().flatten()[:64].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -498,7 +505,7 @@ def _load_toy(model_id: str, dtype: torch.dtype, on_progress: Any = None):
     return module.load(size, dtype, on_progress=on_progress)
 
 
-def _load_hf(ref: str, dtype: torch.dtype, device_map: str | None, trust_remote_code: bool):
+def _load_hf(ref: str, dtype: torch.dtype, device_map: Any, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
     if not ref:

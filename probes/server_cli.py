@@ -26,7 +26,9 @@ def register(cli: typer.Typer) -> None:
         device: str = typer.Option("auto", help="cpu, cuda, cuda:1 or auto (CUDA when present)"),
         dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: bf16 on CUDA)"),
         device_map: Optional[str] = typer.Option(
-            None, "--device-map", help="'auto' shards an hf: model over this machine's GPUs (accelerate)"),
+            None, "--device-map", help="auto | balanced | sequential (layers over this machine's GPUs, accelerate), or "
+                                       "a JSON map module -> 0 / cuda:1 / cpu / disk (text or a .json file); "
+                                       "probes.sharding"),
         token: Optional[str] = typer.Option(
             None, envvar="THOUGHTSCOPE_TOKEN", help="bearer token clients must send (env THOUGHTSCOPE_TOKEN keeps it "
                                                     "out of the process list)"),

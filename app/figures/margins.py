@@ -167,7 +167,7 @@ def _colorbar_margin(colorbar: Any, value_range: Sequence[float], base_font: flo
 def _legend_margin(fig: go.Figure, base_font: float) -> float:
     """Pixels a vertical legend right of the plot takes (0 when there is none)."""
     legend = fig.layout.legend
-    names = [t.name for t in fig.data if t.showlegend is not False and t.name]
+    names = [t.name for t in fig.data if getattr(t, "showlegend", False) is not False and t.name]  # go.Image: no legend
     shown = fig.layout.showlegend if fig.layout.showlegend is not None else len(names) > 1
     if not shown or not names or legend.orientation == "h" or (legend.x is not None and legend.x < 1):
         return 0.0

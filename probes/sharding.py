@@ -93,10 +93,23 @@ def check_coverage(model: torch.nn.Module, device_map: dict[str, Any]) -> None:
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     missing = [n for n in names if not any(covers(k, n) for k in device_map)]
     if missing:
-        owners = sorted({n.rsplit(".", 1)[0] for n in missing})
+        owners = sorted(uncovered_modules(names, set(missing)))
         raise BadInputError(f"the device map does not cover the model: {len(missing)} parameters/buffers have no "
                             f"device, in {', '.join(owners[:8])}{' ...' if len(owners) > 8 else ''}; add these "
                             "modules (or a prefix of them, '' for the rest) to the map")
+
+
+def uncovered_modules(names: list[str], missing: set[str]) -> set[str]:
+    """The largest modules whose parameters and buffers are all in `missing` (what to add to the map)."""
+    out = set()
+    for name in missing:
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            if all(n in missing for n in names if covers(prefix, n)):
+                out.add(prefix if depth < len(parts) else name.rsplit(".", 1)[0])
+                break
+    return out
 
 
 def resolve(model: torch.nn.Module, spec: str | dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:

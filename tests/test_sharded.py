@@ -77,7 +77,7 @@ def test_prefix_states_and_batched_capture_equal_the_undispatched_model(llama, d
 def test_a_map_that_misses_part_of_the_model_is_refused_by_module():
     partial_map = {k: v for k, v in CPU_AND_DISK.items() if k not in ("model.layers.1", "lm_head")}
     with pytest.raises(BadInputError, match=r"does not cover the model: 10 parameters/buffers have no device, in "
-                                            r"lm_head, model\.layers\.1\.input_layernorm, .*add these modules"):
+                                            r"lm_head, model\.layers\.1; add these modules"):
         Engine.from_id("tiny-random:llama", device_map=partial_map)
     with pytest.raises(BadInputError, match=r"names 'model\.layers\.7', which this model does not have"):
         Engine.from_id("tiny-random:llama", device_map={**CPU_AND_DISK, "model.layers.7": "cpu"})

@@ -64,6 +64,20 @@ def test_ray_options_without_a_model_replica_to_hold_are_refused():
         RayRunner(MODEL, replicas=0)
 
 
+def test_both_eval_commands_take_the_ray_options_and_check_them_before_loading_a_model():
+    from typer.testing import CliRunner
+
+    from thoughtscope import cli as cli_module
+
+    app = cli_module.build()
+    for command in ("cot-exit", "expert-sample"):
+        result = CliRunner().invoke(app, ["eval", command, "--model", MODEL, "--replicas", "2"])
+        assert isinstance(result.exception, BadInputError), result.output
+        assert str(result.exception) == "--replicas needs --ray (auto or a cluster address)"
+        result = CliRunner().invoke(app, ["eval", command, "--server", "http://127.0.0.1:1", "--ray", "auto"])
+        assert "give --model, not --server" in str(result.exception)
+
+
 # ----- one local cluster, one pair of replicas
 
 

@@ -13,7 +13,8 @@ and give a batch whose replica died to another replica.
         report = evaluate_cot_exit(engine, "toy-reasoner:small", 20, 10, 10, runner=runner)
 
 `address`: "auto" (the cluster named by RAY_ADDRESS, else a new local one on this machine's CPUs)
-or a cluster's "host:port" / "ray://host:port", which must answer within `connect_timeout_s`.
+or a cluster's "host:port" / "ray://host:port", which must answer within `connect_timeout_s`; its
+nodes need thoughtscope installed (the replicas import it) and the model in their local caches.
 Ray is an optional extra (`pip install thoughtscope[ray]`), imported only when a runner starts.
 """
 

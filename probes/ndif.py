@@ -35,9 +35,11 @@ VERDICTS: dict[str, tuple[str, str]] = {
     "trace": ("served", "one nnsight trace reads every asked site and the logits"),
     "capture_batch": ("served", "one nnsight trace over the right-padded batch; a prefix state is refused (see fork)"),
     "interventions": ("served", "site edits (add, rescale, ablate_heads and the steering edits) run inside the trace "
-                                "through the same apply(); attention masks, router rules and KV policies are refused: "
-                                "they replace module internals (the attention function, the router's forward, the "
-                                "cache) that a trace does not reach"),
+                                "through the same apply(); attention masks (MaskAttention, RowMask) in teacher-forced "
+                                "passes edit each chosen layer's 4-D attention mask inside the trace (the engine's "
+                                "AttentionMasker rule; eager or sdpa attention); masks in generate, router rules and "
+                                "KV policies are refused: they replace module internals (the 2-D mask of a stream, "
+                                "the router's forward, the cache) that a trace does not reach"),
     "generate": ("recomputed", "one nnsight generate: the same tokens, log-probs, entropies, captures and steering "
                                "reports, but the records come after the whole run, not streamed token by token; "
                                "greedy decoding only"),
@@ -78,13 +80,32 @@ def refused(handle: Any, what: str, capability: str) -> BadInputError:
 
 
 def check_intervention(handle: Any, iv: Any) -> None:
-    """Site edits are served; every other kind is refused with its reason, before any request."""
+    """Site edits and attention masks are served; every other kind is refused with its reason, before any request
+    (masks in a generation are refused by `generate`)."""
+    from probes.attention_masks import MaskAttention
     from probes.interventions import Intervention
+    from probes.routing import RouterRule
 
-    if not isinstance(iv, Intervention):
+    if isinstance(iv, RouterRule) or not isinstance(iv, (Intervention, MaskAttention)):
         raise BadInputError(f"{type(iv).__name__} ({iv.kind}) is refused on {handle.model_id}, which runs on NDIF: "
-                            "attention masks, router rules and KV policies replace module internals a trace does "
-                            "not reach; only site edits (add, rescale, ablate_heads, steering edits) are served")
+                            "router rules and KV policies replace module internals a trace does not reach; site "
+                            "edits (add, rescale, ablate_heads, steering edits) and attention masks in "
+                            "teacher-forced passes are served")
+
+
+def _masker(handle: Any, call: Any) -> Any:
+    """The call's attention masks as the engine's `AttentionMasker` (its `pairs` and mask edit, shipped by value
+    in the trace body: the same rule), or None. No hooks: the trace edits each chosen layer's attention inputs."""
+    from probes.attention_masks import AttentionMasker, AttentionMasks
+
+    part = call.parts.get(AttentionMasks)
+    if part is None or not part.masks:
+        return None
+    return AttentionMasker(None, part.masks)  # the handle (the weights) stays here: pairs() reads the masks only
+
+
+def _mask_layers(masker: Any, n_layers: int) -> list[int]:
+    return sorted({layer for m in masker.masks for layer in (m.layers if m.layers is not None else range(n_layers))})
 
 
 def remote_mode(handle: Any) -> bool | str:
@@ -117,8 +138,9 @@ class _Handler:
 @dataclass
 class _Group:
     path: str
-    read: str
+    read: str  # "input", "output", or "inputs" (an attention module's (args, kwargs): a mask edit)
     handlers: list[_Handler]
+    mask_layer: int | None = None
 
     @property
     def edits(self) -> bool:
@@ -136,9 +158,11 @@ class SiteProgram:
     groups: list[_Group]
     ctx: ForwardContext
     captured: dict[str, torch.Tensor] = field(default_factory=dict)
+    masker: Any = None  # the call's AttentionMasker (probes.attention_masks), or None
 
     @classmethod
-    def build(cls, handle: Any, capture: list[Site], edits: list[Any], ctx: ForwardContext) -> "SiteProgram":
+    def build(cls, handle: Any, capture: list[Site], edits: list[Any], ctx: ForwardContext,
+              masker: Any = None) -> "SiteProgram":
         family = handle.family
         by_site: dict[str, _Handler] = {}
         order: dict[tuple[str, str], tuple[int, int]] = {}
@@ -157,8 +181,32 @@ class SiteProgram:
                 handler(site).capture = True
         for edit in edits:
             handler(edit.site_).edits.append(edit)
+        mask_layers: dict[tuple[str, str], int] = {}
+        if masker is not None:  # each masked layer's attention inputs: after the layer's input, before q_proj
+            paths = FAMILIES[family]
+            for layer in _mask_layers(masker, handle.arch.n_layers):
+                key = (f"{paths['layers']}.{layer}.{paths['attn']}", "inputs")
+                groups[key], order[key], mask_layers[key] = [], (layer, 0.5), layer
         keys = sorted(groups, key=lambda k: order[k])
-        return cls(handle.arch, [_Group(path, read, groups[(path, read)]) for path, read in keys], ctx)
+        return cls(handle.arch, [_Group(path, read, groups[(path, read)], mask_layers.get((path, read)))
+                                 for path, read in keys], ctx, masker=masker)
+
+    def step(self, lm: Any, group: _Group) -> None:
+        """What the hooks at `group`'s module do, inside the trace body: read (and write back) its value."""
+        env = _envoy(lm, group.path)
+        if group.read == "inputs":  # the engine's AttentionMasker pre-hook, on the module's (args, kwargs)
+            args, kwargs = env.inputs
+            edited = self.masker._hook(group.mask_layer)(None, args, kwargs)
+            if edited is not None:
+                env.inputs = edited
+        elif group.read == "input":
+            value = self.run(group, env.input)
+            if group.edits:
+                env.input = value
+        else:
+            value = self.run(group, env.output)
+            if group.edits:
+                env.output = value
 
     def run(self, group: _Group, value: Any) -> Any:
         if isinstance(value, tuple):
@@ -196,7 +244,14 @@ def _bound_edits(call: Any, ids_batch: torch.Tensor, mask: torch.Tensor, positio
         run._before_forward(None, (ids_batch,), {"position_ids": positions, "attention_mask": mask})
         for term in run.members:
             term.run_ = _FixedMask(run.masks[id(term)])
-    return list(call.bound)
+    return _site_edits(call)
+
+
+def _site_edits(call: Any) -> list[Any]:
+    """The call's bound site edits, in order (its attention masks go to the masker)."""
+    from probes.attention_masks import MaskAttention
+
+    return [b for b in call.bound if not isinstance(b, MaskAttention)]
 
 
 class _FixedMask:
@@ -225,21 +280,14 @@ def forward(handle: Any, call: Any, input_ids: torch.Tensor, attention_mask: tor
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     positions = torch.arange(seq).expand(batch, seq)
     ctx = ForwardContext(batch=batch, seq=seq, phase="trace", positions=positions)
-    program = SiteProgram.build(handle, sites, _bound_edits(call, input_ids, mask, positions), ctx)
+    program = SiteProgram.build(handle, sites, _bound_edits(call, input_ids, mask, positions), ctx,
+                                masker=_masker(handle, call))
     want_logits = want_logits or any(s.name == "logits" for s in sites)
     inputs = {"input_ids": input_ids, "attention_mask": mask}
     head = _envoy_path(handle, Site("logits", None))
     with lm.trace(inputs, remote=remote_mode(handle)) as tracer:
         for group in program.groups:
-            env = _envoy(lm, group.path)
-            if group.read == "input":
-                value = program.run(group, env.input)
-                if group.edits:
-                    env.input = value
-            else:
-                value = program.run(group, env.output)
-                if group.edits:
-                    env.output = value
+            program.step(lm, group)
         logits = _envoy(lm, head).output if want_logits else None
         out = nnsight.save({"program": program.results(), "logits": logits})
         if not want_logits and stop_after_last_site:
@@ -248,6 +296,22 @@ def forward(handle: Any, call: Any, input_ids: torch.Tensor, attention_mask: tor
     if logits is not None and "logits" in [s.name for s in sites]:
         out["program"]["captured"]["logits"] = logits.detach()
     return out["program"]["captured"], logits, out["program"]["fired"]
+
+
+def trace_rows(handle: Any, call: Any, ids: list[int], sites: list[Site], logits_to_keep: int = 0):
+    """`Engine._capture_forward` of an ndif: model: ({site: [seq, ...]}, logits [seq, vocab] or None), or with
+    row masks (`call.rows` > 1) the same ids as that many batch rows, [rows, seq, ...] out; the edits' reports
+    are left in `call.runner.ctx.fired` as after a local forward. A capture that returns no logits reads none
+    and stops after its deepest site."""
+    check_sites(handle, sites)
+    layered = all(s.layer is not None for s in sites)
+    n_rows = call.rows
+    acts, logits, fired = forward(handle, call, torch.tensor([ids] * n_rows), None, sites,
+                                  want_logits=logits_to_keep == 0 or not layered, stop_after_last_site=layered)
+    call.runner.ctx.fired = fired
+    if n_rows > 1:
+        return acts, logits
+    return {name: v[0] for name, v in acts.items()}, None if logits is None else logits[0]
 
 
 def _envoy_path(handle: Any, site: Site) -> str:
@@ -307,7 +371,7 @@ def generate_steps(handle: Any, call: Any, input_ids: torch.Tensor, mask: torch.
         run = _ShippedRun.of(run)
         for term in run.members:
             term.run_ = run
-    program = SiteProgram.build(handle, sites, list(call.bound), ctx)
+    program = SiteProgram.build(handle, sites, _site_edits(call), ctx)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos_ids),
                               pad_token_id=pad_id)
     head = _envoy_path(handle, Site("logits", None))
@@ -325,15 +389,7 @@ def generate_steps(handle: Any, call: Any, input_ids: torch.Tensor, mask: torch.
             if embed is not None:
                 run.see(t, _envoy(lm, embed).input, state["flat"], state["mask"])
             for group in program.groups:
-                env = _envoy(lm, group.path)
-                if group.read == "input":
-                    value = program.run(group, env.input)
-                    if group.edits:
-                        env.input = value
-                else:
-                    value = program.run(group, env.output)
-                    if group.edits:
-                        env.output = value
+                program.step(lm, group)
             steps.append({"logits": _envoy(lm, head).output[:, -1].detach().clone(), **program.results()})
     return list(steps)
 
@@ -416,30 +472,44 @@ def capture_batch(handle: Any, call: Any, sequences: list[list[int]], sites: lis
 def generate(engine: Any, ids: list[list[int]], sites: list[Site], max_new_tokens: int, sampling: Any, seed: int,
              call: Any, top_k: int, stop: tuple[str, ...]) -> "RecordsAfterRun":
     """`Engine.generate` of an ndif: model: one nnsight generate, then the records built from its saved steps
-    by the engine's own `_step_records` (the same tokens, log-probs, entropies, top-k, captures, reports)."""
+    by the engine's own `_step_records` (the same tokens, log-probs, entropies, top-k, captures, reports).
+
+    Every check runs here; the generation itself runs on the first record asked for (as a local stream
+    starts), so a server runs it in its producer thread, in its queue place, and sends the records after it."""
     handle = engine.handle
     check_sites(handle, sites)
-    input_ids, mask = engine._left_pad(ids)
-    steps = generate_steps(handle, call, input_ids, mask, sites, max_new_tokens, sampling, seed,
-                           engine.eos_ids(), engine.tok.pad_token_id or 0, type(engine)._choose)
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    described = call.described()
-    step = _Rows([list(x) for x in ids], [False] * len(ids), [""] * len(ids))
-    records = []
-    for t, saved in enumerate(steps):
-        runner = _SavedForward(saved)
-        _, recs = engine._step_records(saved["logits"], sampling, gen, top_k, step, t, runner, described)
-        done_now = t == max_new_tokens - 1
-        for rec in recs:
-            b = rec.batch_index
-            step.ids[b].append(rec.token_id)
-            step.texts[b] += rec.text
-            rec.finished = done_now or rec.token_id in engine._eos or any(s in step.texts[b] for s in stop)
-            step.finished[b] = rec.finished
-        records += recs
-        if all(step.finished):
-            break
-    return RecordsAfterRun(records, step.texts)
+    from probes.attention_masks import AttentionMasks
+
+    if AttentionMasks in call.parts:
+        raise BadInputError(f"MaskAttention in generate is refused on {handle.model_id}, which runs on NDIF: a "
+                            "generation's masks hide prompt columns of a token-by-token stream (with the last "
+                            "prompt token fed alone), which one nnsight generate does not reproduce; mask a "
+                            "teacher-forced trace/capture (served), or load the model locally with hf:")
+
+    def run() -> tuple[list[Any], list[str]]:
+        input_ids, mask = engine._left_pad(ids)
+        steps = generate_steps(handle, call, input_ids, mask, sites, max_new_tokens, sampling, seed,
+                               engine.eos_ids(), engine.tok.pad_token_id or 0, type(engine)._choose)
+        gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        described = call.described()
+        step = _Rows([list(x) for x in ids], [False] * len(ids), [""] * len(ids))
+        records = []
+        for t, saved in enumerate(steps):
+            runner = _SavedForward(saved)
+            _, recs = engine._step_records(saved["logits"], sampling, gen, top_k, step, t, runner, described)
+            done_now = t == max_new_tokens - 1
+            for rec in recs:
+                b = rec.batch_index
+                step.ids[b].append(rec.token_id)
+                step.texts[b] += rec.text
+                rec.finished = done_now or rec.token_id in engine._eos or any(s in step.texts[b] for s in stop)
+                step.finished[b] = rec.finished
+            records += recs
+            if all(step.finished):
+                break
+        return records, step.texts
+
+    return RecordsAfterRun(run)
 
 
 @dataclass
@@ -460,17 +530,26 @@ class _SavedForward:
 
 
 class RecordsAfterRun:
-    """The `TokenStream` of an ndif: generation: every record is there when it returns (nothing streams)."""
+    """The `TokenStream` of an ndif: generation: the whole run happens on the first `next` (or `text`), then its
+    records come one by one (nothing streams while it runs). `close` before the first record runs nothing."""
 
-    def __init__(self, records: list[Any], texts: list[str]):
+    def __init__(self, run: Any):
         self.records: list[Any] = []
-        self._pending = list(records)
-        self._texts = texts
+        self._run = run
+        self._pending: list[Any] = []
+        self._texts: list[str] = []
+
+    def _start(self) -> None:
+        if self._run is not None:
+            run, self._run = self._run, None
+            records, self._texts = run()
+            self._pending = list(records)
 
     def __iter__(self) -> "RecordsAfterRun":
         return self
 
     def __next__(self) -> Any:
+        self._start()
         if not self._pending:
             raise StopIteration
         rec = self._pending.pop(0)
@@ -478,7 +557,8 @@ class RecordsAfterRun:
         return rec
 
     def close(self) -> None:
-        self._pending = []
+        self._run, self._pending = None, []
 
     def text(self, batch_index: int = 0) -> str:
-        return self._texts[batch_index]
+        self._start()
+        return self._texts[batch_index] if self._texts else ""

@@ -14,7 +14,9 @@ import torch
 
 from probes import Engine, Sampling
 from probes.edits import Additive
+from probes.attention_masks import RowMask
 from probes.interventions import AddVector, HeadAblation, MaskAttention, ProjectionRescale
+from probes.kv_policies import SinkRecent
 from probes.ndif import rehearse
 from thoughtscope.errors import BadInputError, ModelLoadError
 
@@ -32,51 +34,63 @@ def _vector(seed: int = 0) -> torch.Tensor:
 
 
 EDITS = {
-    "none": [],
-    "add": [AddVector("resid_post.0", _vector(), scale=2.0)],
-    "rescale": [ProjectionRescale("resid_pre.1", _vector(1), alpha=1.0)],
-    "ablate": [HeadAblation(1, [0, 2])],
-    "steer": [Additive("resid_post.0", _vector(2), strength=2.0, term="up", tokens="prompt", start=1)],
+    "add": AddVector("resid_post.0", _vector(), scale=2.0),
+    "rescale": ProjectionRescale("resid_pre.1", _vector(1), alpha=1.0),
+    "ablate": HeadAblation(1, [0, 2]),
+    "steer": Additive("resid_post.0", _vector(2), strength=2.0, term="up", tokens="prompt", start=1),
 }
+# row 0: no mask; row 1: key 1 hidden from query 3 in every layer; row 2: keys 0 and 2 hidden in layer 1 only
+MASKS = [RowMask([1], queries=[3], rows=[1]), RowMask([0, 2], rows=[2], layers=[1])]
+TEXT = "one two three four"
 
 
-@pytest.mark.parametrize("edit", list(EDITS))
-def test_trace_with_each_site_edit_equals_the_engine(llama, ndif_llama, edit):
-    ours = llama.trace("one two three four", capture=SITES, interventions=EDITS[edit])
-    theirs = ndif_llama.trace("one two three four", capture=SITES, interventions=EDITS[edit])
+def _assert_traces_equal(theirs, ours):
     for site in SITES:
         torch.testing.assert_close(theirs.activations[site], ours.activations[site], atol=0, rtol=0)
     torch.testing.assert_close(theirs.logprobs, ours.logprobs, atol=0, rtol=0, equal_nan=True)
     assert theirs.fired.keys() == ours.fired.keys()
     for name in ours.fired:
         torch.testing.assert_close(theirs.fired[name], ours.fired[name], atol=0, rtol=0, equal_nan=True)
-    if edit != "none":  # the edit acted (the comparison is not between two unedited passes)
-        plain = llama.trace("one two three four", capture=SITES)
-        assert not torch.equal(plain.logprobs.nan_to_num(), ours.logprobs.nan_to_num())
 
 
-def test_steering_report_is_the_norm_added_at_each_position(llama, ndif_llama):
-    """The steering term acts on prompt positions >= 1: its report is |2 v| there and NaN at position 0."""
-    fired = ndif_llama.trace("one two three four", interventions=EDITS["steer"]).fired["up"]
+def test_trace_plain_and_with_every_site_edit_and_row_masks_equals_the_engine(llama, ndif_llama):
+    """Two rehearsal traces (each one serialised request): the plain one, and one with every site edit at
+    once plus row masks (three rows of the same text). Each edit and each mask acts: the engine's trace
+    without it differs."""
+    _assert_traces_equal(ndif_llama.trace(TEXT, capture=SITES), llama.trace(TEXT, capture=SITES))
+    every = [*EDITS.values(), *MASKS]
+    ours, theirs = llama.trace(TEXT, capture=SITES, interventions=every), ndif_llama.trace(TEXT, capture=SITES,
+                                                                                          interventions=every)
+    assert theirs.logprobs.shape == (3, 4)
+    _assert_traces_equal(theirs, ours)
+    for name in EDITS:
+        without = llama.trace(TEXT, interventions=[iv for n, iv in EDITS.items() if n != name] + MASKS)
+        assert not torch.equal(without.logprobs.nan_to_num(), ours.logprobs.nan_to_num()), name
+    for row in (1, 2):  # a masked row differs from the unmasked row 0 (the site edits act on every row)
+        assert not torch.equal(ours.activations["mlp_out.1"][row], ours.activations["mlp_out.1"][0])
+    # the steering term acts on prompt positions >= 1: its report is |2 v| there and NaN at position 0
+    fired = theirs.fired["up"][0]
     assert torch.isnan(fired[0])
     torch.testing.assert_close(fired[1:], torch.full((len(fired) - 1,), float(2 * _vector(2).norm())))
 
 
-def test_capture_batch_with_per_row_scales_equals_the_engine(llama, ndif_llama):
+def test_capture_batch_with_per_row_scales_and_masks_equals_the_engine(llama, ndif_llama):
     seqs = [llama.encode("one two three"), llama.encode("four five six seven eight")]
-    edit = [AddVector("resid_post.0", _vector(), scale=[1.0, -1.0])]
+    edit = [AddVector("resid_post.0", _vector(), scale=[1.0, -1.0]), RowMask([1], rows=[1]),
+            MaskAttention([0], queries=[2], layers=[0])]
     ours = llama.capture_batch(seqs, SITES, interventions=edit)
     theirs = ndif_llama.capture_batch(seqs, SITES, interventions=edit)
     picked = ndif_llama.capture_batch(seqs, SITES, interventions=edit, positions=[[0, 2], [4]])
+    plain = llama.capture_batch(seqs, SITES, interventions=edit[:1])
     for site in SITES:
         torch.testing.assert_close(theirs[site], ours[site], atol=0, rtol=0)
         torch.testing.assert_close(picked[site], torch.stack([ours[site][0, 0], ours[site][0, 2], ours[site][1, 4]]))
+    assert not torch.equal(plain["mlp_out.1"], ours["mlp_out.1"])  # the masks acted
 
 
-@pytest.mark.parametrize("case", ["greedy", "steered", "sampled batch"])
+@pytest.mark.parametrize("case", ["steered", "sampled batch"])  # greedy: through the server, below
 def test_generate_equals_the_engine_record_for_record(llama, ndif_llama, case):
     kwargs = {
-        "greedy": dict(prompt="one two three"),
         "steered": dict(prompt="one two three",
                         interventions=[Additive("resid_post.0", _vector(), strength=2.0, term="up", tokens="generated")]),
         "sampled batch": dict(prompts=["one two", "three four five six"], n_samples=2,
@@ -145,8 +159,8 @@ def test_refused_capabilities_name_which_and_why(llama, ndif_llama):
         ndif_llama.prefill("hello")
     with pytest.raises(BadInputError, match="capturing attn_pattern.0 is refused .* eager attention"):
         ndif_llama.trace("hello there", capture=["attn_pattern.0"])
-    with pytest.raises(BadInputError, match="MaskAttention .mask_attention. is refused .* only site edits"):
-        ndif_llama.trace("hello there", interventions=[MaskAttention([0], queries=[1])])
+    with pytest.raises(BadInputError, match="SinkRecent .kv_sink_recent. is refused .* KV policies"):
+        list(ndif_llama.generate("hello there", max_new_tokens=2, interventions=[SinkRecent(sink=1, recent=2)]))
     with pytest.raises(BadInputError, match="capture_batch with a prefix state is refused"):
         ndif_llama.capture_batch([[1, 2, 3]], ["resid_post.0"], prefix=llama.prefill([1, 2]))
 
@@ -198,7 +212,7 @@ def test_method_entry_points_equal_the_engine(llama, ndif_llama):
     from analyses.steering import steering_grid
 
     direction = _vector(5)
-    grids = [steering_grid(b, "one two three", "resid_post.0", direction, [-1.0, 0.0, 2.0], max_new_tokens=4)
+    grids = [steering_grid(b, "one two three", "resid_post.0", direction, [-1.0, 0.0, 2.0], max_new_tokens=2)
              for b in (llama, ndif_llama)]
     assert [grids[1].comparison(s).steered_text for s in (-1.0, 0.0, 2.0)] == \
         [grids[0].comparison(s).steered_text for s in (-1.0, 0.0, 2.0)]
@@ -236,3 +250,84 @@ def test_ndif_local_overhead_row(llama):
     row = bench_ndif_local_overhead(llama, repeats=1, tokens=16)
     assert row["bench"] == "ndif_local_overhead" and row["sites"] == ["resid_post.1", "mlp_out.1", "attn_out.1"]
     assert row["ratio"] == pytest.approx(row["ndif_local_s"] / row["engine_s"], rel=2e-3)
+
+
+# ----- thoughtscope serve on an ndif: backend (the server in this process over the rehearsal engine)
+
+
+@pytest.fixture(scope="module")
+def ndif_served(ndif_llama):
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from probes.server import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(ndif_llama), host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_the_server_serves_an_ndif_backend_and_refuses_with_the_reason(llama, ndif_served):
+    """trace (with a mask), capture_batch and generate through `serve` on an ndif: backend equal the engine;
+    the stream delivers the records after the run; a refused capability is a 400 naming which and why."""
+    import httpx
+
+    from probes.client import RemoteBackend
+
+    mask = [MaskAttention([1], queries=[3]), AddVector("resid_post.0", _vector(), scale=2.0)]
+    seqs = [llama.encode("one two three"), llama.encode("four five")]
+    with RemoteBackend(ndif_served) as remote:
+        assert remote.capabilities() == {**{n: False for n in remote.capabilities()}, "trace": True,
+                                         "capture_batch": True, "interventions": True, "generate": True,
+                                         "readout": True}
+        ours, theirs = llama.trace("one two three four", capture=SITES, interventions=mask), \
+            remote.trace("one two three four", capture=SITES, interventions=mask)
+        for site in SITES:
+            torch.testing.assert_close(theirs.activations[site], ours.activations[site], atol=0, rtol=0)
+        torch.testing.assert_close(theirs.logprobs, ours.logprobs, atol=0, rtol=0, equal_nan=True)
+        batch_ours, batch_theirs = llama.capture_batch(seqs, SITES), remote.capture_batch(seqs, SITES)
+        for site in SITES:
+            torch.testing.assert_close(batch_theirs[site], batch_ours[site], atol=0, rtol=0)
+        # greedy, record for record (the stream delivers them after the run)
+        gen_ours = list(llama.generate("one two three", max_new_tokens=5, capture=["resid_post.1"]))
+        gen_theirs = list(remote.generate("one two three", max_new_tokens=5, capture=["resid_post.1"]))
+        assert len(gen_theirs) == 5
+        for a, b in zip(gen_ours, gen_theirs, strict=True):
+            assert (b.batch_index, b.token_id, b.logprob, b.entropy, b.top_ids, b.fired, b.finished) == \
+                (a.batch_index, a.token_id, a.logprob, a.entropy, a.top_ids, a.fired, a.finished)
+            torch.testing.assert_close(b.activations["resid_post.1"], a.activations["resid_post.1"], atol=0, rtol=0)
+        with pytest.raises(BadInputError, match="MaskAttention in generate is refused .* one nnsight generate"):
+            remote.generate("one two", max_new_tokens=2, interventions=[MaskAttention([0])])
+    with httpx.Client(base_url=ndif_served, timeout=30) as http:
+        r = http.post("/prefill", json={"prompt": "hello"})
+        assert r.status_code == 400 and "prefill is refused on ndif-local:tiny-random:llama" in r.json()["error"]
+        assert "prefix states are KV caches" in r.json()["error"]
+
+
+# ----- a page on an ndif: model
+
+
+def test_a_page_needing_a_refused_capability_says_which_and_why(monkeypatch):
+    """The CoT entropy page needs prefix states (fork): on ndif-local: it shows the refusal's reason (from
+    probes.ndif.VERDICTS) instead of a traceback."""
+    from tests import apptest_helpers as helpers
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "ndif-local:tiny-random:llama")
+    at = helpers.open_page("cot_entropy")
+    helpers.assert_clean(at)
+    text = " ".join(i.value for i in at.info)
+    assert "CoT entropy phases is not available here: ndif-local:tiny-random:llama cannot do fork" in text
+    assert "prefix states are KV caches held in the process that ran the prefix" in text

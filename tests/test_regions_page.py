@@ -30,7 +30,9 @@ def test_typed_boxes_are_the_regions_of_the_heat_map_and_the_exhaustive_effects(
     helpers.assert_clean(at)
     helpers.finish_jobs(at.button(key="va_exhaustive").click().run())
     helpers.assert_clean(at)
-    heat, done = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    assert charts[0]["layout"]["title"]["text"] == "drag a box on the image"
+    heat, done = charts[1:]
     engine = Engine.from_id("tiny-random:qwen2_vl", device="cpu")
     spec = spec_of(engine)
     run = at.session_state["va_run"]
@@ -44,3 +46,15 @@ def test_typed_boxes_are_the_regions_of_the_heat_map_and_the_exhaustive_effects(
     ours = exhaustive_effects(engine, run["ids"], run["image"], [(span.start, span.end)], regions)[0]
     assert np.allclose(np.array(done["data"][1]["z"], dtype=float), cell_map(spec, regions, ours, empty=np.nan),
                        atol=1e-5, equal_nan=True)
+
+
+def test_a_box_dragged_on_the_image_becomes_whole_pixels_of_it():
+    """Streamlit's plotly selection state of a box drag (axis units: pixel i is centred at i) -> a pixel box,
+    clipped to the image; nothing drawn, or a flat box, is None."""
+    from app.views.visual_attribution import drawn_box
+
+    state = {"selection": {"points": [], "point_indices": [], "lasso": [],
+                           "box": [{"xref": "x", "yref": "y", "x": [40.2, 9.6], "y": [-3.0, 30.4]}]}}
+    assert drawn_box(state, (64, 48)) == (10, 0, 41, 31)
+    assert drawn_box({"selection": {"box": [{"x": [10, 90], "y": [50, 70]}]}}, (64, 48)) is None  # below the image
+    assert drawn_box(None, (64, 48)) is None and drawn_box({"selection": {"box": []}}, (64, 48)) is None

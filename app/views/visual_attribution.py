@@ -104,6 +104,54 @@ def parse_boxes(text: str) -> list[dict[str, Any]]:
     return out
 
 
+def drawn_box(selection: Any, size: tuple[int, int]) -> tuple[int, int, int, int] | None:
+    """The last box dragged on `draw_figure` (Streamlit's plotly selection state: `box` entries with `x` and
+    `y` ranges in axis units, where pixel i is centred at i) as whole pixels (x0, y0, x1, y1) of the image,
+    clipped to it; None when nothing (or nothing of positive area) was drawn."""
+    boxes = ((selection or {}).get("selection") or {}).get("box") or []
+    if not boxes:
+        return None
+    xs, ys = boxes[-1].get("x") or [], boxes[-1].get("y") or []
+    if len(xs) != 2 or len(ys) != 2:
+        return None
+    w, h = size
+    x0, x1 = (min(max(round(v + 0.5), 0), w) for v in sorted(xs))
+    y0, y1 = (min(max(round(v + 0.5), 0), h) for v in sorted(ys))
+    return (x0, y0, x1, y1) if x0 < x1 and y0 < y1 else None
+
+
+def _take_drawn_box(size: tuple[int, int]) -> None:
+    """Before the boxes text area draws: its default, and a newly drawn box appended as a line (the user's
+    own action; the same selection is taken once)."""
+    if "va_boxes" not in st.session_state:
+        w, h = size
+        st.session_state["va_boxes"] = f"left half 0 0 {w // 2} {h}\nright half {w // 2} 0 {w} {h}"
+    box = drawn_box(st.session_state.get("va_draw"), size)
+    if box is not None and st.session_state.get("va_drawn_last") != box:
+        st.session_state["va_drawn_last"] = box
+        n = sum(1 for ln in st.session_state["va_boxes"].splitlines() if ln.strip())
+        st.session_state["va_boxes"] = st.session_state["va_boxes"].rstrip() + f"\ndrawn {n} " + " ".join(map(str, box))
+
+
+def draw_figure(image: np.ndarray) -> Any:
+    """The image to drag boxes on, in the image's own pixel coordinates (at most 96 pixels a side drawn; a
+    transparent grid of points makes plotly's box selection report the box)."""
+    import plotly.graph_objects as go
+
+    h, w = image.shape[:2]
+    sy, sx = max(1, h // 96), max(1, w // 96)
+    small = image[::sy, ::sx]
+    fig = go.Figure(go.Image(z=small, x0=(sx - 1) / 2, dx=sx, y0=(sy - 1) / 2, dy=sy, hoverinfo="skip"))
+    gx, gy = np.meshgrid(np.linspace(0, w - 1, 24), np.linspace(0, h - 1, 24))
+    fig.add_trace(go.Scatter(x=gx.ravel(), y=gy.ravel(), mode="markers", marker=dict(opacity=0), hoverinfo="skip",
+                             showlegend=False))
+    fig.update_xaxes(range=[-0.5, w - 0.5], showgrid=False, zeroline=False)
+    fig.update_yaxes(range=[h - 0.5, -0.5], showgrid=False, zeroline=False, scaleanchor="x")
+    fig.update_layout(dragmode="select", height=360, width=420, margin=dict(l=30, r=10, t=30, b=30),
+                      title="drag a box on the image")
+    return fig
+
+
 def _regions(spec, image: np.ndarray, scene: Any) -> list[Any]:
     """The regions the page attributes to: every visual token, the composed toy scene's objects (and the
     background), boxes typed in, or an uploaded regions JSON (analyses.visual_attribution.regions_from_json);
@@ -117,9 +165,11 @@ def _regions(spec, image: np.ndarray, scene: Any) -> list[Any]:
         if kind == "scene objects":
             regions = object_regions(spec, scene)
         elif kind == "boxes":
-            text = st.text_area(f"Boxes on the {size[0]}x{size[1]} image ({BOXES_HELP})",
-                                f"left half 0 0 {size[0] // 2} {size[1]}\nright half {size[0] // 2} 0 {size[0]} {size[1]}",
-                                key="va_boxes")
+            _take_drawn_box(size)  # a box drawn on the image below joins the typed ones
+            text = st.text_area(f"Boxes on the {size[0]}x{size[1]} image ({BOXES_HELP}); or drag a box on the "
+                                "image below", key="va_boxes")
+            st.plotly_chart(draw_figure(image), key="va_draw", on_select="rerun", selection_mode="box", theme=None,
+                            config={"displaylogo": False})
             regions = regions_from_json(spec, {"regions": parse_boxes(text)}, size)
         elif kind == "regions JSON":
             upload = st.file_uploader('Regions JSON: {"regions": [{"name": ..., "box": [x0, y0, x1, y1]} or '

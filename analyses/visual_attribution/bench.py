@@ -10,8 +10,11 @@ exhaustive ablation cost / amortized cost per span, and streaming attribution / 
 Exhaustive ablation is batched over regions (`exhaustive_effects`: K masked rows + the unmasked row in
 one forward); its unbatched cost (K + 1 sequential passes) is reported beside it. The amortized cost
 (the ratio) is one pass capturing attention in every layer, the per-(span, region) features and a dot
-product; the in-stream cost beside it leaves the pass out (during generation the attention rows
-exist already).
+product; the pass computes only the attention rows the features read (the queries predicting the spans,
+over every key: probes.attention_rows) and ends inside the last layer's attention. At toy scale (~46
+tokens) that pass costs about what a plain one-row forward does (its fixed per-forward cost dominates,
+not the attention), so the rows matter for long sequences, not for this ratio. The in-stream cost beside
+it leaves the pass out (during generation the attention rows exist already).
 Exhaustive, unbatched exhaustive and amortized alternate per scene.
 """
 

@@ -46,3 +46,41 @@ def test_the_study_over_object_regions_reports_the_grid_cells_table(small_vlm):
     ex = vlm.examples("eval", 1, seed=0)[0]
     assert np.shape(objects["example"]["effects"]) == (len(ex.spans), len(ex.objects) + 1)
     assert np.shape(grid["example"]["effects"]) == (len(ex.spans), 9)
+
+
+@pytest.mark.model
+def test_the_page_attributes_to_the_scenes_objects_and_runs_the_object_study(monkeypatch):
+    """toy-vlm:small on the page: with "scene objects" the streamed span's heat map paints each object's and the
+    background's attention on their tokens; the faithfulness study over objects gives `run_study`'s numbers."""
+    import json
+
+    from analyses.visual_attribution import cell_map, object_regions
+    from probes.vision import spec_of
+    from tests import apptest_helpers as helpers
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "toy-vlm:small")
+    at = helpers.open_page("visual_attribution", max_new_tokens=8)
+    at.radio(key="va_regions").set_value("scene objects").run()
+    at.number_input(key="va_ntrain").set_value(2)
+    at.number_input(key="va_neval").set_value(2)
+    at.number_input(key="va_lds").set_value(3)
+    at.radio(key="va_study_regions").set_value("objects")
+    helpers.finish_jobs(at.button(key="va_study").click().run())
+    at.button(key="va_generate").click().run()
+    helpers.assert_clean(at)
+    charts = {json.loads(c.proto.spec)["layout"]["title"]["text"]: json.loads(c.proto.spec)
+              for c in at.get("plotly_chart")}
+    study = next(v for k, v in charts.items() if k.startswith("faithfulness against exhaustive"))
+    bars = {(t["xaxis"], tuple(t["x"])): t["y"] for t in study["data"]}
+    ours = run_study(Engine.from_id("toy-vlm:small"), n_train=2, n_eval=2, n_subsets=3, regions="objects")
+    assert bars[("x3", ("amortized", "attention", "gradient", "exhaustive"))] == pytest.approx(
+        [ours.metrics[f"{m}_hit"]["estimate"] for m in ("amortized", "attention", "gradient", "exhaustive")])
+    span = at.session_state["va_run"]["spans"][0]
+    heat = next(v for k, v in charts.items() if k.startswith("span '0: "))
+    ex = vlm.examples("eval", 1, seed=0)[0]
+    spec = spec_of(Engine.from_id("toy-vlm:small"))
+    regions = object_regions(spec, ex)
+    assert span.attention.shape == (len(regions),)
+    assert np.allclose(np.array(heat["data"][1]["z"], dtype=float), cell_map(spec, regions, span.attention),
+                       atol=1e-6)
+    assert [s["label"]["text"] for s in heat["layout"]["shapes"]] == [r.name for r in regions[:-1]]

@@ -27,12 +27,16 @@ def faithfulness_section(ctx, stored: Any) -> None:
     """The study of `thoughtscope eval vis-attr` at a small n, plotted with intervals (toy-vlm only): the shipped
     one at the page's defaults, else run here as a job."""
     st.subheader("Faithfulness on held-out scenes")
-    c1, c2, c3, c4 = st.columns(4)
+    c1, c2, c3, c5, c4 = st.columns(5)
     d = STUDY_SETTINGS
     n_train = int(c1.number_input("Training scenes", 2, 200, d["n_train"], key="va_ntrain"))
     n_eval = int(c2.number_input("Held-out scenes", 2, 200, d["n_eval"], key="va_neval"))
     subsets = int(c3.number_input("LDS cell sets per scene", 0, 32, d["subsets"], key="va_lds"))
+    kind = c5.radio("Study regions", ["grid", "objects"], key="va_study_regions",
+                    help="grid: the scene's 9 cells; objects: each object's true box and the background (the same table)")
     settings = {"n_train": n_train, "n_eval": n_eval, "subsets": subsets, "seed": ctx.seed}
+    if kind != "grid":  # the shipped study is over the grid (its settings carry no regions key)
+        settings["regions"] = kind
     matches = bool(stored) and stored.manifest.get("settings") == settings
     c4.write("")
     start = c4.button("Run the study again" if matches else "Run the study", key="va_study")
@@ -40,7 +44,7 @@ def faithfulness_section(ctx, stored: Any) -> None:
 
     def work(job):
         return run_study(backend, n_train=n_train, n_eval=n_eval, seed=settings["seed"], epochs=EPOCHS,
-                         n_subsets=subsets, progress=job.progress).to_dict()
+                         n_subsets=subsets, progress=job.progress, regions=kind).to_dict()
 
     result = run_job(ctx.result_key("vis_attr_study", **settings), work, label=f"Faithfulness study ({n_train} + "
                      f"{n_eval} scenes)", kind="va-study", page=PAGE_NAME, start=start)

@@ -372,7 +372,8 @@ class Engine:
         call = self._bind("generate", interventions, lengths=[len(row) for row in ids], batch_rows=len(ids),
                           capture=sites, max_new_tokens=max_new_tokens)
         if self.handle.remote:  # an ndif: model: one nnsight generate, the records after it (probes.ndif)
-            return self._ndif_generate(ids, sites, max_new_tokens, sampling or Sampling(), seed, call, top_k, tuple(stop))
+            return self._ndif_generate(ids, sites, max_new_tokens, sampling or Sampling(), seed, call, top_k, tuple(stop),
+                                       vision)
         live = _Live()
         run = self._generate(live, ids, max_new_tokens, sampling or Sampling(), seed, call, top_k, tuple(stop), vision)
         return GenerationStream(self, run, live)
@@ -583,7 +584,7 @@ class Engine:
         call = self._bind("capture_batch", interventions, lengths=[len(seq) for seq in sequences],
                           batch_rows=len(sequences), capture=[s for s in sites if s not in pattern_sites])
         if self.handle.remote:  # an ndif: model: one nnsight trace over the batch (probes.ndif)
-            return self._ndif_capture_batch(sequences, sites, call, prefix, positions, stop_after_last_site)
+            return self._ndif_capture_batch(sequences, sites, call, prefix, positions, stop_after_last_site, vision)
         if prefix is not None:
             self._check_state(prefix)
         shared = len(prefix.ids) if prefix is not None else 0
@@ -696,8 +697,8 @@ class Engine:
         """(activations {site: [seq, ...]}, logits [seq, vocab]) of one teacher-forced forward; with
         `call.rows` > 1 (row masks) the same ids run as that many batch rows: [rows, seq, ...] out.
         `logits_to_keep` > 0: the logits of that many last positions only (0: every position)."""
-        if self.handle.remote:  # the call refused every intervention already
-            return self._remote_trace(ids, sites, call, logits_to_keep)
+        if self.handle.remote:  # an ndif: model: one nnsight trace (probes.ndif)
+            return self._remote_trace(ids, sites, call, logits_to_keep, vision)
         n_rows = call.rows
         input_ids = torch.tensor([ids] * n_rows, device=self.handle.device)
         if n_rows > 1 and vision:  # every row sees the same image(s)
@@ -712,23 +713,24 @@ class Engine:
             return dict(runner.captured), logits
         return {name: v[0] for name, v in runner.captured.items()}, logits[0]
 
-    def _remote_trace(self, ids: list[int], sites: list[Site], call: Call, logits_to_keep: int = 0):
+    def _remote_trace(self, ids: list[int], sites: list[Site], call: Call, logits_to_keep: int = 0,
+                      vision: dict[str, Any] | None = None):
         """A trace of an `ndif:` model: the same sites read (and edited) in one nnsight trace (probes.ndif);
         a capture that returns no logits reads none and stops after its deepest site."""
         from probes import ndif
 
-        return ndif.trace_rows(self.handle, call, ids, sites, logits_to_keep)
+        return ndif.trace_rows(self.handle, call, ids, sites, logits_to_keep, vision)
 
-    def _ndif_capture_batch(self, sequences, sites, call, prefix, positions, stop_after_last_site):
+    def _ndif_capture_batch(self, sequences, sites, call, prefix, positions, stop_after_last_site, vision=None):
         from probes import ndif
 
         return ndif.capture_batch(self.handle, call, sequences, sites, prefix, positions, stop_after_last_site,
-                                  self.tok.pad_token_id or 0)
+                                  self.tok.pad_token_id or 0, vision)
 
-    def _ndif_generate(self, ids, sites, max_new_tokens, sampling, seed, call, top_k, stop):
+    def _ndif_generate(self, ids, sites, max_new_tokens, sampling, seed, call, top_k, stop, vision=None):
         from probes import ndif
 
-        return ndif.generate(self, ids, sites, max_new_tokens, sampling, seed, call, top_k, stop)
+        return ndif.generate(self, ids, sites, max_new_tokens, sampling, seed, call, top_k, stop, vision)
 
     def _local_only(self, what: str) -> None:
         if self.handle.remote:

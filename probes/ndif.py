@@ -52,10 +52,17 @@ VERDICTS: dict[str, tuple[str, str]] = {
                         "it is not ported to nnsight's remote backward"),
     "attention": ("refused", "attention patterns need eager attention, which the NDIF deployment does not run"),
     "kv_policy": ("refused", "a KV-cache policy replaces the generation's cache object, which a trace cannot ship"),
-    "vision": ("refused", "image inputs (pixel values, 3-D rotary positions) are not shipped to NDIF by this backend"),
+    "vision": ("refused", "an ndif: model loads no image processor here, so images cannot become pixel values "
+                          "and image tokens (the ndif-local: rehearsal of a local VLM ships them as trace inputs)"),
     "head_gates": ("refused", "RLKV head gates train parameters inside the model's attention; that needs local weights"),
     "frozen_attention": ("refused", "frozen attention replaces the attention function; that needs local weights"),
 }
+
+
+VISION_SERVED = ("pixel values (and a Qwen-VL's image grid and token types) travel as inputs of the trace, whose "
+                 "model computes its own (3-D rotary) positions: traces, captures and capture_batch with images, "
+                 "attention masks over image tokens included; generation with images is refused (its decode "
+                 "steps need the engine's 3-D positions)")
 
 
 def verdict(capability: str) -> tuple[str, str]:
@@ -69,6 +76,8 @@ def capability_report(handle: Any) -> list[dict[str, str]]:
         status, reason = verdict(name)
         if name == "router" and not handle.arch.is_moe:
             status, reason = "refused", f"{handle.arch.model_type} is a dense model: it has no router"
+        if name == "vision" and handle._extras.get("vision") is not None:
+            status, reason = "served", VISION_SERVED
         rows.append({"capability": name, "verdict": status, "reason": reason})
     return rows
 
@@ -120,8 +129,9 @@ def rehearse(handle: Any) -> Any:
     the model id `ndif-local:<zoo id>` opens one (probes.zoo)."""
     import dataclasses
 
-    # one nnsight wrapper per module tree, shared; images are refused on ndif: backends
-    extras = {"ndif_remote": "local", "vision": None, "nnsight": handle.nnsight}
+    # one nnsight wrapper per module tree, shared; a local VLM's vision spec (its processor) turns images into
+    # the pixel inputs the trace ships
+    extras = {"ndif_remote": "local", "vision": handle.vision, "nnsight": handle.nnsight}
     return dataclasses.replace(handle, model_id=f"ndif-local:{handle.model_id}", remote=True, _extras=extras)
 
 
@@ -270,7 +280,8 @@ class _FixedMask:
 
 
 def forward(handle: Any, call: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, sites: list[Site],
-            want_logits: bool = True, stop_after_last_site: bool = False) -> tuple[dict[str, torch.Tensor], Any, dict]:
+            want_logits: bool = True, stop_after_last_site: bool = False,
+            vision: dict[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], Any, dict]:
     """One teacher-forced forward as an nnsight trace: ({site: [batch, seq, ...]}, logits [batch, seq, vocab]
     or None, {fired name: [batch, seq]})."""
     import nnsight
@@ -283,7 +294,7 @@ def forward(handle: Any, call: Any, input_ids: torch.Tensor, attention_mask: tor
     program = SiteProgram.build(handle, sites, _bound_edits(call, input_ids, mask, positions), ctx,
                                 masker=_masker(handle, call))
     want_logits = want_logits or any(s.name == "logits" for s in sites)
-    inputs = {"input_ids": input_ids, "attention_mask": mask}
+    inputs = {"input_ids": input_ids, "attention_mask": mask, **(vision or {})}
     head = _envoy_path(handle, Site("logits", None))
     with lm.trace(inputs, remote=remote_mode(handle)) as tracer:
         for group in program.groups:
@@ -298,7 +309,8 @@ def forward(handle: Any, call: Any, input_ids: torch.Tensor, attention_mask: tor
     return out["program"]["captured"], logits, out["program"]["fired"]
 
 
-def trace_rows(handle: Any, call: Any, ids: list[int], sites: list[Site], logits_to_keep: int = 0):
+def trace_rows(handle: Any, call: Any, ids: list[int], sites: list[Site], logits_to_keep: int = 0,
+               vision: dict[str, Any] | None = None):
     """`Engine._capture_forward` of an ndif: model: ({site: [seq, ...]}, logits [seq, vocab] or None), or with
     row masks (`call.rows` > 1) the same ids as that many batch rows, [rows, seq, ...] out; the edits' reports
     are left in `call.runner.ctx.fired` as after a local forward. A capture that returns no logits reads none
@@ -306,8 +318,11 @@ def trace_rows(handle: Any, call: Any, ids: list[int], sites: list[Site], logits
     check_sites(handle, sites)
     layered = all(s.layer is not None for s in sites)
     n_rows = call.rows
+    if n_rows > 1 and vision:  # every row sees the same image(s), as in the engine
+        vision = {k: v.repeat(n_rows, *[1] * (v.ndim - 1)) if torch.is_tensor(v) else v for k, v in vision.items()}
     acts, logits, fired = forward(handle, call, torch.tensor([ids] * n_rows), None, sites,
-                                  want_logits=logits_to_keep == 0 or not layered, stop_after_last_site=layered)
+                                  want_logits=logits_to_keep == 0 or not layered, stop_after_last_site=layered,
+                                  vision=vision)
     call.runner.ctx.fired = fired
     if n_rows > 1:
         return acts, logits
@@ -450,7 +465,8 @@ def check_sites(handle: Any, sites: list[Site]) -> None:
 
 
 def capture_batch(handle: Any, call: Any, sequences: list[list[int]], sites: list[Site], prefix: Any,
-                  positions: Any, stop_after_last_site: bool, pad_id: int) -> dict[str, torch.Tensor]:
+                  positions: Any, stop_after_last_site: bool, pad_id: int,
+                  vision: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """`Engine.capture_batch` of an ndif: model: the right-padded batch in one trace (no prefix state)."""
     if prefix is not None:
         raise refused(handle, "capture_batch with a prefix state", "fork")
@@ -461,16 +477,21 @@ def capture_batch(handle: Any, call: Any, sequences: list[list[int]], sites: lis
     for b, seq in enumerate(sequences):
         input_ids[b, :len(seq)] = torch.tensor(seq)
         mask[b, :len(seq)] = 1
+    spec = handle._extras.get("vision")
+    if vision and "image_grid_thw" in vision and "mm_token_type_ids" not in vision:
+        # rows of unequal lengths (probes.vision.prepare gives types for equal ones): a Qwen-VL computes its
+        # 3-D positions from the padded rows' token types and the padding mask
+        vision = {**vision, "mm_token_type_ids": (input_ids == spec.image_token_id).int() * mask.int()}
     only_layers = all(s.layer is not None for s in sites)
     captured, _, _ = forward(handle, call, input_ids, mask, sites, want_logits=not only_layers,
-                             stop_after_last_site=stop_after_last_site and only_layers)
+                             stop_after_last_site=stop_after_last_site and only_layers, vision=vision)
     if positions is None:
         return captured
     return {name: torch.cat([v[b, list(pos)] for b, pos in enumerate(positions)]) for name, v in captured.items()}
 
 
 def generate(engine: Any, ids: list[list[int]], sites: list[Site], max_new_tokens: int, sampling: Any, seed: int,
-             call: Any, top_k: int, stop: tuple[str, ...]) -> "RecordsAfterRun":
+             call: Any, top_k: int, stop: tuple[str, ...], vision: dict[str, Any] | None = None) -> "RecordsAfterRun":
     """`Engine.generate` of an ndif: model: one nnsight generate, then the records built from its saved steps
     by the engine's own `_step_records` (the same tokens, log-probs, entropies, top-k, captures, reports).
 
@@ -480,6 +501,10 @@ def generate(engine: Any, ids: list[list[int]], sites: list[Site], max_new_token
     check_sites(handle, sites)
     from probes.attention_masks import AttentionMasks
 
+    if vision:
+        raise BadInputError(f"generate with images is refused on {handle.model_id}, which runs on NDIF: a VLM's "
+                            "decode steps need the engine's own (3-D rotary) positions, which one nnsight generate "
+                            "does not reproduce; trace/capture with images are served")
     if AttentionMasks in call.parts:
         raise BadInputError(f"MaskAttention in generate is refused on {handle.model_id}, which runs on NDIF: a "
                             "generation's masks hide prompt columns of a token-by-token stream (with the last "

@@ -237,11 +237,37 @@ def test_router_maps_of_a_generation_equal_the_engine(moe):
     np.testing.assert_equal(theirs.to_dict(), ours.to_dict())
 
 
-def test_visual_attribution_is_refused_with_the_reason(ndif_llama):
+def test_visual_attribution_on_a_text_model_is_refused_with_the_reason(ndif_llama):
     from analyses.visual_attribution.attribution import exhaustive_effects
 
-    with pytest.raises(BadInputError, match="cannot do vision on this backend .vision: image inputs"):
+    with pytest.raises(BadInputError, match="cannot do vision on this backend .vision: an ndif: model loads no image"):
         exhaustive_effects(ndif_llama, "a <image> b", None, [[0, 1]], [])
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])  # pixel values only; an image grid and 3-D rotary
+def test_images_exhaustive_effects_and_capture_batch_of_a_vlm_equal_the_engine(family):
+    """Images travel as trace inputs: visual attribution's exhaustive effects (row masks over image tokens,
+    one forward) and a right-padded capture_batch with an image per row equal the engine exactly; a
+    generation with images is refused with the reason."""
+    from analyses.visual_attribution import exhaustive_effects, grid_regions
+    from probes.vision import spec_of
+
+    vlm = Engine.from_id(f"tiny-random:{family}", device="cpu")
+    ndif_vlm = Engine(rehearse(vlm.handle))
+    assert ndif_vlm.capabilities()["vision"]
+    image = (np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8)
+    text = "a b <image> c d e f g"
+    n = len(vlm.trace(text, images=[image]).token_ids)
+    spans, regions = [(1, 2), (n - 5, n)], grid_regions(spec_of(vlm), 2, 2)
+    ours, theirs = (exhaustive_effects(b, text, image, spans, regions) for b in (vlm, ndif_vlm))
+    np.testing.assert_array_equal(theirs, ours)
+    assert np.all(ours[0] == 0.0) and np.abs(ours[1]).min() > 1e-4  # "b" precedes the image; the tail reads it
+    seqs = [vlm.encode("a <image> b c"), vlm.encode("d <image> e")]
+    batch_ours, batch_theirs = (b.capture_batch(seqs, SITES, images=[image, image]) for b in (vlm, ndif_vlm))
+    for site in SITES:
+        torch.testing.assert_close(batch_theirs[site], batch_ours[site], atol=0, rtol=0)
+    with pytest.raises(BadInputError, match="generate with images is refused on ndif-local:tiny-random:"):
+        ndif_vlm.generate(text, images=[image], max_new_tokens=2)
 
 
 def test_ndif_local_overhead_row(llama):

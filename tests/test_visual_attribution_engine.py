@@ -336,7 +336,7 @@ def test_row_masks_mask_their_own_row_only(llava):
         list(llava.generate(TEXT, images=[_image()], interventions=[RowMask(positions=a, rows=[0])],
                             max_new_tokens=2))
     with pytest.raises(BadInputError, match="rows"):
-        llava.capture_batch([ids], ["resid_post.0"], interventions=[RowMask(positions=a, rows=[2])])
+        llava.capture_batch([ids], ["resid_post.0"], images=[_image()], interventions=[RowMask(positions=a, rows=[2])])
 
 
 def test_the_k16_speedup_bench_runs_on_toy_vlms_architecture_with_16_visual_tokens():

@@ -43,8 +43,18 @@ OUT_DIR = Path(__file__).resolve().parents[1] / "docs" / "curves"
 LONG_TINY = "tiny-random:llama (8192 positions)"
 
 
+def mode() -> str:
+    """`THOUGHTSCOPE_CURVES`: "full" (the issue's sizes on --model), "model" (--model at sizes up to 1,024
+    tokens), else the default (the long tiny model for the length curves)."""
+    return os.environ.get("THOUGHTSCOPE_CURVES", "").strip().lower() or "default"
+
+
 def full() -> bool:
-    return os.environ.get("THOUGHTSCOPE_CURVES", "").strip().lower() == "full"
+    return mode() == "full"
+
+
+def _sizes(sizes: list[int], cap: int = 1024) -> list[int]:
+    return [n for n in sizes if n <= cap] if mode() == "model" else sizes
 
 
 # ----- measuring -----
@@ -137,7 +147,7 @@ def long_tiny_engine(context: int = 8192) -> Engine:
 
 
 def _engine_for(model_id: str, long: bool) -> tuple[Engine, str]:
-    if long and not full():
+    if long and mode() not in ("full", "model"):
         return long_tiny_engine(), LONG_TINY
     return Engine.from_id(model_id), model_id
 
@@ -167,7 +177,7 @@ def curve_capture_length(model_id: str) -> dict[str, Any]:
     engine, used = _engine_for(model_id, long=True)
     n_layers = engine.arch().n_layers
     sites = [f"resid_post.{n_layers // 2}", f"mlp_out.{n_layers // 2}", f"attn_out.{n_layers - 1}"]
-    lengths = [128, 256, 512, 1024, 2048, 4096]
+    lengths = _sizes([128, 256, 512, 1024, 2048, 4096])
     table = []
     for n in lengths:
         ids = _ids(engine, n)
@@ -269,7 +279,7 @@ def curve_fork_prefix(model_id: str) -> dict[str, Any]:
     engine, used = _engine_for(model_id, long=True)
     probe = _ids(engine, 16)
     table = []
-    for n in [256, 512, 1024, 2048, 4096]:
+    for n in _sizes([256, 512, 1024, 2048, 4096], cap=2048):
         prefix = _ids(engine, n)
         state = engine.prefill(prefix)
         x = torch.tensor([prefix + probe])
@@ -303,7 +313,7 @@ def curve_cusum_length(model_id: str) -> dict[str, Any]:
     prompt = _ids(engine, 32)
     every = 32
     table = []
-    for n in ([128, 256, 512, 1024, 2048, 4096] if full() else [128, 256, 512, 1024, 2048]):
+    for n in _sizes([128, 256, 512, 1024, 2048, 4096] if full() else [128, 256, 512, 1024, 2048], cap=512):
         trace = _ids(engine, n)
 
         def run() -> int:
@@ -318,7 +328,8 @@ def curve_cusum_length(model_id: str) -> dict[str, Any]:
         table.append({"trace_tokens": n, "probes": n // every, "cusum_s": sig(t["cusum"]),
                       "prefill_s": sig(t["prefill"]), "ratio": round(t["cusum"] / t["prefill"], 3),
                       "s_per_probe": sig(t["cusum"] / (n // every))})
-    return _finish("cusum_length", used, "trace_tokens", table, "cusum_s", "quadratic", baseline="prefill_s",
+    # the prefill of the whole trace is drawn for reference, not as the baseline: probes grow with the trace
+    return _finish("cusum_length", used, "trace_tokens", table, "cusum_s", "quadratic", extra_series=("prefill_s",),
                    note=f"a probe every {every} tokens (one prefill, one fork per probe, the CUSUM update); probes "
                         "grow with the trace and each reads its prefix: linear + quadratic")
 
@@ -419,7 +430,7 @@ def curve_harvest(model_id: str) -> dict[str, Any]:
             step_residuals(engine, sequences, positions, [layer])
 
         def fuzzy() -> None:
-            harvest(engine, TextSource("dragon", kind="texts", texts=texts, n=n, where="prompt"), layer)
+            harvest(engine, TextSource("dragon", kind="texts", texts=texts, n=n, where="any"), layer)
 
         t = timed({"rise": rise, "fuzzy": fuzzy}, repeats=2)
         table.append({"traces": n, "rise_s": sig(t["rise"]), "fuzzy_s": sig(t["fuzzy"]),
@@ -442,7 +453,7 @@ def _finish(name: str, model: str, x_key: str, table: list[dict[str, Any]], y_ke
     xs = [r[x_key] for r in table]
     check = shape_ratio(xs, [r[y_key] for r in table], shape)
     row: dict[str, Any] = {"bench": f"curve_{name}", "ratio": check["ratio"], "target": LIMIT, "holds": check["holds"],
-                           "shape": shape, "model": model, "sizes": "full" if full() else "default", "note": note,
+                           "shape": shape, "model": model, "sizes": mode(), "note": note,
                            "fit": check, "table": table}
     if baseline is not None:
         base_check = shape_ratio(xs, [r[baseline] for r in table], shape)
@@ -473,10 +484,11 @@ def _plot(name: str, model: str, x_key: str, table: list[dict[str, Any]], y_key:
             "series": series, "shape": shape, "fit": check, "note": note,
             "memory": ({k: [r[k] for r in table] for k in memory if k} if memory else {}), "machine": machine()}
     record = provenance({"model_id": model}, data="synthetic (probes.timing.STORY tokens)",
-                        settings={"curve": name, "sizes": "full" if full() else "default", "device": device},
+                        settings={"curve": name, "sizes": mode(), "device": device},
                         command=f"thoughtscope bench curves-{name.split('_')[0]}")
     fig = curve_figure(data)
     formats = ["png", "json"]
+    name = name if mode() == "default" else f"{name}_{mode()}"  # the default run's files are kept
     try:
         written = save_figure(fig, data, name, OUT_DIR, formats, figure="growth_curve", provenance=record)
     except Exception as err:  # no Chromium for the PNG: keep the data
@@ -532,9 +544,44 @@ def _group(curves: list[Callable[[str], dict[str, Any]]]) -> Callable[[str], lis
 BENCHMARKS = {"curves": _group([c for cs in AREAS.values() for c in cs]),
               **{f"curves-{area}": _group(cs) for area, cs in AREAS.items()}}
 
-if __name__ == "__main__":  # python -m benchmarks.curves [AREA ...]
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The curves' rows (`thoughtscope bench curves --json` output) as Markdown: per curve its verdict and table."""
+    out = []
+    for row in rows:
+        fit = row["fit"]
+        verdict = "holds" if row["holds"] else "**does not hold**"
+        out.append(f"### {row['bench'].removeprefix('curve_').replace('_', ' ')}\n")
+        out.append(f"Model: `{row['model']}`; {row.get('note', '')}. Expected shape: {row['shape']}; top point "
+                   f"{fit['measured_top']} against {fit['predicted_top']} extrapolated from the points below it: "
+                   f"ratio **{fit['ratio']}** ({verdict} at {LIMIT}).")
+        extra = []
+        if "baseline_fit" in row:
+            extra.append(f"baseline's own top / shape {row['baseline_fit']['ratio']}; overhead over the baseline "
+                         f"at the top / at the bottom {row['overhead_growth']}")
+        if "memory_fit" in row:
+            extra.append(f"peak memory top / {row['memory_fit']['shape']} shape {row['memory_fit']['ratio']}")
+        for key in ("throughput_shape", "fuzzy_shape"):
+            if key in row:
+                extra.append(f"{key.replace('_', ' ')}: {row[key]['shape']}, ratio {row[key]['ratio']} "
+                             f"({'holds' if row[key]['holds'] else 'does not hold'})")
+        if extra:
+            out.append(" " + "; ".join(extra) + ".")
+        keys = list(row["table"][0])
+        out.append("\n\n| " + " | ".join(k.replace("_", " ") for k in keys) + " |")
+        out.append("|" + "---|" * len(keys))
+        out += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in row["table"]]
+        out.append(f"\n![{row['bench']}]({Path(row['plot']).relative_to('docs').as_posix()})\n")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # python -m benchmarks.curves [AREA ...] | --markdown ROWS.jsonl ...
     import json
 
-    for area in sys.argv[1:] or ["all"]:
-        for row in BENCHMARKS["curves" if area == "all" else f"curves-{area}"]("smollm2-135m"):
-            print(json.dumps(row), flush=True)
+    if sys.argv[1:2] == ["--markdown"]:
+        rows = [json.loads(line) for name in sys.argv[2:] for line in Path(name).read_text().splitlines()
+                if line.startswith("{")]
+        print(markdown(rows))
+    else:
+        for area in sys.argv[1:] or ["all"]:
+            for row in BENCHMARKS["curves" if area == "all" else f"curves-{area}"]("smollm2-135m"):
+                print(json.dumps(row), flush=True)

@@ -427,11 +427,21 @@ def preprocess(spec: VisionSpec, image: Any) -> torch.Tensor:
 
 def box_cells(spec: VisionSpec, box: Sequence[float], size: tuple[int, int]) -> list[int]:
     """Token cells (reading order, 0..grid^2-1) a pixel box (x0, y0, x1, y1; exclusive ends) of an
-    image of `size` (width, height) overlaps, after the resize to the tower's input (the one map of pixels
-    to tokens, boxes and masks, is probes.image_regions)."""
-    from probes.image_regions import region_cells  # lazy: that module builds on this one
-
-    return region_cells(spec, box, size)
+    image of `size` (width, height) overlaps, after the resize to the tower's input (the same cells as
+    probes.image_regions.region_cells, which also takes masks, coverage thresholds and checks NaN)."""
+    if len(box) != 4:
+        raise BadInputError(f"a box is (x0, y0, x1, y1) in pixels; got {box!r}")
+    x0, y0, x1, y1 = (float(v) for v in box)
+    w, h = size
+    if not (0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h):
+        raise BadInputError(f"box {tuple(box)} is not a non-empty region inside the {w}x{h} image")
+    sx, sy = spec.image_size / w, spec.image_size / h
+    c = spec.cell
+    # in token units, rounded so that an edge on a token edge stays on it (50 of 100 pixels -> 8.000000000000002)
+    a0, a1, b0, b1 = (round(v, 9) for v in (x0 * sx / c, x1 * sx / c, y0 * sy / c, y1 * sy / c))
+    cols = range(int(a0 // 1), min(spec.grid, int(-(-a1 // 1))))
+    rows = range(int(b0 // 1), min(spec.grid, int(-(-b1 // 1))))
+    return [r * spec.grid + col for r in rows for col in cols]
 
 
 def box_tokens(spec: VisionSpec, ids: Sequence[int], box: Sequence[float], size: tuple[int, int],

@@ -241,3 +241,17 @@ def test_streamed_span_attention_over_a_box_and_a_mask_equals_the_offline_featur
     for s, feats, one in zip(spans, offline, singles):
         assert np.allclose(s.features, feats, atol=1e-5)
         assert np.allclose(feats, [one[list(r.cells)].sum(0) for r in regions], atol=1e-5)
+
+
+def test_probes_vision_box_cells_gives_the_same_cells_as_the_region_map():
+    """probes.vision.box_cells (the engine's own box helper) and probes.image_regions agree on random integer
+    boxes of images of several sizes, edges on token edges after inexact scaling included."""
+    from probes.vision import box_cells
+
+    rng = np.random.default_rng(0)
+    for spec in (VisionSpec("llava", 7, 48, 16), VisionSpec("idefics3", 7, 64, 8, 2), VisionSpec("qwen2_vl", 7, 448, 14, 2)):
+        for w, h in ((64, 64), (100, 37), (333, 500)):
+            for _ in range(100):
+                x0, x1 = sorted(rng.choice(w + 1, 2, replace=False).tolist())
+                y0, y1 = sorted(rng.choice(h + 1, 2, replace=False).tolist())
+                assert box_cells(spec, (x0, y0, x1, y1), (w, h)) == region_cells(spec, (x0, y0, x1, y1), (w, h))

@@ -103,7 +103,7 @@ def coverage(spec: VisionSpec, region: Any, size: Sequence[int]) -> np.ndarray:
     `size` (width, height) image, after the engine's resize to the tower's input."""
     w, h = check_size(size)
     if isinstance(region, np.ndarray) and region.ndim == 2:
-        m = check_mask(region, (w, h)).astype(float)
+        m: Any = check_mask(region, (w, h)).astype(float)
         ox = _axis_overlap(np.arange(w), np.arange(1, w + 1), w, spec)  # [w, grid]
         oy = _axis_overlap(np.arange(h), np.arange(1, h + 1), h, spec)  # [h, grid]
         return oy.T @ m @ ox

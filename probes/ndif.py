@@ -7,7 +7,15 @@ pickling), so it reuses the engine's own pieces rather than re-deriving them: `t
 the site views, each bound intervention's `apply(view, ctx)` for the edit (`probes.interventions`,
 `probes.edits`: the same maths), and after a generation `Engine._step_records` builds the records
 from the saved per-step logits, exactly as the engine's loop does (records after the run, never
-streamed).
+streamed). Attention masks of a teacher-forced pass (`MaskAttention`, `RowMask`) edit each chosen layer's
+attention inputs inside the trace with the engine's own `AttentionMasker` (one rule, shipped by value),
+and a VLM's images travel as trace inputs (pixel values, a Qwen-VL's image grid and token types), so
+visual attribution's exhaustive effects run through one trace.
+
+Known limit: the trace body refers to this project's classes by reference (and imports them at run time),
+so the server must have thoughtscope installed. The rehearsal cannot catch that: nnsight hides sys.path
+entries outside site-packages, but an editable install's finder lives in site-packages, so the hidden
+modules are re-imported from it. A stock NDIF deployment (no thoughtscope) would answer ModuleNotFoundError.
 
 `remote="local"` (nnsight 0.8) serialises the trace exactly as a real NDIF request, deserialises it
 with this project's modules hidden, and runs it here: that is how the tests rehearse this path on

@@ -23,6 +23,29 @@ from thoughtscope.errors import BadInputError, ModelLoadError
 SITES = ["resid_post.0", "z.1", "mlp_out.1"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _project_bytecode(tmp_path_factory):
+    """Each rehearsal request is deserialised with this project's modules hidden from sys.modules, so it imports
+    them afresh; with PYTHONDONTWRITEBYTECODE (as here) that recompiles every module per request. Byte-compile
+    them once into a private pycache prefix (nothing written into the tree) for this module's requests: speed only."""
+    import importlib.util
+    import py_compile
+    import sys
+    from pathlib import Path
+
+    saved = sys.pycache_prefix
+    sys.pycache_prefix = str(tmp_path_factory.mktemp("pycache"))
+    root = Path(__file__).resolve().parent.parent
+    for package in ("probes", "thoughtscope"):  # what a request imports (probes and what it imports)
+        for path in (root / package).rglob("*.py"):
+            try:
+                py_compile.compile(str(path), cfile=importlib.util.cache_from_source(str(path)), doraise=True)
+            except py_compile.PyCompileError:
+                pass  # a module mid-edit: it is compiled from source when imported, as without the prefix
+    yield
+    sys.pycache_prefix = saved
+
+
 @pytest.fixture(scope="module")
 def ndif_llama(llama):
     """The rehearsal backend over the session's tiny llama weights (shared, no second load)."""
@@ -232,8 +255,8 @@ def test_method_entry_points_equal_the_engine(llama, ndif_llama):
 def test_router_maps_of_a_generation_equal_the_engine(moe):
     from analyses.moe_router.maps import generation_map
 
-    ours = generation_map(moe, "one two three", max_new_tokens=4)
-    theirs = generation_map(Engine(rehearse(moe.handle)), "one two three", max_new_tokens=4)
+    ours = generation_map(moe, "one two three", max_new_tokens=2)
+    theirs = generation_map(Engine(rehearse(moe.handle)), "one two three", max_new_tokens=2)
     np.testing.assert_equal(theirs.to_dict(), ours.to_dict())
 
 
@@ -244,7 +267,9 @@ def test_visual_attribution_on_a_text_model_is_refused_with_the_reason(ndif_llam
         exhaustive_effects(ndif_llama, "a <image> b", None, [[0, 1]], [])
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])  # pixel values only; an image grid and 3-D rotary
+# qwen2_5_vl in the unit tier (pixel values, an image grid, 3-D rotary, token types); the other families under slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", *(pytest.param(f, marks=pytest.mark.slow)
+                                                    for f in ("llava", "smolvlm", "qwen2_vl", "qwen3_vl"))])
 def test_images_exhaustive_effects_and_capture_batch_of_a_vlm_equal_the_engine(family):
     """Images travel as trace inputs: visual attribution's exhaustive effects (row masks over image tokens,
     one forward) and a right-padded capture_batch with an image per row equal the engine exactly; a

@@ -316,6 +316,34 @@ def gumbel_noise(seed: int, layer: int, at: Positions, width: int) -> torch.Tens
     return uniform_noise(seed, layer, at, width).log_().neg_().log_().neg_()  # a fresh tensor: in place is safe
 
 
+NOISE_CHUNK = 16  # decode columns whose noise one layer draws at once
+
+
+class NoiseChunks:
+    """Gumbel noise of decode steps drawn `NOISE_CHUNK` columns ahead, per layer: the same values as
+    `gumbel_noise` of each column (one seeded stream per column, read row by row), but the Gumbel
+    transform and the move to the device run once per chunk instead of once per layer and step, and a
+    step reads its noise as one view. A chunk of more rows serves a step of fewer (row r's draws do not
+    depend on how many rows a stream fills). Pure in (seed, layer, column, row, slot): an entry is
+    valid whoever made it, so a stale or shared one is never wrong, only redrawn."""
+
+    def __init__(self, seed: int, width: int, chunk: int = NOISE_CHUNK):
+        self.seed, self.width, self.chunk = int(seed), int(width), int(chunk)
+        self._layers: dict[int, tuple[int, int, Any, torch.Tensor]] = {}
+
+    def decode(self, layer: int, column: int, n_rows: int, device: Any) -> torch.Tensor:
+        """Gumbel noise [n_rows, width] (float32) of rows 0..n_rows-1 at one column: `gumbel_noise` of a
+        one-column grid, exactly."""
+        entry = self._layers.get(layer)
+        if entry is None or not 0 <= column - entry[0] < self.chunk or entry[1] < n_rows or entry[2] != device:
+            u = torch.stack([_stream(self.seed, layer, c, n_rows, self.width)
+                             for c in range(column, column + self.chunk)])
+            entry = (column, n_rows, device, u.log_().neg_().log_().neg_().to(device))
+            self._layers[layer] = entry
+        noise = entry[3][column - entry[0]]
+        return noise if entry[1] == n_rows else noise[:n_rows]
+
+
 def gumbel_top_k(logits: torch.Tensor, k: int, t_e: float, noise: torch.Tensor) -> torch.Tensor:
     """Positions of k draws without replacement, probabilities proportional to exp(logits / t_e)
     (Gumbel-top-k: the k largest of logits / t_e + Gumbel noise; Kool et al. 2019)."""
@@ -555,6 +583,7 @@ class ExpertSample(RouterRule):
         if self.tail_gates not in TAIL_GATES:
             raise BadInputError(f"tail_gates={self.tail_gates!r}; use one of {TAIL_GATES}")
         checks.integer("seed", self.seed, low=0)
+        self.noise_, self.heads_ = NoiseChunks(self.seed, self.m), {}  # this call's own (a copy shares none)
 
     def choose(self, spec, logits, layer, at):
         k = self.k or spec.top_k
@@ -564,30 +593,58 @@ class ExpertSample(RouterRule):
         # A softmax (or raw-logit) router without group limits ranks experts as their logits rank, so the rule
         # ranks the logits themselves and samples from the top-k values: no softmax over all experts per token
         # (a rule's cost at toy scale is its number of tensor operations).
+        k_h = self.k_h
         by_logits = spec.style.score in ("softmax", "logits") and not spec.n_group
         if by_logits:
-            values, ranked = torch.topk(logits, self.k_h + self.m, dim=-1)
-            pool_logits, choice, allowed = values[:, self.k_h:].float(), None, None
+            values, ranked = torch.topk(logits, k_h + self.m, dim=-1)
+            pool_logits, choice, allowed = values[:, k_h:], None, None
+            if pool_logits.dtype != torch.float32:
+                pool_logits = pool_logits.float()
         else:
             choice, allowed = spec.choice_scores(logits)
-            ranked = torch.topk(choice, self.k_h + self.m, dim=-1)[1]
-            pool_logits = spec.sample_logits(logits).gather(1, ranked[:, self.k_h:])
+            ranked = torch.topk(choice, k_h + self.m, dim=-1)[1]
+            pool_logits = spec.sample_logits(logits).gather(1, ranked[:, k_h:])
             if allowed is not None:
-                pool_logits = pool_logits.masked_fill(~allowed.gather(1, ranked[:, self.k_h:]), -math.inf)
-        noise = gumbel_noise(self.seed, layer, at, self.m)
-        picked = gumbel_top_k(pool_logits, k - self.k_h, float(self.t_e), noise)
+                pool_logits = pool_logits.masked_fill(~allowed.gather(1, ranked[:, k_h:]), -math.inf)
+        noise = self._noise(layer, at)
+        t_e = float(self.t_e)
+        # Gumbel-top-k (`gumbel_top_k`, inlined: the same operations)
+        picked = torch.topk(pool_logits + noise if t_e == 1.0 else pool_logits / t_e + noise, k - k_h, dim=-1)[1]
         if allowed is not None and torch.isinf(pool_logits.gather(1, picked)).any():
             raise BadInputError(f"{self.describe()}: the tail pool reaches experts this router's group limit "
                                 "excludes; use a smaller m")
-        idx = torch.cat([ranked[:, :self.k_h], ranked[:, self.k_h:].gather(1, picked)], dim=-1)
+        # the chosen experts' places in the ranking: the head's 0..k_h-1, then the drawn tail slots
+        pos = torch.cat([self._head(logits.shape[0], logits.device), picked.add_(k_h)], dim=-1) if k_h else picked
+        idx = ranked.gather(1, pos)
         if by_logits and self.tail_gates == "router" and spec.style.score == "softmax" and spec.normalize:
             # renormalised probabilities over the chosen set are the softmax of their logits
-            chosen = torch.cat([values[:, :self.k_h], values[:, self.k_h:].gather(1, picked)], dim=-1)
-            gates = torch.softmax(chosen, dim=-1, dtype=torch.float32)
+            gates = torch.softmax(values.gather(1, pos), dim=-1, dtype=torch.float32)
             if spec.style.scaled:
                 gates = gates * spec.scaling
-            return idx, gates.to(logits.dtype) if spec.style.gate_dtype == "logits" else gates
+            if spec.style.gate_dtype == "logits" and logits.dtype != torch.float32:
+                gates = gates.to(logits.dtype)
+            return idx, gates
         return self._weighted(spec, logits, idx, choice, k)
+
+    def _noise(self, layer: int, at: Positions) -> torch.Tensor:
+        """The tail pool's Gumbel noise `gumbel_noise(seed, layer, at, m)`; a decode step's from this
+        call's `NoiseChunks` (drawn a chunk of columns ahead, the same values)."""
+        grid = at.grid
+        if grid is None or grid[1] != 1:
+            return gumbel_noise(self.seed, layer, at, self.m)
+        chunks = self.__dict__.get("noise_")
+        if chunks is None or chunks.seed != self.seed or chunks.width != self.m:
+            chunks = self.__dict__["noise_"] = NoiseChunks(self.seed, self.m)
+        return chunks.decode(layer, grid[2], grid[0], at.device)
+
+    def _head(self, n_tokens: int, device: Any) -> torch.Tensor:
+        """Ranks 0..k_h-1 for `n_tokens` tokens [n_tokens, k_h] (built once per shape and call)."""
+        heads = self.__dict__.setdefault("heads_", {})
+        key = (n_tokens, self.k_h, device)
+        head = heads.get(key)
+        if head is None:
+            head = heads[key] = torch.arange(self.k_h, device=device).expand(n_tokens, self.k_h)
+        return head
 
     def _weighted(self, spec: RouterSpec, logits: torch.Tensor, idx: torch.Tensor, choice: torch.Tensor | None,
                   k: int) -> tuple[torch.Tensor, torch.Tensor]:

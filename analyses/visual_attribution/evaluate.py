@@ -1,7 +1,9 @@
 """Faithfulness of visual attribution on toy-vlm scenes, where the true region of every span is known.
 
 The study (issue 14, item 7, the part built so far): toy-vlm's description spans ("top-left red
-ring") each name one grid cell, which is one visual token. Regions are the nine cells. On training
+ring") each name one grid cell, which is one visual token. Regions are the nine cells, or each
+object's true box plus the background (`regions="objects"`, the same table), or K Ward clusters; any
+supported VLM family runs it on the same scenes (`scene_text_and_spans`, `scene_regions`). On training
 scenes the exhaustive effects (teacher-forced on the reference trace) train the amortized estimator;
 on held-out scenes each method's scores are compared with the exhaustive effects:
 

@@ -5,8 +5,10 @@ The answer streams, and each span, as soon as it ends, gets a heat map laid over
 visual token) from the attention rows the generation already computed: raw attention, or the amortized estimator's
 predicted effects once there is one (toy-vlm: "Fit the estimator" fits it on training scenes with
 exhaustive effects as targets; any VLM: load one saved by `thoughtscope eval vis-attr --save`).
-Afterwards pick any span; its exhaustive effects (attention to each visual token masked in every
-layer: the drop of the span's log-prob) are computed on demand. Everything goes through the Backend
+Afterwards pick any span; its exhaustive effects (attention to each region masked in every
+layer: the drop of the span's log-prob) are computed on demand. Regions are every visual token, the
+composed toy scene's objects, boxes dragged on the image or typed, or an uploaded regions JSON (boxes
+and masks in pixels of the image as given; probes.image_regions maps them to each family's tokens). Everything goes through the Backend
 (`analyses.visual_attribution`); every figure exports.
 
 An uploaded image replaces the composed scene (toy-vlm was trained on its own scenes only). For

@@ -48,6 +48,7 @@ def test_the_estimate_counts_sites_patterns_logits_and_the_kv_cache_by_hand():
     assert gen.parts["captured activations"] == 2 * 6 * 64 * 4
     assert gen.parts["attention patterns"] == 2 * 4 * 6 * (10 + 3) * 4
     assert gen.parts["kv cache"] == 2 * 2 * 2 * 16 * 2 * (10 + 6) * 4
+    assert gen.parts["token records"] == 2 * 6 * 2048  # Python objects of each record
     # mask rows multiply a teacher-forced pass
     assert estimate(ARCH, 4, mode="trace", lengths=[50], rows=3, sites=["q.0"]).parts["captured activations"] \
         == 3 * 50 * 4 * 16 * 4

@@ -49,8 +49,9 @@ VERDICTS: dict[str, tuple[str, str]] = {
                                 "KV policies are refused: they replace module internals (the 2-D mask of a stream, "
                                 "the router's forward, the cache) that a trace does not reach"),
     "generate": ("recomputed", "one nnsight generate: the same tokens, log-probs, entropies, captures and steering "
-                               "reports, but the records come after the whole run, not streamed token by token; "
-                               "greedy decoding only"),
+                               "reports, but the records come after the whole run, not streamed token by token "
+                               "(a server sends them after it; a cancel or --max-stream-s acts between records, "
+                               "not inside the run); masks and images in generate are refused"),
     "readout": ("served", "the final norm and the unembedding run on the vectors inside a trace"),
     "router": ("served", "router sites (router, experts, expert_gates) are read in traces and generations of an "
                          "MoE model; router rules (expert sampling) are refused"),

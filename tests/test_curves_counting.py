@@ -82,3 +82,18 @@ def test_probes_over_a_trace_run_one_prefill_and_one_fork_per_position(llama):
     assert widths[0] == 32 + 128  # the longest prefix, once
     # each fork feeds the suffix alone (never the prefix), then one token per decoded answer token
     assert suffix > 1 and widths[1:].count(suffix) == 4 and set(widths[1:]) <= {1, suffix}
+
+
+def test_a_saved_curve_redraws_from_its_json_with_its_numbers():
+    import json
+    from pathlib import Path
+
+    from app.export import build_figure
+
+    saved = json.loads((Path(__file__).resolve().parents[1] / "docs" / "curves" / "fork_prefix.json").read_text())
+    fig = build_figure("growth_curve", saved)
+    fork = next(t for t in fig.data if t.name == "fork s")
+    assert list(fork.x) == saved["x"] and list(fork.y) == saved["series"]["fork_s"]
+    assert saved["provenance"]["settings"]["curve"] == "fork_prefix"
+    shape = next(t for t in fig.data if t.name.endswith("shape from the lower points"))
+    assert shape.y[-1] == saved["fit"]["predicted_top"]

@@ -26,6 +26,8 @@ _WIDTHS = dict(zip(
      667, 611, 722, 667, 944, 667, 667, 611, 278, 278, 278, 469, 556, 333, 556, 556, 500, 556, 556, 278, 556, 556,
      222, 222, 500, 222, 833, 556, 556, 556, 556, 333, 500, 278, 556, 500, 722, 500, 500, 500, 334, 260, 334, 584)))
 WIDE = 1000
+MONO = 620  # a monospace font's advance (DejaVu Sans Mono 602, rounded up)
+TEXT_SCALE = 1.04  # rendered text came out up to 4% wider than the advance widths add up to
 
 # plotly.js' own constants for the parts around the text (ticks "outside", the template's title standoff)
 TICK_LEN, TICK_PAD = 5, 3
@@ -34,12 +36,22 @@ PAPER_GAP = 0.02  # colour bars and legends sit at x = 1.02 of the plot width...
 PLOT_WIDTH = 1200  # ...of a plot about this wide (the page's wide layout; an export at most ~1,500)
 COLORBAR_PAD, COLORBAR_THICKNESS = 10, 30
 LEGEND_SYMBOL = 40  # the legend's symbol and the gap before its text
+AUTO_ANGLE_WIDTH = 240  # the narrowest plot area labels are laid out on (a half column less its legend)
+LEGEND_ROW_WIDTH = 700  # horizontal legends wrap their entries at about this width
 SLACK = 10  # pixels added to every estimate: a few too many cost a sliver of white, one too few a second draw
 
 
-def text_width(text: str, size: float) -> float:
-    """Pixels `text` takes in the template's font at `size` px (its widest line, for "<br>" lines)."""
-    return max((sum(_WIDTHS.get(c, WIDE) for c in line) for line in str(text).split("<br>")), default=0) * size / 1000
+def text_width(text: str, size: float, mono: bool = False) -> float:
+    """Pixels `text` takes in the template's font (or a monospace one) at `size` px (its widest line, for
+    "<br>" lines)."""
+    lines = str(text).split("<br>")
+    em = max((len(line) * MONO if mono else sum(_WIDTHS.get(c, WIDE) for c in line)) for line in lines)
+    return em * size / 1000 * TEXT_SCALE
+
+
+def _is_mono(font: Any) -> bool:
+    family = str(getattr(font, "family", None) or "").lower()
+    return "mono" in family or "courier" in family
 
 
 def _lines(text: str) -> int:
@@ -72,9 +84,17 @@ def _axis_labels(fig: go.Figure, name: str, axis: Any) -> list[str]:
             labels += [v for v in values if v not in labels]
         else:
             numbers += _value_range(values)
-    if not labels and numbers and axis.type in (None, "-", "linear"):  # plotly's own ticks: their two ends stand in
-        labels = _number_labels(min(numbers), max(numbers))
-    return labels
+    if labels or not numbers:
+        return labels
+    lo, hi = min(numbers), max(numbers)
+    if axis.type == "log":  # plotly's log ticks: powers of ten, "0.001"
+        lo = 10 ** math.floor(math.log10(lo)) if lo > 0 else 1.0
+        return [f"{v:g}" for v in (lo, hi)]
+    if axis.type not in (None, "-", "linear"):
+        return labels
+    if "%" in str(axis.tickformat or ""):
+        return [f"{100 * v:.0f}%".replace("-", "\u2212") for v in (lo, hi)]
+    return _number_labels(lo, hi)  # plotly's own ticks: their two ends stand in
 
 
 def _axis_margin(fig: go.Figure, name: str, base_font: float) -> tuple[str, float] | None:
@@ -85,9 +105,14 @@ def _axis_margin(fig: go.Figure, name: str, base_font: float) -> tuple[str, floa
     labels = _axis_labels(fig, name, axis) if axis.showticklabels is not False else []
     size = _font_size(axis.tickfont, default=base_font)
     angle = math.radians(float(axis.tickangle)) if isinstance(axis.tickangle, (int, float)) else 0.0
-    widest = max((text_width(t, size) for t in labels), default=0.0)
+    widest = max((text_width(t, size, _is_mono(axis.tickfont)) for t in labels), default=0.0)
     tall = max((_lines(t) for t in labels), default=1) * size * LINE if labels else 0.0
     horizontal = name.startswith("x")
+    if horizontal and axis.tickangle in (None, "auto") and labels:
+        # plotly turns crowded labels by 30 degrees, or 90 when even that crowds them
+        room = AUTO_ANGLE_WIDTH * (axis.domain[1] - axis.domain[0] if axis.domain else 1.0)
+        crowded = sum(text_width(t, size) for t in labels) + 10 * len(labels) > room
+        angle = math.radians(90 if crowded and len(labels) * 2 * tall > room else 30) if crowded else 0.0
     across = (widest * abs(math.sin(angle)) + tall * abs(math.cos(angle)) if horizontal
               else widest * abs(math.cos(angle)) + tall * abs(math.sin(angle)))
     out = TICK_LEN + TICK_PAD + across if labels else 0.0
@@ -144,7 +169,7 @@ def _value_range(values: Any) -> tuple[float, float]:
 def _number_labels(lo: float | None, hi: float | None) -> list[str]:
     """The widest labels plotly's own ticks over [lo, hi] can have: both ends rounded to a 1/2/2.5/5 step."""
     lo, hi = float(lo if lo is not None else 0.0), float(hi if hi is not None else 1.0)
-    raw = (hi - lo or abs(hi) or 1.0) / 6
+    raw = (hi - lo or abs(hi) or 1.0) / 10  # a tall axis gets ten ticks
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
     decimals = max(0, -math.floor(math.log10(step) + 1e-9) + (1 if round(step / mag, 1) == 2.5 else 0))
@@ -164,16 +189,31 @@ def _colorbar_margin(colorbar: Any, value_range: Sequence[float], base_font: flo
     return max(0.0, (x - 1) * PLOT_WIDTH) + 2 * COLORBAR_PAD + body
 
 
-def _legend_margin(fig: go.Figure, base_font: float) -> float:
-    """Pixels a vertical legend right of the plot takes (0 when there is none)."""
+def _legend_margin(fig: go.Figure, base_font: float, top: float) -> tuple[str, float]:
+    """(side, pixels) a legend outside the plot takes: a vertical one on the right, a horizontal one below."""
     legend = fig.layout.legend
     names = [t.name for t in fig.data if getattr(t, "showlegend", False) is not False and t.name]  # go.Image: no legend
     shown = fig.layout.showlegend if fig.layout.showlegend is not None else len(names) > 1
-    if not shown or not names or legend.orientation == "h" or (legend.x is not None and legend.x < 1):
-        return 0.0
+    if not shown or not names:
+        return "r", 0.0
     size = _font_size(legend.font, default=base_font)
+    if legend.orientation == "h":
+        if legend.y is None or legend.y >= 0:
+            return "b", 0.0
+        rows, used = 1, 0.0
+        for n in names:
+            item = LEGEND_SYMBOL + text_width(n, size)
+            if used and used + item > LEGEND_ROW_WIDTH:
+                rows, used = rows + 1, 0.0
+            used += item
+        below = rows * (size * LINE + 6) + COLORBAR_PAD
+        height = fig.layout.height or 450
+        # the legend's top sits -y plot heights below the plot, and the plot is what the margins leave
+        return "b", (-legend.y * (height - top) + below) / (1 - legend.y)
+    if legend.x is not None and legend.x < 1:
+        return "r", 0.0
     x = legend.x if legend.x is not None else 1 + PAPER_GAP
-    return (x - 1) * PLOT_WIDTH + LEGEND_SYMBOL + max(text_width(n, size) for n in names) + COLORBAR_PAD
+    return "r", (x - 1) * PLOT_WIDTH + LEGEND_SYMBOL + max(text_width(n, size) for n in names) + COLORBAR_PAD
 
 
 def estimated_margins(fig: go.Figure) -> dict[str, int]:
@@ -191,9 +231,12 @@ def estimated_margins(fig: go.Figure) -> dict[str, int]:
                 side, pixels = pushed
                 letter = {"bottom": "b", "top": "t", "left": "l", "right": "r"}[side]
                 need[letter] = max(need[letter], pixels + SLACK)
-    right = max([_legend_margin(fig, font), *(_colorbar_margin(cb, rng, font) for cb, rng in _colorbars(fig))])
+    side, legend = _legend_margin(fig, font, need["t"])
+    right = max([legend if side == "r" else 0.0, *(_colorbar_margin(cb, rng, font) for cb, rng in _colorbars(fig))])
     if right:
         need["r"] = max(need["r"], right + SLACK)
+    if side == "b" and legend:
+        need["b"] = max(need["b"], legend + SLACK)
     return {side: int(math.ceil(value)) for side, value in need.items()}
 
 

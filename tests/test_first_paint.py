@@ -1,0 +1,102 @@
+"""A figure's margins are set before the browser draws it (app/figures/margins.py), so plotly.js draws it
+once instead of drawing, measuring what sticks out, and drawing again.
+
+The unit tests check the estimate against numbers worked by hand from its constants; the browser test
+draws the trace explorer's figures with plotly.js (the copy the plotly package ships) in Chromium and
+checks that plotly kept the margins it was given: had its automargin needed more room, it would have
+grown them, which is the second draw this module exists to avoid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import plotly
+import plotly.graph_objects as go
+import pytest
+
+from app.figures.margins import SLACK, TEXT_SCALE, estimated_margins, text_width
+from app.figures.template import styled
+from app.figures.trace import attention_figure, entropy_figure, logit_lens_figure, residual_norm_figure
+
+
+def test_text_width_adds_helvetica_advances():
+    # A 667 + n 556 + n 556 + a 556 = 2335 thousandths of an em, at 10 px, times the measured 4% allowance
+    assert text_width("Anna", 10) == pytest.approx(23.35 * TEXT_SCALE)
+    assert text_width("ab<br>W", 10) == pytest.approx(11.12 * TEXT_SCALE)  # the widest line: a 556 + b 556
+    assert text_width("\u5b50", 10) == pytest.approx(10 * TEXT_SCALE)  # outside ASCII: a full em
+
+
+def test_token_labels_widen_the_left_margin_by_hand():
+    fig = styled(go.Figure(go.Scatter(x=[0, 1], y=[0, 1])).update_layout(
+        yaxis=dict(tickvals=[0, 1], ticktext=["WWWWWWWW", "a"], title="query token")))
+    # tick 5 + pad 3 + eight W (944 each) at the template's 13 px, + standoff 8 + one title line (13 x 1.3),
+    # + the slack; the x axis' "0.0".."1.0" and no title fit the template's 50 px below
+    left = 5 + 3 + 8 * 944 * 13 / 1000 * TEXT_SCALE + 8 + 13 * 1.3 + SLACK
+    assert dict(fig.layout.margin.to_plotly_json()) == {"l": math.ceil(left), "r": 20, "t": 50, "b": 50}
+    assert fig.layout.margin.l == 146
+
+
+def test_colour_bar_and_legend_widen_the_right_margin_by_hand():
+    heat = styled(go.Figure(go.Heatmap(z=[[0, 1]], zmin=0, zmax=1, colorbar=dict(title="p"))))
+    # x = 1.02 of a 1,200 px plot (24) + pads 2 x 10 + bar 30 + pad 3 + "0.0" (556 + 278 + 556 at 13 px) + slack
+    right = 0.02 * 1200 + 20 + 30 + 3 + 1390 * 13 / 1000 * TEXT_SCALE + SLACK
+    assert heat.layout.margin.r == math.ceil(right) == 106
+    two = styled(go.Figure([go.Scatter(x=[0, 1], y=[0, 1], name="a"), go.Scatter(x=[0, 1], y=[0, 1], name="bb")]))
+    # 24 + symbol 40 + "bb" (2 x 556 at 13 px) + pad 10 + slack
+    assert two.layout.margin.r == math.ceil(0.02 * 1200 + 40 + 1112 * 13 / 1000 * TEXT_SCALE + 10 + SLACK) == 100
+    below = styled(go.Figure([go.Scatter(y=[0, 1], name="a"), go.Scatter(y=[1, 0], name="b")]).update_layout(
+        height=450, legend=dict(orientation="h", y=-0.3)))
+    # the legend's row (13 x 1.3 + 6, + pad 10) 0.3 plot heights below a plot of 450 - 50 - b: solved for b
+    assert below.layout.margin.b == math.ceil((0.3 * 400 + 13 * 1.3 + 6 + 10) / 1.3 + SLACK)
+
+
+def test_margins_a_builder_gives_are_kept_when_larger():
+    fig = styled(go.Figure(go.Scatter(x=[0, 1], y=[0, 1])).update_layout(margin=dict(l=200, b=120)))
+    assert (fig.layout.margin.l, fig.layout.margin.b, fig.layout.margin.r) == (200, 120, 20)
+
+
+def test_traces_without_axes_or_legends_keep_the_template_margins():
+    assert estimated_margins(styled(go.Figure(go.Image(z=[[[0, 0, 0]]])))) == {"l": 60, "r": 20, "t": 50, "b": 50}
+    assert estimated_margins(styled(go.Figure(go.Pie(values=[1, 2])))) == {"l": 60, "r": 20, "t": 50, "b": 50}
+
+
+def trace_explorer_figures() -> dict[str, go.Figure]:
+    """The trace explorer's four figures at their default sizes (30 layers, 32 lens and 48 attention
+    positions), on made-up numbers and real-looking token labels."""
+    words = ["<|im_start|>", "assistant", "\n", "Anna", " has", "\u2423", "1", "7", " shells", ".", " She", " wins",
+             " more", ",", " so", " +", " =", " The", " answer", " is", "<|im_end|>"]
+    tokens = [words[i % len(words)] for i in range(48)]
+    layers, n = list(range(30)), 32
+    records = [{"text": t, "token_id": i, "entropy": (i % 7) / 3, "logprob": -(i % 5) / 2} for i, t in enumerate(tokens)]
+    lens = {"tokens": tokens[:n], "layers": layers, "positions": list(range(100, 100 + n)),
+            "top_ids": [[1] * n for _ in layers], "top_tokens": [[tokens[(i + j) % 48] for j in range(n)] for i in layers],
+            "top_probs": [[((i * j) % 10) / 10 for j in range(n)] for i in layers], "prompt_len": 110}
+    weights = [[(1.0 / (q + 1) if k <= q else 0.0) for k in range(48)] for q in range(48)]
+    attention = {"tokens": tokens, "positions": list(range(100, 148)), "weights": weights, "layer": 29, "head": 0,
+                 "prompt_len": 110, "earlier": [0.1] * 48, "scale": "log"}
+    norms = {"layers": layers, "tokens": tokens[:8], "norms": [[10.0 * (i + 1)] * 8 for i in layers]}
+    return {"entropy": entropy_figure({"tokens": tokens[:33], "entropies": [r["entropy"] for r in records[:33]],
+                                       "logprobs": [r["logprob"] for r in records[:33]]}),
+            "logit_lens": logit_lens_figure(lens), "residual_norms": residual_norm_figure(norms),
+            "attention": attention_figure(attention)}
+
+
+@pytest.mark.browser
+def test_trace_explorer_figures_are_drawn_once_with_the_margins_set(browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.set_content("<div id='root'></div>")
+        page.add_script_tag(path=str(Path(plotly.__file__).parent / "package_data" / "plotly.min.js"))
+        for name, fig in trace_explorer_figures().items():
+            spec = json.loads(fig.to_json())
+            drawn = page.evaluate("""async (s) => {
+                const d = document.createElement('div'); document.getElementById('root').appendChild(d);
+                await Plotly.newPlot(d, s.data, Object.assign({}, s.layout, {width: 1100}));
+                const z = d._fullLayout._size; const out = {l: z.l, r: z.r, t: z.t, b: z.b};
+                Plotly.purge(d); d.remove(); return out; }""", spec)
+            assert drawn == spec["layout"]["margin"], name  # plotly grew none of them: one draw
+    finally:
+        page.close()

@@ -7,6 +7,13 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread in the tests and in every server/app they start (they inherit the environment): the
+# tests' models are tiny, and a second OpenMP thread on a 2-core machine that also runs the server, the app,
+# Chromium and a second test worker only spins. Measured on the busy 2-core machine, 3 x 24-token
+# generations on tiny-random:llama: 2 threads 6.5 CPU-s / 58 s wall, 1 thread 0.47 CPU-s / 5.3 s wall.
+# A test that wants more threads sets them itself; `OMP_NUM_THREADS=2 pytest ...` overrides this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 import pytest  # noqa: E402
 

@@ -26,8 +26,10 @@
 
 - `page_first_result_s` (group `pages`): for every method page, a new tab on the embedded model to its
   first figure, from the shipped results (docs/shipped/), by the page's own clock from navigation
-  start (`PAINT_PROBE`). The model is loaded before the first tab. Goal <= 2 s each. Beside them a
-  baseline: a new tab of Home to its first metric (the front end's boot and one script run, no figure).
+  start (`PAINT_PROBE`). The model is loaded before the first tab. Goal <= 2 s each. Beside them
+  baselines: a new tab of Home to its first metric (the front end's boot and one script run, no figure),
+  and the floor under every page (`bench_streamlit_floor`): a bare Streamlit app of one metric, and of one
+  3-point plotly figure, served the same way (no model, no sidebar).
 
 Absolute times on a shared machine are noisy: every row reports the machine's load with it.
 """
@@ -596,9 +598,86 @@ def bench_page_first_result(model_id: str = "smollm2-135m", rounds: int = 3,
     return rows
 
 
+# The floor under every page's new tab: Streamlit alone, no model, no sidebar (issue 28: is 2 s reachable?)
+FLOOR_APPS = {
+    "one metric": "import streamlit as st\nst.metric('Layers', 30)\n",
+    "one plotly figure": ("import plotly.graph_objects as go\nimport streamlit as st\n"
+                          "st.plotly_chart(go.Figure(go.Scatter(y=[1, 3, 2])), theme=None)\n"),
+}
+
+
+@contextlib.contextmanager
+def _bare_app(source: str, start_s: float = 120.0) -> Iterator[str]:
+    """`streamlit run` of a one-file app (`source`), served like the workbench (app.cli, pinned front end)."""
+    with tempfile.TemporaryDirectory() as folder, socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        script = Path(folder) / "floor.py"
+        script.write_text(source)
+        cmd = streamlit_command(port, "127.0.0.1")
+        cmd[cmd.index(str(Path(__file__).resolve().parent / "main.py"))] = str(script)
+        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + start_s
+            while True:
+                try:
+                    if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                        break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("streamlit did not start")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def bench_streamlit_floor(rounds: int = 5) -> list[dict[str, Any]]:
+    """A new tab of a bare Streamlit app (one metric; one 3-point plotly figure) to its element painted, by
+    the page's clock: what the front end's boot, one script run and (for the figure) plotly.js cost before
+    any page of ours draws. Median of `rounds` tabs of one browser profile after a warm-up tab."""
+    from app.export import chromium_path
+
+    browser_path = chromium_path()
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        browser_path = None
+    if browser_path is None:
+        return [{"bench": "page_first_result_s", "ratio": float("nan"), "skipped": "needs Chromium and playwright"}]
+    rows = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=browser_path, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        for what, source in FLOOR_APPS.items():
+            selector = FIGURE if "figure" in what else METRIC
+            load_before = _load()
+            with _bare_app(source) as url:
+                context = browser.new_context(viewport={"width": 1400, "height": 1000})
+                page_first_result_times(context, url, "home", selector=selector)  # warm-up: the HTTP cache filled
+                runs = [page_first_result_times(context, url, "home", selector=selector) for _ in range(rounds)]
+                context.close()
+            page_s = [t for t, _ in runs]
+            rows.append({"bench": "page_first_result_s", "page": f"bare Streamlit app: {what} (the floor)",
+                         "seconds": _median(page_s), "ratio": round(statistics.median(page_s) / GOALS["page_first_result"], 3),
+                         "target": 1.0, "goal_s": GOALS["page_first_result"], "runs_s": [round(t, 3) for t in page_s],
+                         "driver_runs_s": [round(d, 3) for _, d in runs], "load_avg_1m_before": load_before,
+                         "load_avg_1m": _load(), "clock": "the page's own: navigation start of a new tab -> painted"})
+        browser.close()
+    return rows
+
+
 def run_pages(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
-    """The pages benchmark: every method page's first stored result in a new tab."""
-    return bench_page_first_result(model_id)
+    """The pages benchmark: every method page's first stored result in a new tab, and the bare-Streamlit floor."""
+    return [*bench_page_first_result(model_id), *bench_streamlit_floor()]
 
 
 BENCHMARKS = {"views": run_views, "jobs": run_jobs, "pages": run_pages}

@@ -27,18 +27,10 @@ SITES = ["resid_post.0", "z.1", "mlp_out.1"]
 def _project_bytecode():
     """Each rehearsal request is deserialised with this project's modules hidden from sys.modules, so it imports
     them afresh; with PYTHONDONTWRITEBYTECODE (as here) and no bytecode on disk that recompiles every module per
-    request. Byte-compile probes/ and thoughtscope/ once into their (git-ignored) __pycache__: speed only (an
-    import still recompiles a module whose source changed since)."""
-    import py_compile
-    from pathlib import Path
+    request. Byte-compile probes/ and thoughtscope/ once into their (git-ignored) __pycache__: speed only."""
+    from probes.ndif_bench import byte_compile_project
 
-    root = Path(__file__).resolve().parent.parent
-    for package in ("probes", "thoughtscope"):  # what a request imports (probes and what it imports)
-        for path in (root / package).rglob("*.py"):
-            try:
-                py_compile.compile(str(path), doraise=True)
-            except (py_compile.PyCompileError, OSError):
-                pass  # a module mid-edit, or a read-only tree: compiled from source when imported, as before
+    byte_compile_project()
 
 
 @pytest.fixture(scope="module")

@@ -323,22 +323,26 @@ class NoiseChunks:
     """Gumbel noise of decode steps drawn `NOISE_CHUNK` columns ahead, per layer: the same values as
     `gumbel_noise` of each column (one seeded stream per column, read row by row), but the Gumbel
     transform and the move to the device run once per chunk instead of once per layer and step, and a
-    step reads its noise as one view. A chunk of more rows serves a step of fewer (row r's draws do not
-    depend on how many rows a stream fills). Pure in (seed, layer, column, row, slot): an entry is
-    valid whoever made it, so a stale or shared one is never wrong, only redrawn."""
+    step reads its noise as a ready view. `head` leading slots hold +inf (Expert-Sample's head experts:
+    they win any Gumbel-top-k over the whole pool), then the `width` Gumbel slots. A chunk of more rows
+    serves a step of fewer (row r's draws do not depend on how many rows a stream fills). Pure in (seed,
+    layer, column, row, slot): an entry is valid whoever made it, so a shared one is never wrong."""
 
-    def __init__(self, seed: int, width: int, chunk: int = NOISE_CHUNK):
-        self.seed, self.width, self.chunk = int(seed), int(width), int(chunk)
-        self._layers: dict[int, tuple[int, int, Any, torch.Tensor]] = {}
+    def __init__(self, seed: int, width: int, head: int = 0, chunk: int = NOISE_CHUNK):
+        self.seed, self.width, self.head, self.chunk = int(seed), int(width), int(head), int(chunk)
+        self._layers: dict[int, tuple[int, int, Any, list[torch.Tensor]]] = {}
 
     def decode(self, layer: int, column: int, n_rows: int, device: Any) -> torch.Tensor:
-        """Gumbel noise [n_rows, width] (float32) of rows 0..n_rows-1 at one column: `gumbel_noise` of a
-        one-column grid, exactly."""
+        """Noise [n_rows, head + width] (float32) of rows 0..n_rows-1 at one column: +inf, then
+        `gumbel_noise` of a one-column grid, exactly."""
         entry = self._layers.get(layer)
         if entry is None or not 0 <= column - entry[0] < self.chunk or entry[1] < n_rows or entry[2] != device:
             u = torch.stack([_stream(self.seed, layer, c, n_rows, self.width)
                              for c in range(column, column + self.chunk)])
-            entry = (column, n_rows, device, u.log_().neg_().log_().neg_().to(device))
+            noise = u.log_().neg_().log_().neg_()
+            if self.head:
+                noise = torch.cat([noise.new_full((self.chunk, n_rows, self.head), math.inf), noise], dim=-1)
+            entry = (column, n_rows, device, list(noise.to(device).unbind(0)))
             self._layers[layer] = entry
         noise = entry[3][column - entry[0]]
         return noise if entry[1] == n_rows else noise[:n_rows]
@@ -461,7 +465,7 @@ class PositionsMemo:
         self._positions: Positions | None = None
 
     def of(self, batch: int, seq: int, start: int, device: Any) -> Positions:
-        key = (batch, seq, start, str(device))
+        key = (batch, seq, start, device)
         if self._key != key:
             self._key, self._positions = key, Positions.of_forward(batch, seq, start, device)
         return self._positions
@@ -490,7 +494,7 @@ class RoutedForward(Part):
 
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
             batch = ctx.batch
-            seq = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0] // batch
+            seq = hidden_states.numel() // hidden_states.shape[-1] // batch  # tokens per row, no reshape op
             start = self.columns
             self.columns = start + seq
             if len(rules) == 1:
@@ -583,7 +587,7 @@ class ExpertSample(RouterRule):
         if self.tail_gates not in TAIL_GATES:
             raise BadInputError(f"tail_gates={self.tail_gates!r}; use one of {TAIL_GATES}")
         checks.integer("seed", self.seed, low=0)
-        self.noise_, self.heads_ = NoiseChunks(self.seed, self.m), {}  # this call's own (a copy shares none)
+        self.noise_, self.heads_ = NoiseChunks(self.seed, self.m, self.k_h), {}  # this call's own (a copy shares none)
 
     def choose(self, spec, logits, layer, at):
         k = self.k or spec.top_k
@@ -597,24 +601,30 @@ class ExpertSample(RouterRule):
         by_logits = spec.style.score in ("softmax", "logits") and not spec.n_group
         if by_logits:
             values, ranked = torch.topk(logits, k_h + self.m, dim=-1)
-            pool_logits, choice, allowed = values[:, k_h:], None, None
-            if pool_logits.dtype != torch.float32:
-                pool_logits = pool_logits.float()
+            choice = allowed = None
         else:
             choice, allowed = spec.choice_scores(logits)
             ranked = torch.topk(choice, k_h + self.m, dim=-1)[1]
             pool_logits = spec.sample_logits(logits).gather(1, ranked[:, k_h:])
             if allowed is not None:
                 pool_logits = pool_logits.masked_fill(~allowed.gather(1, ranked[:, k_h:]), -math.inf)
-        noise = self._noise(layer, at)
+        noise = self._noise(layer, at)  # [tokens, k_h + m]: +inf on the head's slots, then the tail's Gumbel noise
         t_e = float(self.t_e)
-        # Gumbel-top-k (`gumbel_top_k`, inlined: the same operations)
-        picked = torch.topk(pool_logits + noise if t_e == 1.0 else pool_logits / t_e + noise, k - k_h, dim=-1)[1]
-        if allowed is not None and torch.isinf(pool_logits.gather(1, picked)).any():
-            raise BadInputError(f"{self.describe()}: the tail pool reaches experts this router's group limit "
-                                "excludes; use a smaller m")
-        # the chosen experts' places in the ranking: the head's 0..k_h-1, then the drawn tail slots
-        pos = torch.cat([self._head(logits.shape[0], logits.device), picked.add_(k_h)], dim=-1) if k_h else picked
+        if by_logits:
+            # Gumbel-top-k over the whole pool at once: the head's +inf slots come first (in some order, put
+            # back as ranks 0..k_h-1), then the tail's k - k_h largest of logit / T_e + Gumbel, as
+            # `gumbel_top_k` ranks them (the tail's scores are the same numbers)
+            pool = values if values.dtype == torch.float32 else values.float()
+            pos = torch.topk(pool + noise if t_e == 1.0 else pool / t_e + noise, k, dim=-1)[1]
+            if k_h:
+                pos[:, :k_h] = self._head(logits.shape[0], logits.device)
+        else:
+            picked = gumbel_top_k(pool_logits, k - k_h, t_e, noise[:, k_h:])
+            if allowed is not None and torch.isinf(pool_logits.gather(1, picked)).any():
+                raise BadInputError(f"{self.describe()}: the tail pool reaches experts this router's group limit "
+                                    "excludes; use a smaller m")
+            # the chosen experts' places in the ranking: the head's 0..k_h-1, then the drawn tail slots
+            pos = torch.cat([self._head(logits.shape[0], logits.device), picked.add_(k_h)], dim=-1) if k_h else picked
         idx = ranked.gather(1, pos)
         if by_logits and self.tail_gates == "router" and spec.style.score == "softmax" and spec.normalize:
             # renormalised probabilities over the chosen set are the softmax of their logits
@@ -627,14 +637,15 @@ class ExpertSample(RouterRule):
         return self._weighted(spec, logits, idx, choice, k)
 
     def _noise(self, layer: int, at: Positions) -> torch.Tensor:
-        """The tail pool's Gumbel noise `gumbel_noise(seed, layer, at, m)`; a decode step's from this
-        call's `NoiseChunks` (drawn a chunk of columns ahead, the same values)."""
+        """[tokens, k_h + m]: +inf for the head, then the tail pool's Gumbel noise `gumbel_noise(seed, layer, at,
+        m)`; a decode step's from this call's `NoiseChunks` (drawn a chunk of columns ahead, the same values)."""
         grid = at.grid
         if grid is None or grid[1] != 1:
-            return gumbel_noise(self.seed, layer, at, self.m)
+            noise = gumbel_noise(self.seed, layer, at, self.m)
+            return torch.cat([noise.new_full((noise.shape[0], self.k_h), math.inf), noise], dim=-1) if self.k_h else noise
         chunks = self.__dict__.get("noise_")
-        if chunks is None or chunks.seed != self.seed or chunks.width != self.m:
-            chunks = self.__dict__["noise_"] = NoiseChunks(self.seed, self.m)
+        if chunks is None or (chunks.seed, chunks.width, chunks.head) != (self.seed, self.m, self.k_h):
+            chunks = self.__dict__["noise_"] = NoiseChunks(self.seed, self.m, self.k_h)
         return chunks.decode(layer, grid[2], grid[0], at.device)
 
     def _head(self, n_tokens: int, device: Any) -> torch.Tensor:

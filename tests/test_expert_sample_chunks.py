@@ -53,15 +53,17 @@ class ReferenceExpertSample(ExpertSample):
         return reference_choose(self, spec, logits, layer, at)
 
 
-def test_noise_chunks_equal_each_columns_own_gumbel_noise():
-    chunks = NoiseChunks(seed=7, width=5)
+@pytest.mark.parametrize("head", [0, 2])
+def test_noise_chunks_equal_each_columns_own_gumbel_noise(head):
+    chunks = NoiseChunks(seed=7, width=5, head=head)
     # rows shrink, grow back and cross chunk boundaries; two layers interleave as a forward's do
     for column, rows in [(3, 4), (4, 4), (5, 2), (18, 2), (19, 4), (20, 1), (3 + NOISE_CHUNK, 4), (2, 3)]:
         for layer in (0, 2):
             got = chunks.decode(layer, column, rows, torch.device("cpu"))
             want = gumbel_noise(7, layer, Positions.of_forward(rows, 1, column), 5)
-            assert got.shape == (rows, 5)
-            assert torch.equal(got, want)
+            assert got.shape == (rows, head + 5)
+            assert torch.equal(got[:, head:], want)
+            assert torch.equal(got[:, :head], torch.full((rows, head), math.inf))
     assert not torch.equal(chunks.decode(0, 3, 2, torch.device("cpu")), chunks.decode(2, 3, 2, torch.device("cpu")))
 
 

@@ -30,8 +30,9 @@ Every family keeps `top_k` on each layer's router module (`module.top_k`): editi
 Sampling noise is a pure function of (seed, layer, token column, batch row, pool slot): one seeded
 random stream per (seed, layer, column), read row by row (`uniform_noise`). The N samples of a batch
 differ, a step differs from the last, the same seed reproduces on any device and batch size, and a
-teacher-forced `trace` over a generated text sees the same noise as its generation did. A decode step
-costs one torch call per layer for the noise (at toy scale a rule's cost is its number of tensor
+teacher-forced `trace` over a generated text sees the same noise as its generation did. Decode steps read
+their noise from `NoiseChunks`: each layer draws the seeded streams of 16 columns at once and transforms
+them in one pass, so a step's noise is a ready view (at toy scale a rule's cost is its number of tensor
 operations, so the rule does only what it must).
 
 Example:

@@ -113,6 +113,8 @@ class RayRunner:
         if self.actors:  # started already (`ray_runner` starts it before the command enters its `with`)
             return self
         ray = self._ray = import_ray()
+        if self.address not in ("auto", "local"):  # checked even when this process holds a cluster already
+            check_reachable(self.address, self.connect_timeout_s)
         if not ray.is_initialized():
             self._connect(ray)
         gpus = float(ray.cluster_resources().get("GPU", 0))
@@ -144,7 +146,8 @@ class RayRunner:
         address = os.environ.get("RAY_ADDRESS") if self.address == "auto" else self.address
         options = dict(log_to_driver=False, include_dashboard=False)  # stdout stays the command's (--json)
         if address and address not in ("auto", "local"):
-            check_reachable(address, self.connect_timeout_s)
+            if address != self.address:  # RAY_ADDRESS (an explicit address was checked by start)
+                check_reachable(address, self.connect_timeout_s)
             # something listens there; Ray's own wait for its GCS (a minute by default) is cut to ours
             wait, os.environ["RAY_gcs_server_port_wait_time_s"] = (os.environ.get("RAY_gcs_server_port_wait_time_s"),
                                                                    str(max(1, round(self.connect_timeout_s))))

@@ -67,8 +67,8 @@ def _font_size(*fonts: Any, default: float = 13.0) -> float:
 
 
 def _axis_labels(fig: go.Figure, name: str, axis: Any) -> list[str]:
-    """The tick labels an axis will show when they are known before drawing: its `ticktext`, or the
-    categories its traces put on it. Numbers plotly picks itself are short enough for the base margins."""
+    """The tick labels an axis will show, or the widest it may show: its `ticktext`, the categories its
+    traces put on it, or for numbers the two ends of plotly's own ticks over the data."""
     if axis.ticktext is not None:
         return [str(t) for t in axis.ticktext]
     letter, ref = name[0], name.replace("axis", "")  # "xaxis2" -> "x", "x2"

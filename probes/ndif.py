@@ -2,8 +2,7 @@
 
 An `ndif:` model has no weights here: each engine call becomes one nnsight trace (`lm.trace`, or
 `lm.generate` for a generation) whose body reads and edits the same sites the engine's hooks do.
-The body is shipped to NDIF by value (nnsight registers this project's modules for by-value
-pickling), so it reuses the engine's own pieces rather than re-deriving them: `to_canonical` for
+The body is shipped to NDIF by value (`shipped_by_value`, below), so it reuses the engine's own pieces rather than re-deriving them: `to_canonical` for
 the site views, each bound intervention's `apply(view, ctx)` for the edit (`probes.interventions`,
 `probes.edits`: the same maths), and after a generation `Engine._step_records` builds the records
 from the saved per-step logits, exactly as the engine's loop does (records after the run, never
@@ -12,13 +11,23 @@ attention inputs inside the trace with the engine's own `AttentionMasker` (one r
 and a VLM's images travel as trace inputs (pixel values, a Qwen-VL's image grid and token types), so
 visual attribution's exhaustive effects run through one trace.
 
-Known limit: the trace body refers to this project's classes by reference (and imports them at run time),
-so the server must have thoughtscope installed. The rehearsal cannot catch that: nnsight hides sys.path
-entries outside site-packages, but an editable install's finder lives in site-packages, so the hidden
-modules are re-imported from it. A stock NDIF deployment (no thoughtscope) would answer ModuleNotFoundError.
+Shipping by value: a request ships this project's code it needs (`SHIPPED_BY_VALUE`: probes, thoughtscope)
+by value, scoped to the request (`shipped_by_value`: cloudpickle's by-value registry, the one `nnsight.register`
+fills; module-level caches travel empty; lru_cache'd functions re-wrapped; zero-argument `super()` methods keep
+their `__class__` cell), so a stock NDIF server (no thoughtscope) can run it. nnsight alone would ship nothing
+by value: it sees the editable install as an installed package.
+
+The rehearsal is strict (`StrictRehearsal`): nnsight's `remote="local"` hides sys.path entries outside
+site-packages, but an editable install's finder lives in site-packages, so hidden modules would be re-imported
+from it. Here the request is deserialised and run with every project package out of sys.modules and refused by
+a finder first on sys.meta_path (`without_project`), and with cloudpickle's class registry emptied so shipped
+classes are rebuilt from source as in a fresh server process: a by-reference name or a run-time project import
+fails the rehearsal as it would fail on NDIF. Still not rehearsed: a server's different Python, torch or
+transformers version (functions travel as source; dataclass-generated methods as bytecode, tied to the Python
+version).
 
 `remote="local"` (nnsight 0.8) serialises the trace exactly as a real NDIF request, deserialises it
-with this project's modules hidden, and runs it here: that is how the tests rehearse this path on
+with this project unimportable, and runs it here: that is how the tests rehearse this path on
 `tiny-random:` models and the embedded model (`rehearse`, model id `ndif-local:<zoo id>`).
 
 `VERDICTS` says, for every capability of `probes.engine.CAPABILITIES`, whether an `ndif:` backend
@@ -28,14 +37,21 @@ serves it (through a trace), recomputes it (the same result by another route) or
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.abc
+import sys
+import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from probes.hooks import ForwardContext, to_canonical
 from probes.remote import _envoy, _read_order
 from probes.sites import FAMILIES, Site
+from probes.token_masks import SteerRun  # module level: a shipped method finds it in its globals (by value)
 from thoughtscope.errors import BadInputError
 
 # capability -> (verdict, reason): what an ndif: backend does with it
@@ -129,6 +145,195 @@ def _mask_layers(masker: Any, n_layers: int) -> list[int]:
 def remote_mode(handle: Any) -> bool | str:
     """What `remote=` the handle's traces take: True (NDIF) or "local" (the rehearsal)."""
     return handle._extras.get("ndif_remote", True)
+
+
+# ----- shipping this project by value, and a rehearsal that proves it -----
+
+# what travels by value in a request (cloudpickle ships these packages' classes and functions as source)
+SHIPPED_BY_VALUE = ("probes", "thoughtscope")
+# this project's top-level packages: a stock NDIF server has none of them
+PROJECT_PACKAGES = ("probes", "thoughtscope", "analyses", "app", "saes", "cache")
+
+
+def _empty_cache(d: Any) -> tuple:
+    return (type(d), ())
+
+
+# module-level caches a shipped function may refer to: they travel empty (a server fills its own)
+_CACHE_TYPES = (weakref.WeakKeyDictionary, weakref.WeakValueDictionary, threading.local)
+
+
+def _lru(wrapped: Any, maxsize: Any, typed: bool) -> Any:
+    return functools.lru_cache(maxsize=maxsize, typed=typed)(wrapped)
+
+
+def _lru_reduce(cached: Any) -> Any:
+    """An lru_cache'd function of this project travels as its function (by value) re-wrapped, cache empty;
+    any other one by reference, as pickle does."""
+    wrapped = cached.__wrapped__
+    if getattr(wrapped, "__module__", "").split(".")[0] in SHIPPED_BY_VALUE:
+        params = cached.cache_parameters()
+        return (_lru, (wrapped, params["maxsize"], params["typed"]))
+    return cached.__reduce__()
+
+
+def _load_method(source: str, name: str, defaults: Any, kwdefaults: Any, annotations: Any, filename: str,
+                 line: int) -> Any:
+    """nnsight's `_load_function` for a method that uses zero-argument `super()`: the source is compiled inside a
+    class body, so its code keeps the `__class__` cell (filled by `_fill_method` with the shipped class)."""
+    import builtins
+    import textwrap
+    import types
+
+    padded = "\n" * max(line - 2, 0) + "class _Shipped:\n" + textwrap.indent(source, "    ")
+    module_code = compile(padded, f"[{name}:{line}] {filename}", "exec")
+    body = next(c for c in module_code.co_consts if isinstance(c, types.CodeType))
+    code = [c for c in body.co_consts if isinstance(c, types.CodeType) and c.co_name == name][-1]
+    cells = tuple(types.CellType() for _ in code.co_freevars)
+    func = types.FunctionType(code, {"__builtins__": builtins.__dict__}, name, defaults, cells)
+    if kwdefaults:
+        func.__kwdefaults__ = kwdefaults
+    if annotations:
+        func.__annotations__ = annotations
+    return func
+
+
+def _fill_method(func: Any, state: dict) -> None:
+    state = dict(state)
+    for name, cell in zip(func.__code__.co_freevars, func.__closure__):
+        cell.cell_contents = state.pop(name)
+    func.__globals__.update(state)
+
+
+def _reduce_keeping_class_cell(original: Any) -> Any:
+    def reduce(pickler: Any, func: Any) -> Any:
+        rv = original(pickler, func)
+        if func.__code__.co_freevars != ("__class__",) or len(rv) != 6 or rv[0].__name__ != "_load_function":
+            return rv
+        _, args, state, a, b, _ = rv
+        return (_load_method, args, {**state, "__class__": func.__closure__[0].cell_contents}, a, b, _fill_method)
+    return reduce
+
+
+@contextlib.contextmanager
+def shipped_by_value() -> Iterator[None]:
+    """While serialising a request: this project's modules pickle by value (cloudpickle's registry, the one
+    `nnsight.register` fills), and a module-level cache that a shipped function refers to (a weak dictionary,
+    e.g. token_masks' tokenizer pieces, or a thread-local, e.g. routing's generators) travels empty (the server
+    fills its own), an lru_cache'd function as its function re-wrapped, and a method using zero-argument
+    `super()` with its `__class__` cell (nnsight's source reducer recompiles a function at module level, which
+    loses the cell). Scoped to the request,
+    so other cloudpickle users in this process (Ray) keep pickling the project by reference."""
+    from cloudpickle.cloudpickle import _PICKLE_BY_VALUE_MODULES, Pickler
+
+    added = [m for m in SHIPPED_BY_VALUE if m not in _PICKLE_BY_VALUE_MODULES]
+    table = Pickler._dispatch_table
+    reducers = {**{t: _empty_cache for t in _CACHE_TYPES}, functools._lru_cache_wrapper: _lru_reduce}
+    weak = [t for t in reducers if t not in table]
+    from nnsight.intervention.serialization import CustomCloudPickler
+
+    source_reduce = CustomCloudPickler._dynamic_function_reduce
+    CustomCloudPickler._dynamic_function_reduce = _reduce_keeping_class_cell(source_reduce)
+    _PICKLE_BY_VALUE_MODULES.update(added)
+    for t in weak:
+        table[t] = reducers[t]
+    try:
+        yield
+    finally:
+        CustomCloudPickler._dynamic_function_reduce = source_reduce
+        _PICKLE_BY_VALUE_MODULES.difference_update(added)
+        for t in weak:
+            table.pop(t, None)
+
+
+class _NoProject(importlib.abc.MetaPathFinder):
+    """A finder that refuses this project's packages (first on sys.meta_path, ahead of the editable install's)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name.split(".")[0] in PROJECT_PACKAGES:
+            raise ModuleNotFoundError(f"No module named {name!r} (the ndif-local: rehearsal runs the request as a "
+                                      "stock NDIF server would: without thoughtscope installed)", name=name)
+        return None
+
+
+@contextlib.contextmanager
+def without_project() -> Iterator[None]:
+    """This project's modules out of sys.modules and unimportable, as on a server without thoughtscope; put back
+    after. Code already loaded keeps its module globals: only a by-reference name or a run-time import fails."""
+    hidden = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] in PROJECT_PACKAGES}
+    blocker = _NoProject()
+    sys.meta_path.insert(0, blocker)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(blocker)
+        for name in [n for n in sys.modules if n.split(".")[0] in PROJECT_PACKAGES]:
+            sys.modules.pop(name)  # nothing should be here; never keep a half-import
+        sys.modules.update(hidden)
+
+
+class StrictRehearsal:
+    """nnsight's `remote="local"` backend made strict: the request is serialised as NDIF would receive it (this
+    project by value), then deserialised AND run with this project unimportable (`without_project`), with
+    cloudpickle's class registry emptied meanwhile so every shipped class is rebuilt from its source, as in a
+    fresh server process (in-process cloudpickle would otherwise hand back the live classes). A request that
+    refers to this project by reference, or imports it while it runs, fails here as it would on NDIF."""
+
+    def __init__(self, model: Any):
+        from nnsight.intervention.backends.local import LocalSimulationBackend
+
+        self.simulation = LocalSimulationBackend(model)
+        self.model = model
+
+    def __call__(self, tracer: Any) -> None:
+        import linecache
+
+        import cloudpickle.cloudpickle as cp
+        from nnsight.schema.request import RequestModel
+
+        with shipped_by_value():
+            blob = RequestModel.serialize(tracer, compress=False)
+        persistent = self.model._remoteable_persistent_objects()
+        filename = tracer.info.frame.f_code.co_filename
+        saved_line = linecache.cache.get(filename)
+        by_id, by_class = cp._DYNAMIC_CLASS_TRACKER_BY_ID, cp._DYNAMIC_CLASS_TRACKER_BY_CLASS
+        cp._DYNAMIC_CLASS_TRACKER_BY_ID, cp._DYNAMIC_CLASS_TRACKER_BY_CLASS = weakref.WeakValueDictionary(), \
+            weakref.WeakKeyDictionary()
+        try:
+            with without_project():
+                hidden = self.simulation._hide_local_modules()  # nnsight's own hiding, for the deserialise
+                try:
+                    restored = RequestModel.deserialize(blob, persistent, compress=False)
+                finally:
+                    self.simulation._restore(hidden)
+                    cp._DYNAMIC_CLASS_TRACKER_BY_ID, cp._DYNAMIC_CLASS_TRACKER_BY_CLASS = by_id, by_class
+                    if saved_line is not None:
+                        linecache.cache[filename] = saved_line
+                    else:
+                        linecache.cache.pop(filename, None)
+                tracer.info.code = restored.info.code
+                tracer.execute(tracer.info.code)
+        finally:
+            cp._DYNAMIC_CLASS_TRACKER_BY_ID, cp._DYNAMIC_CLASS_TRACKER_BY_CLASS = by_id, by_class
+
+
+class _ShipByValue:
+    """nnsight's NDIF backend with this project shipped by value in the request (`shipped_by_value`)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __call__(self, tracer: Any) -> Any:
+        with shipped_by_value():
+            return self.inner(tracer)
+
+
+def backend(handle: Any) -> Any:
+    """The nnsight backend of the handle's traces: NDIF with this project by value, or the strict rehearsal."""
+    lm = handle.nnsight
+    if remote_mode(handle) == "local":
+        return StrictRehearsal(lm)
+    return _ShipByValue(lm._remote_backend(True, True, None, False))
 
 
 def rehearse(handle: Any) -> Any:
@@ -282,8 +487,6 @@ class _FixedMask:
         self.mask = mask
 
     def apply(self, term: Any, view: torch.Tensor):
-        from probes.token_masks import SteerRun
-
         self.masks = {id(term): self.mask}
         return SteerRun.apply(self, term, view)
 
@@ -305,7 +508,7 @@ def forward(handle: Any, call: Any, input_ids: torch.Tensor, attention_mask: tor
     want_logits = want_logits or any(s.name == "logits" for s in sites)
     inputs = {"input_ids": input_ids, "attention_mask": mask, **(vision or {})}
     head = _envoy_path(handle, Site("logits", None))
-    with lm.trace(inputs, remote=remote_mode(handle)) as tracer:
+    with lm.trace(inputs, backend=backend(handle)) as tracer:
         for group in program.groups:
             program.step(lm, group)
         logits = _envoy(lm, head).output if want_logits else None
@@ -351,7 +554,7 @@ def readout_rows(handle: Any, rows: torch.Tensor, norm: bool) -> torch.Tensor:
     lm = handle.nnsight
     norm_path = FAMILIES[handle.family]["final_norm"]
     head_path = _envoy_path(handle, Site("logits", None))
-    with lm.trace({"input_ids": torch.zeros(1, 1, dtype=torch.long)}, remote=remote_mode(handle)):
+    with lm.trace({"input_ids": torch.zeros(1, 1, dtype=torch.long)}, backend=backend(handle)):
         x = _envoy(lm, norm_path)(rows) if norm else rows
         logits = nnsight.save(_envoy(lm, head_path)(x))
     return logits
@@ -401,7 +604,7 @@ def generate_steps(handle: Any, call: Any, input_ids: torch.Tensor, mask: torch.
     head = _envoy_path(handle, Site("logits", None))
     embed = _embedding_path(handle) if run is not None else None
     inputs = {"input_ids": input_ids, "attention_mask": mask}
-    with lm.generate(inputs, generation_config=config, remote=remote_mode(handle),
+    with lm.generate(inputs, generation_config=config, backend=backend(handle),
                      logits_processor=LogitsProcessorList([EngineChoice(choose, sampling, seed)])) as tracer:
         steps = nnsight.save([])
         state = {"mask": mask, "flat": flat}
@@ -434,8 +637,6 @@ class _ShippedRun:
         return shipped
 
     def see(self, step: int, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
-        from probes.token_masks import SteerRun
-
         if step == 0:  # the prompt: its masks were worked out before the request
             self.masks_by_index = dict(self.first)
             return
@@ -444,8 +645,6 @@ class _ShippedRun:
                                for i, m in enumerate(self.members)}
 
     def apply(self, term: Any, view: torch.Tensor):
-        from probes.token_masks import SteerRun
-
         index = next(i for i, m in enumerate(self.members) if m is term)
         self.masks = {id(term): self.masks_by_index[index]}
         return SteerRun.apply(self, term, view)

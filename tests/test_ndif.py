@@ -369,3 +369,37 @@ def test_a_page_needing_a_refused_capability_says_which_and_why(monkeypatch):
     text = " ".join(i.value for i in at.info)
     assert "CoT entropy phases is not available here: ndif-local:tiny-random:llama cannot do fork" in text
     assert "prefix states are KV caches held in the process that ran the prefix" in text
+
+
+def test_the_rehearsal_is_strict_a_by_reference_payload_fails_a_by_value_one_runs():
+    """Without thoughtscope (`without_project`) a payload naming a project class by reference cannot load; the
+    same object shipped by value (`shipped_by_value`) loads as a rebuilt class with the same fields, and the
+    project's modules are back afterwards (the same module objects)."""
+    import sys
+
+    import cloudpickle.cloudpickle as cp
+    from nnsight.intervention.serialization import dumps, loads
+
+    from probes.ndif import shipped_by_value, without_project
+    from probes.sites import Site
+
+    site = Site("resid_post", 1)
+    sites_module = sys.modules["probes.sites"]
+    by_reference = dumps(site)
+    with shipped_by_value():
+        by_value = dumps(site)
+    by_id, by_class = cp._DYNAMIC_CLASS_TRACKER_BY_ID, cp._DYNAMIC_CLASS_TRACKER_BY_CLASS
+    cp._DYNAMIC_CLASS_TRACKER_BY_ID, cp._DYNAMIC_CLASS_TRACKER_BY_CLASS = {}, {}  # as a fresh server process
+    try:
+        with without_project():
+            assert "probes.sites" not in sys.modules
+            with pytest.raises(ModuleNotFoundError, match="No module named 'probes"):
+                loads(by_reference)
+            with pytest.raises(ModuleNotFoundError, match="without thoughtscope installed"):
+                __import__("thoughtscope.errors")
+            shipped = loads(by_value)
+    finally:
+        cp._DYNAMIC_CLASS_TRACKER_BY_ID, cp._DYNAMIC_CLASS_TRACKER_BY_CLASS = by_id, by_class
+    assert type(shipped) is not Site and type(shipped).__name__ == "Site"
+    assert (shipped.name, shipped.layer, shipped.module_path("decoder")) == ("resid_post.1", 1, "model.layers.1")
+    assert sys.modules["probes.sites"] is sites_module

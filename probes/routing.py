@@ -136,7 +136,7 @@ class RouterSpec:
         map, in float32 for DeepSeek, with gpt-oss's bias): what a rule needs, without the router's own
         softmax and top-k, which a rule would throw away."""
         weight = module.weight
-        h = hidden_states.reshape(-1, weight.shape[1])
+        h = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, weight.shape[1])
         if self.style.float32_logits:
             return torch.nn.functional.linear(h.float(), weight.float())
         return torch.nn.functional.linear(h, weight, getattr(module, "bias", None))

@@ -18,10 +18,16 @@ over more experts, and the grouped expert kernels pay per expert group, which is
 itself rather than of the rule. `expert_sample_cold_overhead` (no target) runs the whole Expert-Sample code
 path at T_e = 1e-4, where the drawn tail is the model's own next ranks (so, up to near-ties, the same experts
 as greedy): the rule's operations without the cost of diversity.
+
+`ratio` is wall-clock tokens/s (medians over the alternated rounds); `cpu_ratio` is the same quotient of the
+worker thread's own CPU time (medians, warm-up run left out), which a loaded shared machine moves less;
+`load_1min` is the load average before and after the rounds.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -50,13 +56,16 @@ def bench_expert_sample_overhead(backend: Backend, *, n_problems: int = 16, n_sa
     rule = setting.check(k).rule(seed)
     items = load_items("auto", "development", n_problems, backend=backend)
     tokens: dict[str, int] = {}
+    cpu: dict[str, list[float]] = {}  # the worker thread's CPU seconds per run: what other load moves least
 
     def side(label: str, interventions: list[Any]):
         def run() -> None:
+            start = time.thread_time()
             tokens[label] = sum(1 for _ in backend.generate(prompts=[it.prompt for it in items], chat=items[0].chat,
                                                             n_samples=n_samples,
                                                             max_new_tokens=max_new_tokens, top_k=0, seed=seed,
                                                             stop=[], interventions=interventions))
+            cpu.setdefault(label, []).append(time.thread_time() - start)
         return run
 
     def distinct_experts(interventions: list[Any]) -> float:
@@ -75,13 +84,18 @@ def bench_expert_sample_overhead(backend: Backend, *, n_problems: int = 16, n_sa
         sides["identity"] = side("identity", [TopK()])
     else:
         sides["expert_sample"] = side("expert_sample", [rule])
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     times = alternate(sides, rounds)
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     other = "identity" if identity else "expert_sample"
     greedy_tps = tokens["greedy"] / float(np.median(times["greedy"]))
     other_tps = tokens[other] / float(np.median(times[other]))
+    cpu_ratio = (float(np.median(cpu[other][1:])) / tokens[other]) / (float(np.median(cpu["greedy"][1:])) / tokens["greedy"])
     row = {"bench": name, "ratio": round(greedy_tps / other_tps, 3), "greedy_tokens_per_s": sig(greedy_tps),
-           f"{other}_tokens_per_s": sig(other_tps), "n_problems": n_problems, "n_samples": n_samples,
-           "max_new_tokens": max_new_tokens, "tokens": dict(tokens), "rounds": rounds, "model": backend.info()["model_id"]}
+           f"{other}_tokens_per_s": sig(other_tps), "cpu_ratio": round(cpu_ratio, 3),
+           "n_problems": n_problems, "n_samples": n_samples,
+           "max_new_tokens": max_new_tokens, "tokens": dict(tokens), "rounds": rounds, "model": backend.info()["model_id"],
+           "load_1min": [None if v is None else round(v, 1) for v in (load_before, load_after)]}
     if not identity:
         row["setting"] = setting.to_dict()
         row["distinct_experts_per_step"] = {"greedy": distinct_experts([]), "expert_sample": distinct_experts([rule]),

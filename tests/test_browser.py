@@ -45,7 +45,8 @@ def serve(model: str):
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "BROWSER_PATH": CHROMIUM}
     ARTIFACTS.mkdir(exist_ok=True)
-    log_path = ARTIFACTS / f"streamlit-{model.replace(':', '-')}.log"
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # `make test` runs two workers, each its own app
+    log_path = ARTIFACTS / f"streamlit-{model.replace(':', '-')}{'-' + worker if worker else ''}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(streamlit_command(port, "127.0.0.1", model=model), cwd=ROOT,
                                 env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -6,6 +6,10 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest --durations=10
+# Each tier on WORKERS pytest-xdist processes, whole files per worker (module fixtures: one server, one app
+# per file, as in a serial run). Default 0: one process per tier; `make test WORKERS=2` is not yet validated in full.
+WORKERS ?= 0
+XDIST := -n $(WORKERS) --dist loadfile
 
 .PHONY: setup chromium demo test test-types test-unit test-model test-browser test-slow bench clean
 
@@ -45,13 +49,13 @@ test-types:
 	echo "test-types: tests/typecheck/wrong_call.py rejected as it must be ($$(echo "$$out" | grep -c ': error:') errors)"
 
 test-unit:
-	$(PYTEST) -q -m "not model and not browser and not slow" tests
+	$(PYTEST) -q $(XDIST) -m "not model and not browser and not slow" tests
 
 test-model:
-	$(PYTEST) -q -m "model and not browser and not slow" tests
+	$(PYTEST) -q $(XDIST) -m "model and not browser and not slow" tests
 
 test-browser:
-	$(PYTEST) -q -m "browser and not slow" tests
+	$(PYTEST) -q $(XDIST) -m "browser and not slow" tests
 
 # Full-size toy models (trained once, cached) and their accuracy targets: longer than `make test` allows.
 test-slow: setup chromium

@@ -1,20 +1,18 @@
 """`ndif_local_overhead`: what the NDIF path costs over the engine's hooks, rehearsed here.
 
 A capture of 3 sites through nnsight `remote="local"` (the request serialised as NDIF would receive it,
-deserialised with this project's modules hidden, run here; probes.ndif) / the same capture by the
+deserialised and run with this project unimportable; probes.ndif) / the same capture by the
 in-process engine, on the same weights, timed in alternation and compared by medians. The ratio is what
 serialisation and nnsight's interleaving add; a real NDIF run adds the network and the queue on top.
 
-The rehearsal deserialises each request with this project's modules hidden from sys.modules, so every
-request re-imports them (a real server imports once); `byte_compile_project` runs first so that re-import
-reads bytecode rather than recompiling source (PYTHONDONTWRITEBYTECODE leaves none on disk), which would
-otherwise double the ratio on the tiny model.
+The rehearsal is strict (probes.ndif.StrictRehearsal): each request ships probes/thoughtscope by value and
+is deserialised with the project unimportable, so the ratio includes serialising the shipped project code
+and rebuilding its classes from source per request (as a server would), not a re-import of the project.
 """
 
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 from typing import Any
 
 from probes.engine import Engine
@@ -22,22 +20,7 @@ from probes.ndif import rehearse
 from probes.timing import STORY, alternate_pair, sig
 
 
-def byte_compile_project(packages: tuple[str, ...] = ("probes", "thoughtscope")) -> None:
-    """Byte-compile the project's packages into their (git-ignored) __pycache__; an import still recompiles a
-    module whose source changed since. A file that does not compile, or a read-only tree, is left alone."""
-    import py_compile
-
-    root = Path(__file__).resolve().parent.parent
-    for package in packages:
-        for path in (root / package).rglob("*.py"):
-            try:
-                py_compile.compile(str(path), doraise=True)
-            except (py_compile.PyCompileError, OSError):
-                pass
-
-
 def bench_ndif_local_overhead(engine: Engine, repeats: int = 9, tokens: int = 128) -> dict[str, Any]:
-    byte_compile_project()
     rehearsal = Engine(rehearse(engine.handle))
     ids = (engine.encode(STORY) * 20)[:tokens]
     n = engine.handle.arch.n_layers
@@ -53,5 +36,5 @@ def bench_ndif_local_overhead(engine: Engine, repeats: int = 9, tokens: int = 12
     ratio = statistics.median(tn) / statistics.median(te)
     return {"bench": "ndif_local_overhead", "ratio": round(ratio, 3), "sites": sites, "tokens": tokens,
             "engine_s": sig(statistics.median(te)), "ndif_local_s": sig(statistics.median(tn)),
-            "note": "nnsight remote='local': serialisation + interleaving + the rehearsal's re-import of this "
-                    "project per request (bytecode), no network"}
+            "note": "nnsight remote='local', strict: serialisation (the project's code by value) + rebuilding "
+                    "it from source + interleaving, no network"}

@@ -1,5 +1,5 @@
 """ndif: models through nnsight traces, rehearsed with nnsight's remote="local" (the request is serialised as
-NDIF would receive it, deserialised with this project's modules hidden, then run here).
+NDIF would receive it, deserialised and run with this project unimportable: probes.ndif.StrictRehearsal).
 
 Every served method of an `ndif:`-style backend equals the in-process engine on the same weights. The
 tolerance is exact (0) throughout: the trace runs the same modules in the same order on the same inputs,
@@ -21,16 +21,6 @@ from probes.ndif import rehearse
 from thoughtscope.errors import BadInputError, ModelLoadError
 
 SITES = ["resid_post.0", "z.1", "mlp_out.1"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _project_bytecode():
-    """Each rehearsal request is deserialised with this project's modules hidden from sys.modules, so it imports
-    them afresh; with PYTHONDONTWRITEBYTECODE (as here) and no bytecode on disk that recompiles every module per
-    request. Byte-compile probes/ and thoughtscope/ once into their (git-ignored) __pycache__: speed only."""
-    from probes.ndif_bench import byte_compile_project
-
-    byte_compile_project()
 
 
 @pytest.fixture(scope="module")

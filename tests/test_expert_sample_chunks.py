@@ -67,18 +67,25 @@ def test_noise_chunks_equal_each_columns_own_gumbel_noise(head):
     assert not torch.equal(chunks.decode(0, 3, 2, torch.device("cpu")), chunks.decode(2, 3, 2, torch.device("cpu")))
 
 
-_SPECS = {
-    "qwen3_moe": dict(normalize=True), "qwen3_moe_unnormalised": dict(normalize=False), "mixtral": dict(normalize=True),
-    "gpt_oss": dict(normalize=False), "deepseek_v2": dict(normalize=False, scaling=2.5),
+_SPECS = {  # name: (router style, RouterSpec arguments); the sigmoid and grouped ones take the general path
+    "qwen3_moe": ("qwen3_moe", dict(normalize=True)), "qwen3_moe_unnormalised": ("qwen3_moe", dict(normalize=False)),
+    "mixtral": ("mixtral", dict(normalize=True)), "gpt_oss": ("gpt_oss", dict(normalize=False)),
+    "deepseek_v2": ("deepseek_v2", dict(normalize=False, scaling=2.5)),
+    "deepseek_v3": ("deepseek_v3", dict(normalize=True, scaling=2.5)),
+    "deepseek_v3_grouped": ("deepseek_v3", dict(normalize=True, scaling=2.5, n_group=4, topk_group=2)),
 }
+
+
+def spec_of(name: str) -> RouterSpec:
+    style, kwargs = _SPECS[name]
+    return RouterSpec(ROUTER_STYLES[style], top_k=4, n_experts=16, **kwargs)
 
 
 @pytest.mark.parametrize("family", sorted(_SPECS))
 @pytest.mark.parametrize("k_h,t_e,tail_gates", [(2, 1.0, "router"), (1, 0.5, "router"), (0, 1.0, "router"),
                                                (2, 1.0, "displaced"), (1, 1e-4, "uniform")])
 def test_decode_choice_equals_the_reference_exactly(family, k_h, t_e, tail_gates):
-    style = ROUTER_STYLES[family.split("_unnormalised")[0]]
-    spec = RouterSpec(style, top_k=4, n_experts=16, **_SPECS[family])
+    spec = spec_of(family)
     rule = ExpertSample(k_h=k_h, m=6, t_e=t_e, tail_gates=tail_gates, seed=11)
     reference = ReferenceExpertSample(k_h=k_h, m=6, t_e=t_e, tail_gates=tail_gates, seed=11)
     gen = torch.Generator().manual_seed(0)
@@ -116,3 +123,18 @@ def test_seeded_generation_gives_the_references_tokens_exactly(moe, monkeypatch)
              moe.generate(prompts=["mixture of experts", "route every token"], n_samples=2, max_new_tokens=NOISE_CHUNK + 4,
                           sampling=Sampling(temperature=1.0), seed=3, stop=[])]
     assert plain != fast
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_prefill_and_masked_positions_choose_as_the_reference(family):
+    """A prefill's grid of columns and a masked subset of it (`where="generated"` keeps a prefill's last column)
+    draw their noise per column as before; the choice is the reference's, exactly."""
+    spec = spec_of(family)
+    rule, reference = ExpertSample(k_h=1, m=6, seed=2), ReferenceExpertSample(k_h=1, m=6, seed=2)
+    logits = torch.randn(3 * 5, 16, generator=torch.Generator().manual_seed(1))
+    grid = Positions.of_forward(3, 5, 7)
+    keep = grid.cols == 7 + 4
+    for at, x in [(grid, logits), (grid[keep], logits[keep])]:
+        idx, gates = rule.select(spec, x, 1, at)
+        ref_idx, ref_gates = reference.select(spec, x, 1, at)
+        assert torch.equal(idx, ref_idx) and torch.equal(gates, ref_gates)

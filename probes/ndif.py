@@ -277,7 +277,11 @@ class StrictRehearsal:
     project by value), then deserialised AND run with this project unimportable (`without_project`), with
     cloudpickle's class registry emptied meanwhile so every shipped class is rebuilt from its source, as in a
     fresh server process (in-process cloudpickle would otherwise hand back the live classes). A request that
-    refers to this project by reference, or imports it while it runs, fails here as it would on NDIF."""
+    refers to this project by reference, or imports it while it runs, fails here as it would on NDIF.
+
+    For tests and rehearsal only: while a request deserialises and runs, the project is unimportable for every
+    thread of this process (nnsight runs a trace's body in worker threads), so a concurrent lazy project import
+    elsewhere (a server thread serving another request) fails for that moment."""
 
     def __init__(self, model: Any):
         from nnsight.intervention.backends.local import LocalSimulationBackend

@@ -393,3 +393,27 @@ def test_the_rehearsal_is_strict_a_by_reference_payload_fails_a_by_value_one_run
     assert type(shipped) is not Site and type(shipped).__name__ == "Site"
     assert (shipped.name, shipped.layer, shipped.module_path("decoder")) == ("resid_post.1", 1, "model.layers.1")
     assert sys.modules["probes.sites"] is sites_module
+
+
+def test_a_real_ndif_request_ships_the_project_by_value_only_while_it_serialises(ndif_llama):
+    """An ndif: handle's backend is nnsight's NDIF backend (`_remote_backend(True, ...)`) run inside
+    `shipped_by_value` (no network here: the nnsight model is a recorder); the by-value registry is back to
+    by-reference afterwards (Ray and other cloudpickle users in this process keep pickling the project by
+    reference)."""
+    import dataclasses
+
+    from cloudpickle.cloudpickle import _PICKLE_BY_VALUE_MODULES
+
+    from probes.ndif import backend
+
+    seen = []
+
+    class Recorder:
+        def _remote_backend(self, remote, blocking, job_id, verbose):
+            seen.append(("built", remote, blocking, job_id, verbose))
+            return lambda tracer: seen.append((tracer, sorted(_PICKLE_BY_VALUE_MODULES & {"probes", "thoughtscope"})))
+
+    real = dataclasses.replace(ndif_llama.handle, _extras={"ndif_remote": True, "nnsight": Recorder()})
+    backend(real)("tracer")
+    assert seen == [("built", True, True, None, False), ("tracer", ["probes", "thoughtscope"])]
+    assert not _PICKLE_BY_VALUE_MODULES & {"probes", "thoughtscope"}

@@ -6,8 +6,8 @@ The body is shipped to NDIF by value (`shipped_by_value`, below), so it reuses t
 rather than re-deriving them: `to_canonical` for the site views, each bound intervention's
 `apply(view, ctx)` for the edit (`probes.interventions`, `probes.edits`: the same maths), and after a
 generation `Engine._step_records` builds the records from the saved per-step logits, exactly as the
-engine's loop does (records after the run, never streamed). Attention masks of a teacher-forced pass (`MaskAttention`, `RowMask`) edit each chosen layer's
-attention inputs inside the trace with the engine's own `AttentionMasker` (one rule, shipped by value),
+engine's loop does (records after the run, never streamed). Attention masks of a teacher-forced pass
+(`MaskAttention`, `RowMask`) edit each chosen layer's attention inputs inside the trace with the engine's own `AttentionMasker` (one rule, shipped by value),
 and a VLM's images travel as trace inputs (pixel values, a Qwen-VL's image grid and token types), so
 visual attribution's exhaustive effects run through one trace.
 

@@ -6,9 +6,11 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest --durations=10
-# Each tier on WORKERS pytest-xdist processes, whole files per worker (module fixtures: one server, one app
-# per file, as in a serial run). Default 0: one process per tier; `make test WORKERS=2` is not yet validated in full.
-WORKERS ?= 0
+# The unit and model tiers on WORKERS pytest-xdist processes, whole files per worker (module fixtures: one
+# server, one app per file, as in a serial run); the browser tier on BROWSER_WORKERS (serial by default: under
+# 2 workers on a loaded machine one Playwright wait ran past its 120 s). WORKERS=0: one process per tier.
+WORKERS ?= 2
+BROWSER_WORKERS ?= 0
 XDIST := -n $(WORKERS) --dist loadfile
 
 .PHONY: setup chromium demo test test-types test-unit test-model test-browser test-slow bench clean
@@ -55,7 +57,7 @@ test-model:
 	$(PYTEST) -q $(XDIST) -m "model and not browser and not slow" tests
 
 test-browser:
-	$(PYTEST) -q $(XDIST) -m "browser and not slow" tests
+	$(PYTEST) -q -n $(BROWSER_WORKERS) --dist loadfile -m "browser and not slow" tests
 
 # Full-size toy models (trained once, cached) and their accuracy targets: longer than `make test` allows.
 test-slow: setup chromium

@@ -1,15 +1,15 @@
 """The batch methods of an `ndif:` model, run as nnsight traces (on NDIF, or rehearsed with `remote="local"`).
 
-An `ndif:` model has no weights here: each engine call becomes one nnsight trace (`lm.trace`, or
-`lm.generate` for a generation) whose body reads and edits the same sites the engine's hooks do.
-The body is shipped to NDIF by value (`shipped_by_value`, below), so it reuses the engine's own pieces
-rather than re-deriving them: `to_canonical` for the site views, each bound intervention's
-`apply(view, ctx)` for the edit (`probes.interventions`, `probes.edits`: the same maths), and after a
-generation `Engine._step_records` builds the records from the saved per-step logits, exactly as the
-engine's loop does (records after the run, never streamed). Attention masks of a teacher-forced pass
-(`MaskAttention`, `RowMask`) edit each chosen layer's attention inputs inside the trace with the engine's own `AttentionMasker` (one rule, shipped by value),
-and a VLM's images travel as trace inputs (pixel values, a Qwen-VL's image grid and token types), so
-visual attribution's exhaustive effects run through one trace.
+An `ndif:` model has no weights here: each engine call becomes one nnsight trace (`lm.trace`, or `lm.generate`
+for a generation) whose body reads and edits the same sites the engine's hooks do. The body is shipped to NDIF
+by value (`shipped_by_value`, below), so it reuses the engine's own pieces rather than re-deriving them:
+`to_canonical` for the site views, each bound intervention's `apply(view, ctx)` for the edit
+(`probes.interventions`, `probes.edits`: the same maths), and after a generation `Engine._step_records` builds
+the records from the saved per-step logits, exactly as the engine's loop does (records after the run, never
+streamed). Attention masks of a teacher-forced pass (`MaskAttention`, `RowMask`) edit each chosen layer's
+attention inputs inside the trace with the engine's own `AttentionMasker` (one rule, shipped by value), and a
+VLM's images travel as trace inputs (pixel values, a Qwen-VL's image grid and token types), so visual
+attribution's exhaustive effects run through one trace.
 
 Shipping by value: a request ships this project's code it needs (`SHIPPED_BY_VALUE`: probes, thoughtscope)
 by value, scoped to the request (`shipped_by_value`: cloudpickle's by-value registry, the one `nnsight.register`

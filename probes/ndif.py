@@ -49,6 +49,7 @@ from typing import Any, Iterator
 import torch
 
 from probes.hooks import ForwardContext, to_canonical
+from probes.registered import KINDS
 from probes.remote import _envoy, _read_order
 from probes.sites import FAMILIES, Site
 from probes.token_masks import SteerRun  # module level: a shipped method finds it in its globals (by value)
@@ -237,9 +238,17 @@ def shipped_by_value() -> Iterator[None]:
     _PICKLE_BY_VALUE_MODULES.update(added)
     for t in weak:
         table[t] = reducers[t]
+    # the kind registry travels with the shipped modules: kinds registered from an importable module outside
+    # this project (a test file, a user's package) would travel by reference to a module the server lacks,
+    # so they stay behind for the request (a kind defined in __main__ travels by value, as cloudpickle does)
+    foreign = {k: c for k, c in KINDS.items()
+               if c.__module__.split(".")[0] not in (*SHIPPED_BY_VALUE, "__main__")}
+    for k in foreign:
+        del KINDS[k]
     try:
         yield
     finally:
+        KINDS.update(foreign)
         CustomCloudPickler._dynamic_function_reduce = source_reduce
         _PICKLE_BY_VALUE_MODULES.difference_update(added)
         for t in weak:

@@ -24,6 +24,14 @@ SITES = ["resid_post.0", "z.1", "mlp_out.1"]
 
 
 @pytest.fixture(scope="module")
+def own_moe():
+    """A tiny MoE of this module's own: after the whole unit tier, the session's shared `moe` made nnsight's
+    rehearsal see the router's output out of order (each file before this one, run alone with it, passes;
+    the leaking test is not found yet), so these comparisons load their own (about a second)."""
+    return Engine.from_id("tiny-random:qwen3_moe")
+
+
+@pytest.fixture(scope="module")
 def ndif_llama(llama):
     """The rehearsal backend over the session's tiny llama weights (shared, no second load)."""
     return Engine(rehearse(llama.handle))
@@ -125,7 +133,8 @@ def test_readout_and_logit_lens_equal_the_engine(llama, ndif_llama):
     np.testing.assert_equal(lens_theirs.to_dict(), lens_ours.to_dict())  # NaN (the last position) equals NaN
 
 
-def test_router_sites_of_an_moe_equal_the_engine(moe):
+def test_router_sites_of_an_moe_equal_the_engine(own_moe):
+    moe = own_moe
     ndif_moe = Engine(rehearse(moe.handle))
     assert ndif_moe.capabilities()["router"]
     sites = ["router.0", "experts.0", "expert_gates.0", "resid_post.1"]
@@ -229,7 +238,8 @@ def test_method_entry_points_equal_the_engine(llama, ndif_llama):
                                atol=0, rtol=0)
 
 
-def test_router_maps_of_a_generation_equal_the_engine(moe):
+def test_router_maps_of_a_generation_equal_the_engine(own_moe):
+    moe = own_moe
     from analyses.moe_router.maps import generation_map
 
     ours = generation_map(moe, "one two three", max_new_tokens=2)

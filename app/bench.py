@@ -44,7 +44,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -495,15 +495,14 @@ FIRST_RESULT_PAGES = ("cot_entropy", "rise", "fuzzy_concepts", "moe_router", "vi
 
 
 @contextlib.contextmanager
-def _app(model_id: str, env: dict[str, str] | None = None, start_s: float = 120.0) -> Iterator[str]:
-    """`streamlit run` of the workbench on a free loopback port, on `model_id`; yields its URL."""
+def _streamlit(command: Callable[[int], list[str]], env: dict[str, str] | None = None,
+               start_s: float = 120.0) -> Iterator[str]:
+    """`command(port)` (a `streamlit run`) on a free loopback port until it is healthy; yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen(streamlit_command(port, "127.0.0.1", model=model_id), cwd=root,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(port), cwd=Path(__file__).resolve().parents[1], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + start_s
@@ -523,6 +522,13 @@ def _app(model_id: str, env: dict[str, str] | None = None, start_s: float = 120.
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _app(model_id: str, env: dict[str, str] | None = None,
+         start_s: float = 120.0) -> contextlib.AbstractContextManager[str]:
+    """`streamlit run` of the workbench on a free loopback port, on `model_id`; yields its URL."""
+    return _streamlit(lambda port: streamlit_command(port, "127.0.0.1", model=model_id),
+                      {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, start_s)
 
 
 FIGURE = '[data-testid="stPlotlyChart"] .main-svg'
@@ -609,35 +615,17 @@ FLOOR_APPS = {
 @contextlib.contextmanager
 def _bare_app(source: str, start_s: float = 120.0) -> Iterator[str]:
     """`streamlit run` of a one-file app (`source`), served like the workbench (app.cli, pinned front end)."""
-    with tempfile.TemporaryDirectory() as folder, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+    with tempfile.TemporaryDirectory() as folder:
         script = Path(folder) / "floor.py"
         script.write_text(source)
-        cmd = streamlit_command(port, "127.0.0.1")
-        cmd[cmd.index(str(Path(__file__).resolve().parent / "main.py"))] = str(script)
-        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.time() + start_s
-            while True:
-                try:
-                    if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                        break
-                except OSError:
-                    pass
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("streamlit did not start")
-                time.sleep(0.5)
+
+        def command(port: int) -> list[str]:
+            cmd = streamlit_command(port, "127.0.0.1")
+            cmd[cmd.index(str(Path(__file__).resolve().parent / "main.py"))] = str(script)
+            return cmd
+
+        with _streamlit(command, None, start_s) as url:
             yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def bench_streamlit_floor(rounds: int = 5) -> list[dict[str, Any]]:

@@ -5,8 +5,6 @@ work a capture does is counted (its logits: the last position only)."""
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 
 import httpx
 import pytest
@@ -15,6 +13,7 @@ import torch
 from probes.arch import ArchInfo
 from probes.memory_budget import ENV_VAR, estimate, format_bytes, parse_bytes
 from thoughtscope.errors import BadInputError, MemoryBudgetError
+from tests.server_helpers import in_process_server
 
 ARCH = ArchInfo("llama", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_model=64, d_mlp=128,
                 vocab_size=1000, context_length=8192)
@@ -106,25 +105,8 @@ def test_a_capture_computes_the_last_positions_logits_only_and_reads_what_hf_rea
 @pytest.fixture(scope="module")
 def served(llama):
     """The session's tiny engine behind `create_app` in this process (so the budget and the counter are shared)."""
-    import socket
-
-    import uvicorn
-
-    from probes.server import create_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(llama), host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with in_process_server(llama) as url:
+        yield url
 
 
 def test_the_server_refuses_an_over_budget_request_with_the_estimate_before_any_model_work(llama, served, monkeypatch):

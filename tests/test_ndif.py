@@ -19,6 +19,7 @@ from probes.interventions import AddVector, HeadAblation, MaskAttention, Project
 from probes.kv_policies import SinkRecent
 from probes.ndif import rehearse
 from thoughtscope.errors import BadInputError, ModelLoadError
+from tests.server_helpers import in_process_server
 
 SITES = ["resid_post.0", "z.1", "mlp_out.1"]
 
@@ -295,27 +296,9 @@ def test_ndif_local_overhead_row(llama):
 
 @pytest.fixture(scope="module")
 def ndif_served(ndif_llama):
-    import socket
-    import threading
-    import time
-
-    import uvicorn
-
-    from probes.server import create_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(ndif_llama), host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    """`thoughtscope serve` over the rehearsal engine, in this process."""
+    with in_process_server(ndif_llama) as url:
+        yield url
 
 
 def test_the_server_serves_an_ndif_backend_and_refuses_with_the_reason(llama, ndif_served):

@@ -46,10 +46,11 @@ def heatmap_figure(data: Any) -> go.Figure:
     return styled(fig, d.get("title", "visual attribution"))
 
 
-FAITHFULNESS_PANELS = (("spearman", "Spearman vs exhaustive (higher better)"),
-                       ("lds", "linear datamodeling score (higher better)"),
-                       ("hit", "true-cell hit rate"),
-                       ("deletion_top1", "drop, top-1 cell deleted (nats)"))
+# two-line panel titles: four one-line titles overlap each other at the page's width
+FAITHFULNESS_PANELS = (("spearman", "Spearman vs exhaustive<br>(higher better)"),
+                       ("lds", "linear datamodeling<br>score (higher better)"),
+                       ("hit", "true-cell<br>hit rate"),
+                       ("deletion_top1", "drop, top-1 cell<br>deleted (nats)"))
 METHOD_ORDER = ("amortized", "attention", "gradient", "exhaustive")
 
 
@@ -69,7 +70,7 @@ def faithfulness_figure(data: Any) -> go.Figure:
                                           array=[r["high"] - r["estimate"] for r in rows],
                                           arrayminus=[r["estimate"] - r["low"] for r in rows])), row=1, col=c)
     n = next((v["n"] for v in metrics.values() if isinstance(v, dict)), 0)
-    fig.update_layout(height=360)
+    fig.update_layout(height=390, margin=dict(t=105))  # room for the title above the two-line panel titles
     return styled(fig, f"faithfulness against exhaustive ablation, {n} held-out spans (95% intervals)")
 
 

@@ -342,17 +342,24 @@ def steering_slider_times(page: Any, url: str, moves: int = 6) -> dict[str, Any]
     return {"first_draw_s": first, "runs_s": runs, "boxes": labels}
 
 
-def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, Any]]:
-    """New tab and page switch to the trace explorer's first figure, in the system Chromium."""
+def _browser_path() -> str | None:
+    """The system Chromium for the browser benchmarks, or None when it or playwright is missing."""
     from app.export import chromium_path
 
-    browser_path = chromium_path()
     try:
-        from playwright.sync_api import sync_playwright
+        import playwright.sync_api  # noqa: F401
     except ImportError:
-        browser_path = None
+        return None
+    return chromium_path()
+
+
+def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, Any]]:
+    """New tab and page switch to the trace explorer's first figure, in the system Chromium."""
+    browser_path = _browser_path()
     if browser_path is None:
         return [{"bench": "page_first_figure_s", "ratio": float("nan"), "skipped": "needs Chromium and playwright"}]
+    from playwright.sync_api import sync_playwright
+
     slow = 600_000
     with _app(model_id) as url:
         with sync_playwright() as pw:
@@ -558,15 +565,11 @@ def bench_page_first_result(model_id: str = "smollm2-135m", rounds: int = 3,
     is not a page's); then each page is opened `rounds` times, each in a new tab of one browser profile (the
     HTTP cache shared, as a user's tabs share it). The first opening of a page in the app process also reads
     its stored files (`first_s`); the median of the later ones (`seconds`) is the figure the goal is for."""
-    from app.export import chromium_path
-
-    browser_path = chromium_path()
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        browser_path = None
+    browser_path = _browser_path()
     if browser_path is None:
         return [{"bench": "page_first_result_s", "ratio": float("nan"), "skipped": "needs Chromium and playwright"}]
+    from playwright.sync_api import sync_playwright
+
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in pages}
     load_before = _load()
     with _app(model_id) as url, sync_playwright() as pw:
@@ -632,15 +635,11 @@ def bench_streamlit_floor(rounds: int = 5) -> list[dict[str, Any]]:
     """A new tab of a bare Streamlit app (one metric; one 3-point plotly figure) to its element painted, by
     the page's clock: what the front end's boot, one script run and (for the figure) plotly.js cost before
     any page of ours draws. Median of `rounds` tabs of one browser profile after a warm-up tab."""
-    from app.export import chromium_path
-
-    browser_path = chromium_path()
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        browser_path = None
+    browser_path = _browser_path()
     if browser_path is None:
         return [{"bench": "page_first_result_s", "ratio": float("nan"), "skipped": "needs Chromium and playwright"}]
+    from playwright.sync_api import sync_playwright
+
     rows = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, headless=True,

@@ -13,7 +13,8 @@ import torch
 from probes.arch import ArchInfo
 from probes.memory_budget import ENV_VAR, estimate, format_bytes, parse_bytes
 from thoughtscope.errors import BadInputError, MemoryBudgetError
-from tests.server_helpers import in_process_server
+from probes.server import create_app
+from probes.server_bench import serving_in_thread
 
 ARCH = ArchInfo("llama", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_model=64, d_mlp=128,
                 vocab_size=1000, context_length=8192)
@@ -105,7 +106,7 @@ def test_a_capture_computes_the_last_positions_logits_only_and_reads_what_hf_rea
 @pytest.fixture(scope="module")
 def served(llama):
     """The session's tiny engine behind `create_app` in this process (so the budget and the counter are shared)."""
-    with in_process_server(llama) as url:
+    with serving_in_thread(create_app(llama)) as url:
         yield url
 
 

@@ -19,7 +19,8 @@ from probes.interventions import AddVector, HeadAblation, MaskAttention, Project
 from probes.kv_policies import SinkRecent
 from probes.ndif import rehearse
 from thoughtscope.errors import BadInputError, ModelLoadError
-from tests.server_helpers import in_process_server
+from probes.server import create_app
+from probes.server_bench import serving_in_thread
 
 SITES = ["resid_post.0", "z.1", "mlp_out.1"]
 
@@ -297,7 +298,7 @@ def test_ndif_local_overhead_row(llama):
 @pytest.fixture(scope="module")
 def ndif_served(ndif_llama):
     """`thoughtscope serve` over the rehearsal engine, in this process."""
-    with in_process_server(ndif_llama) as url:
+    with serving_in_thread(create_app(ndif_llama)) as url:
         yield url
 
 

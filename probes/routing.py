@@ -485,10 +485,15 @@ class RoutedForward(Part):
         self.rules: list[RouterRule] = []
         self.columns = 0
         self.module: Any = None
+        self.instance_forward: Any = None
 
     def open(self) -> None:
         handle, ctx = self.call.handle, self.call.runner.ctx
         module = self.module = get_module(handle.model, self.site.module_path(handle.family))
+        # a forward already in the instance's slot stays the one this call wraps and the one put back after it:
+        # nnsight's controller lives there for good once the model is wrapped (handle.nnsight), and deleting it
+        # left every later nnsight trace of this model without the router's handoffs (OutOfOrderError)
+        self.instance_forward = module.__dict__.get("forward")
         own_forward, layer, rules = module.forward, self.site.layer, self.rules
         spec = RouterSpec.of(module, handle.arch.model_type)
         positions = self.call.part(PositionsMemo, PositionsMemo)
@@ -510,7 +515,10 @@ class RoutedForward(Part):
         module.forward = forward
 
     def close(self) -> None:
-        del self.module.forward  # the instance attribute goes; the class's forward is back
+        if self.instance_forward is None:
+            del self.module.forward  # the instance attribute goes; the class's forward is back
+        else:
+            self.module.forward = self.instance_forward
 
 
 def _pad(gates: torch.Tensor, idx: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

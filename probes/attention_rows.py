@@ -66,6 +66,9 @@ class AttentionRows:
         self.deepest = max(self.modules)
         self.rows: dict[int, torch.Tensor] = {}
         self._saved: list[tuple[Any, Any]] | None = None
+        # every layer of one forward sees the same queries, key count and mask: built at the first layer
+        self._index: torch.Tensor | None = None
+        self._allowed: tuple[Any, torch.Tensor] | None = None
 
     def __enter__(self) -> "AttentionRows":
         from transformers import AttentionInterface
@@ -93,15 +96,22 @@ class AttentionRows:
         computes it (scores in the query's dtype, softmax in float32, cast back)."""
         groups = getattr(module, "num_key_value_groups", 1)
         scale = module.scaling if scaling is None else scaling
-        queries = torch.as_tensor(self.queries, device=query.device)
+        if self._index is None or self._index.device != query.device:
+            self._index = torch.as_tensor(self.queries, device=query.device)
+        queries = self._index
         q = query.index_select(2, queries)
         k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
         scores = torch.matmul(q, k.transpose(2, 3)) * scale
         n_q, n_k = query.shape[2], key.shape[2]
-        if attention_mask is None:  # sdpa's causal skip: query column i sees keys up to i + (keys - queries)
+        # the mask rows are the same in every layer of the forward (one mask object, or None): made once
+        mask_key = (n_q, n_k, query.device, None if attention_mask is None else id(attention_mask))
+        if self._allowed is not None and self._allowed[0] == mask_key:
+            allowed = self._allowed[1]
+        elif attention_mask is None:  # sdpa's causal skip: query column i sees keys up to i + (keys - queries)
             allowed = torch.arange(n_k, device=query.device)[None, :] <= (queries + (n_k - n_q))[:, None]
         else:
             allowed = attention_mask[:, :, :, :n_k].index_select(2, queries)
+        self._allowed = (mask_key, allowed)
         if allowed.dtype == torch.bool:
             scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         else:  # an additive float mask (0 or the dtype's minimum), as eager attention adds it

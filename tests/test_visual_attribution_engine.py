@@ -358,3 +358,63 @@ def test_the_k16_speedup_bench_runs_on_toy_vlms_architecture_with_16_visual_toke
     assert min(row["exhaustive_s_per_span"], row["exhaustive_unbatched_s_per_span"], row["amortized_s_per_span"]) > 0
     # in a stream the attention pass is already paid for: features and a dot product only (~100x less)
     assert 0 < row["amortized_in_stream_s_per_span"] < row["amortized_s_per_span"]
+
+
+def test_the_amortized_pass_on_the_k16_architecture_counts_its_work_and_equals_hf_attention_weights():
+    """The bench's amortized side (`attention_features` without a trace) on toy-vlm's K = 16 architecture:
+    the text is tokenised once, the model runs one forward with one vision-tower pass, every decoder layer
+    is entered once and the last one's MLP never runs; its features equal those summed by hand from HF's
+    own attention weights (`output_attentions=True`, eager) on the same input."""
+    import torch
+
+    from analyses.visual_attribution.attribution import region_positions
+    from analyses.visual_attribution.bench import _scene, random_toy_vlm
+    from probes.toys import vlm
+    from probes.vision import prepare
+
+    engine = random_toy_vlm(4)
+    model, spec = engine.model, spec_of(engine)
+    text, image, spans, regions = _scene(engine, vlm.examples("eval", 1)[0], 4)
+    lm = model.model.language_model
+    counts = {"forward": 0, "vision": 0, "layers": 0, "last_mlp": 0, "encode_text": 0}
+
+    def bump(key):
+        def hook(*_):
+            counts[key] += 1
+        return hook
+
+    hooks = [model.register_forward_pre_hook(bump("forward")),
+             model.model.vision_tower.register_forward_pre_hook(bump("vision")),
+             lm.layers[-1].mlp.register_forward_pre_hook(bump("last_mlp"))]
+    hooks += [layer.register_forward_pre_hook(bump("layers")) for layer in lm.layers]
+    encode = engine.encode
+
+    def counting_encode(prompt, *args, **kwargs):
+        counts["encode_text"] += isinstance(prompt, str)
+        return encode(prompt, *args, **kwargs)
+
+    engine.encode = counting_encode
+    try:
+        feats = attention_features(engine, text, image, spans, regions)
+    finally:
+        del engine.encode
+        for h in hooks:
+            h.remove()
+    n_layers, n_heads = engine.arch().n_layers, engine.arch().n_heads
+    assert counts == {"forward": 1, "vision": 1, "layers": n_layers, "last_mlp": 0, "encode_text": 1}
+
+    (ids,), inputs = prepare(engine.handle.vision, "toy", [engine.encode(text)], [image])
+    with torch.no_grad():
+        attentions = model(input_ids=torch.tensor([ids]), output_attentions=True, use_cache=False,
+                           **inputs).attentions  # eager: [1, heads, seq, seq] per layer
+    keys = region_positions(spec, ids, regions)
+    assert keys == [positions(spec, ids, r) for r in regions]
+    want = np.zeros((len(spans), len(regions), n_layers * n_heads))
+    for i, (s, e) in enumerate(spans):
+        for j, key in enumerate(keys):
+            for layer in range(n_layers):
+                for head in range(n_heads):
+                    rows = attentions[layer][0, head, s - 1:e - 1]  # the queries predicting the span's tokens
+                    want[i, j, layer * n_heads + head] = float(rows[:, key].sum(-1).mean())
+    assert feats.shape == want.shape and float(np.abs(want).sum()) > 0
+    np.testing.assert_allclose(feats, want, atol=1e-6)

@@ -41,7 +41,7 @@ from analyses.visual_attribution.regions import Region, positions
 from probes.attention_masks import RowMask
 from probes.backend import Backend, require
 from probes.interventions import MaskAttention
-from probes.vision import expand, spec_of
+from probes.vision import expand, image_token_groups, spec_of
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
@@ -83,8 +83,8 @@ def exhaustive_effects(backend: Backend, text: Any, image: Any, spans: Sequence[
     spec = spec_of(backend)
     ids = expand(spec, backend.encode(text), 1)[0]  # the token layout, as the backend expands it
     spans = check_spans(spans, len(ids), 0)
-    return masked_drops(backend, text, image, spans, [list(positions(spec, ids, r)) for r in regions],
-                        on_progress, batch_size).T
+    return masked_drops(backend, text, image, spans, region_positions(spec, ids, regions), on_progress,
+                        batch_size).T
 
 
 def masked_drops(backend: Backend, text: Any, image: Any, spans: Sequence[tuple[int, int]],
@@ -149,35 +149,60 @@ def _features_from_rows(backend: Backend, text: Any, image: Any, spans: Sequence
                         regions: Sequence[Region], sites: list[str]) -> np.ndarray:
     """`attention_features` from one pass that computes only the attention rows the features read (the
     queries predicting a span's tokens, over every key: `capture_batch` with `positions`, which an engine
-    computes as rows, probes.attention_rows), and ends after the last layer's attention."""
+    computes as rows, probes.attention_rows), and ends after the last layer's attention. The text is
+    tokenised once: the pass takes its ids."""
     require(backend, "vision", "trace", "interventions")
     spec = spec_of(backend)
-    ids = expand(spec, backend.encode(text), 1)[0]  # the token layout, as the backend expands it
+    text_ids = backend.encode(text)
+    ids = expand(spec, text_ids, 1)[0]  # the token layout, as the backend expands it
     spans = check_spans(spans, len(ids), 0)
+    region_matrix = _region_matrix(spec, ids, regions)  # checks the regions before model work
     queries = sorted({q for s, e in spans for q in range(s - 1, e - 1)})
-    rows = backend.capture_batch([backend.encode(text)], sites, positions=[queries], images=[image])
+    rows = backend.capture_batch([text_ids], sites, positions=[queries], images=[image])
     at = {q: i for i, q in enumerate(queries)}
-    pat = torch.stack([rows[s].float() for s in sites])  # [layers, queries, heads, kv]
-    return _span_region_features(pat, [[at[q] for q in range(s - 1, e - 1)] for s, e in spans],
-                                 _region_matrix(spec, ids, regions))
+    pat = torch.stack([rows[s] for s in sites])  # [layers, queries, heads, kv]
+    return _span_region_features(pat, [[at[q] for q in range(s - 1, e - 1)] for s, e in spans], region_matrix)
+
+
+def region_positions(spec: Any, ids: Sequence[int], regions: Sequence[Region]) -> list[list[int]]:
+    """Each region's visual-token positions in the expanded sequence `ids` (regions.positions, with the
+    image's tokens found once for all regions instead of once per region)."""
+    groups = image_token_groups(spec, ids)
+    if not groups:
+        raise BadInputError("image 0 is not in this sequence (it holds 0 images)")
+    n_cells = spec.grid * spec.grid
+    out = []
+    for r in regions:
+        bad = [c for c in r.cells if not 0 <= c < n_cells]
+        if bad or not r.cells:
+            raise BadInputError(f"region {r.name!r} has cells {bad or '[]'} outside 0..{n_cells - 1}")
+        out.append([groups[0][spec.lead + c] for c in r.cells])
+    return out
 
 
 def _region_matrix(spec: Any, ids: Sequence[int], regions: Sequence[Region]) -> torch.Tensor:
     """[tokens, regions]: 1 where a token is one of the region's visual tokens."""
-    out = torch.zeros(len(ids), len(regions))
-    for j, r in enumerate(regions):
-        out[list(positions(spec, ids, r)), j] = 1.0
-    return out
+    out = np.zeros((len(ids), len(regions)), dtype=np.float32)  # filled in numpy: one torch index_put per region costs more
+    for j, pos in enumerate(region_positions(spec, ids, regions)):
+        out[pos, j] = 1.0
+    return torch.from_numpy(out)
 
 
 def _span_region_features(pat: torch.Tensor, span_rows: Sequence[Sequence[int]], regions: torch.Tensor) -> np.ndarray:
     """[n_spans, n_regions, layers * heads] from attention rows pat [layers, rows, heads, kv]: each span's
-    rows averaged, summed over each region's keys (one product with the region matrix per span)."""
-    feats = np.zeros((len(span_rows), regions.shape[1], pat.shape[0] * pat.shape[2]))
+    rows averaged, summed over each region's keys. Two products for all spans at once: the rows times
+    the region matrix, then a [spans, rows] averaging matrix (1 / span length where a row is the span's)."""
+    n_layers, n_heads = pat.shape[0], pat.shape[2]
+    used = sorted({r for picked in span_rows for r in picked})  # the rows some span reads
+    at = {r: i for i, r in enumerate(used)}
+    average = torch.zeros(len(span_rows), len(used))
     for i, picked in enumerate(span_rows):
-        mean = pat[:, list(picked)].mean(1)  # [layers, heads, kv]: the queries that predict the span's tokens
-        feats[i] = (mean[..., :regions.shape[0]] @ regions).permute(2, 0, 1).reshape(regions.shape[1], -1).numpy()
-    return feats
+        average[i, [at[r] for r in picked]] = 1.0 / len(picked)
+    if len(used) < pat.shape[1]:
+        pat = pat[:, used]
+    per_region = pat[..., :regions.shape[0]].float() @ regions  # [layers, used rows, heads, regions]
+    feats = torch.einsum("sr,lrhj->sjlh", average, per_region)
+    return feats.reshape(len(span_rows), regions.shape[1], n_layers * n_heads).double().numpy()
 
 
 def raw_attention(features: np.ndarray) -> np.ndarray:

@@ -6,6 +6,9 @@
   cached (from navigation start). Timed by the page's own clock (`PAINT_PROBE`); the driver's wall
   clock, which adds Playwright's round trips, is reported beside it. Goals: <= 2 s new tab, <= 1 s
   switch.
+- `first_figure_first` (in `views`): new tabs of the trace explorer and two method pages with the first figure
+  drawn before the rest of the page (app/first_paint.py), side by side with an app that draws each page in one
+  run (`THOUGHTSCOPE_FIRST_FIGURE_FIRST=0`); ratio < 1: the first figure is painted sooner.
 - `steer_slider_s`: from a slider move to the steered text on the Steering page (the page script
   rerun under `streamlit.testing`, no browser), on the embedded model with the one-shot prompt and
   48 new tokens. With greedy decoding the page's first draw of a direction generates all the slider's
@@ -412,12 +415,71 @@ def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, An
              "boxes": slider["boxes"]}]
 
 
+def bench_first_figure_first(model_id: str = "smollm2-135m", rounds: int = 4,
+                             pages: tuple[str, ...] = ("trace_explorer", "cot_entropy", "rise")) -> list[dict[str, Any]]:
+    """New tabs to each page's first figure with the first figure drawn first (app/first_paint.py) and, side by
+    side in the same run, from an app serving every page in one run (`THOUGHTSCOPE_FIRST_FIGURE_FIRST=0`):
+    two apps, one browser profile each, the tabs alternating between them. `ratio` is first-figure-first over
+    one-run (< 1: sooner). Also timed: every figure of the trace explorer drawn (`all_figures_s`)."""
+    browser_path = _browser_path()
+    if browser_path is None:
+        return [{"bench": "first_figure_first", "ratio": float("nan"), "skipped": "needs Chromium and playwright"}]
+    from playwright.sync_api import sync_playwright
+
+    from app.first_paint import SWITCH
+
+    load_before = _load()
+    arms = {"first figure first": {}, "one run": {SWITCH: "0"}}
+    times: dict[tuple[str, str], list[float]] = {(arm, p): [] for arm in arms for p in (*pages, "all_figures")}
+    with contextlib.ExitStack() as stack, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=browser_path, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        urls, contexts = {}, {}
+        for arm, env in arms.items():
+            urls[arm] = stack.enter_context(_app(model_id, env))
+            contexts[arm] = browser.new_context(viewport={"width": 1400, "height": 1000})
+            warm = contexts[arm].new_page()
+            warm.set_default_timeout(900_000)
+            warm.goto(f"{urls[arm]}/trace_explorer")  # the generation every later tab of this app shows
+            warm.locator(".st-key-generate button").first.click()
+            warm.locator('[data-testid="stPlotlyChart"]').nth(3).locator(".main-svg").first.wait_for()
+            for name in pages[1:]:  # each page's stored files read once (a page's first opening in the process)
+                warm.goto(f"{urls[arm]}/{name}")
+                warm.locator(FIGURE).first.wait_for()
+            warm.close()
+        for _ in range(rounds):
+            for name in pages:
+                for arm in arms:
+                    page = contexts[arm].new_page()
+                    page.set_default_timeout(600_000)
+                    page.add_init_script(PAINT_PROBE)
+                    page.goto(f"{urls[arm]}/{name}")
+                    page.locator(FIGURE).first.wait_for(state="visible")
+                    times[(arm, name)].append(_painted_s(page, False))
+                    if name == "trace_explorer":
+                        page.locator('[data-testid="stPlotlyChart"]').nth(3).locator(".main-svg").first.wait_for()
+                        times[(arm, "all_figures")].append(page.evaluate("performance.now()") / 1000)
+                    page.close()
+        browser.close()
+    rows = []
+    for name in (*pages, "all_figures"):
+        first, one = times[("first figure first", name)], times[("one run", name)]
+        rows.append({"bench": "first_figure_first", "page": name if name != "all_figures" else
+                     "trace_explorer (every figure drawn)", "seconds": _median(first), "one_run_s": _median(one),
+                     "ratio": round(statistics.median(first) / statistics.median(one), 3),
+                     "runs_s": [round(t, 3) for t in first], "one_run_runs_s": [round(t, 3) for t in one],
+                     "model": model_id, "load_avg_1m_before": load_before, "load_avg_1m": _load(),
+                     "clock": "the page's own: navigation start of a new tab -> the first figure painted"
+                              + (" (-> the fourth figure in the document)" if name == "all_figures" else "")})
+    return rows
+
+
 def run_views(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
     """Every views benchmark on `model_id` (ratios are seconds / goal: <= 1 meets the goal)."""
     engine = Engine.from_id(model_id)
     rows = [bench_steer_slider(engine), *bench_feature_browse(engine)]
     del engine
-    return [*rows, bench_stack_slider(model_id), *bench_page_first_figure(model_id)]
+    return [*rows, bench_stack_slider(model_id), *bench_page_first_figure(model_id), *bench_first_figure_first(model_id)]
 
 
 class _StampedBackend:

@@ -377,8 +377,11 @@ def show_figure(fig: Any, data: Any, name: str, provenance: dict[str, Any] | Non
     `thoughtscope export` rebuild it byte for byte from the JSON export."""
     import streamlit as st
 
+    from app import first_paint
+
     if fig is None:
         data = plain(data)
         fig = build_figure(figure or name, data)
     st.plotly_chart(fig, theme=None, key=f"figure-{name}", config={"displaylogo": False})
+    first_paint.after_figure()  # a new visit's first figure: the rest of the page once it is painted
     export_buttons(fig, data, name, provenance, figure)

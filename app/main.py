@@ -19,7 +19,7 @@ if str(ROOT) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the 
 
 import streamlit as st  # noqa: E402
 
-from app import outage  # noqa: E402
+from app import first_paint, outage  # noqa: E402
 from app.context import PageContext  # noqa: E402
 from app.export import page_provenance  # noqa: E402
 from app.persist import forget, hold_widgets  # noqa: E402
@@ -72,6 +72,7 @@ def run_page(module, ctx: PageContext | Frame | None) -> None:
     A model server that stopped answering (in the sidebar or during the page) is said first, at the top."""
     if isinstance(ctx, Frame):
         ctx = ctx.ctx
+    first_paint.begin_page(module.__name__.rsplit(".", 1)[-1])  # a new visit draws its first figure first
     top = st.container()  # the lost-server banner (app/outage.py), filled once the page has drawn
     try:
         _render_page(module, ctx)
@@ -106,6 +107,7 @@ def main(only: str | None = None) -> None:
     st.set_page_config(page_title="thoughtscope", page_icon=page_icon(), layout="wide")
     if sys.argv and Path(sys.argv[0]).resolve() == Path(__file__).resolve():
         apply_launch_args(sys.argv[1:])
+        first_paint.enable()  # served by `streamlit run`: a browser reports each visit's first figure painted
     # Every widget keeps the user's value on every navigation path (app/persist.py says why it would not).
     restored = hold_widgets(skip=SIDEBAR_KEYS)
     frame = Frame()

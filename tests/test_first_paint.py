@@ -100,3 +100,90 @@ def test_trace_explorer_figures_are_drawn_once_with_the_margins_set(browser):
             assert drawn == spec["layout"]["margin"], name  # plotly grew none of them: one draw
     finally:
         page.close()
+
+
+# ----------------------------------------------------------------------------- the first figure first (app/first_paint.py)
+
+
+def _exports(at) -> int:
+    return sum(b.key.startswith("export-") for b in at.get("download_button"))
+
+
+def _charts(at) -> list[str]:
+    return [json.loads(c.proto.spec)["layout"]["title"]["text"].split(":")[0].split(",")[0]
+            for c in at.get("plotly_chart")]
+
+
+def test_a_visit_draws_its_first_figure_then_the_rest_once_the_browser_reports_it_painted():
+    from streamlit.testing.v1 import AppTest
+
+    from app import first_paint
+    from tests.apptest_helpers import assert_clean, open_page
+
+    made = open_page("trace_explorer", max_new_tokens=6)
+    made.button(key="generate").click().run()  # no browser (AppTest): the whole page in one run
+    every = ["Entropy per generated token", "Logit lens", "Residual stream norm per layer", "Attention pattern"]
+    assert _charts(made) == every and _exports(made) == 4 * 5
+
+    at = AppTest.from_string("from app.main import main\nmain(only='trace_explorer')\n", default_timeout=180)
+    at.session_state["max_new_tokens"] = 6
+    at.session_state[first_paint.ENABLED] = True  # what app.main sets when served by `streamlit run`
+    at.run()  # a new session's first run: the finished generation's first figure, then the reporter, no more
+    assert_clean(at)
+    assert _charts(at) == every[:1] and not _exports(at)
+    assert [e.proto.component_name for e in at.get("bidi_component")] == ["thoughtscope_first_paint"]
+    assert at.session_state[first_paint.OPEN] is False
+    at.session_state[first_paint.OPEN] = True  # the reporter's callback, once the browser has painted it
+    at.run()
+    assert_clean(at)
+    assert _charts(at) == every and _exports(at) == 4 * 5 and not at.get("bidi_component")
+    at.radio(key="colour_by").set_value("log-prob").run()  # a later run of the same visit: the whole page
+    assert _charts(at) == every and not at.get("bidi_component")
+
+
+def test_only_a_new_page_starts_a_new_visit():
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_string(
+        "import streamlit as st\nfrom app import first_paint\n"
+        "first_paint.begin_page(st.session_state.get('page', 'a'))\n"
+        "st.text(str(st.session_state[first_paint.OPEN]))\n")
+    at.run()
+    assert at.text[0].value == "False"
+    at.session_state["_ts_first_paint_open"] = True
+    at.run()
+    assert at.text[0].value == "True"  # the same page again: the visit goes on
+    at.session_state["page"] = "b"
+    at.run()
+    assert at.text[0].value == "False"  # another page: a new visit, its first figure first again
+
+
+@pytest.mark.browser
+def test_a_new_tab_paints_the_first_figure_alone_then_every_figure(browser, tiny_app_url):
+    """In Chromium, on a generation the app holds: when the first figure's plot enters the page, no other
+    figure is there yet; then the reporter's rerun draws all four with their export rows."""
+    from tests.test_browser import SLOW
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        made = context.new_page()
+        made.set_default_timeout(SLOW)
+        made.goto(f"{tiny_app_url}/trace_explorer")
+        made.locator(".st-key-generate button").first.click()
+        made.locator('[data-testid="stPlotlyChart"]').nth(3).locator(".main-svg").first.wait_for()
+        made.close()
+        page = context.new_page()
+        page.set_default_timeout(SLOW)
+        page.add_init_script("""(() => { window.__charts = null; new MutationObserver(() => {
+            if (window.__charts === null && document.querySelector('[data-testid="stPlotlyChart"] .main-svg'))
+              window.__charts = document.querySelectorAll('[data-testid="stPlotlyChart"]').length;
+          }).observe(document, {subtree: true, childList: true}); })();""")
+        page.goto(f"{tiny_app_url}/trace_explorer")
+        charts = page.locator('[data-testid="stPlotlyChart"]')
+        charts.nth(3).locator(".main-svg").first.wait_for()
+        assert page.evaluate("window.__charts") == 1  # the first figure was in the page alone when drawn
+        assert charts.count() == 4
+        page.locator('[data-testid="stDownloadButton"]').nth(19).wait_for()  # PNG..JSON under every figure
+        assert page.locator(".st-key-first-paint-report").count() == 0  # the reporter is gone after its rerun
+    finally:
+        context.close()

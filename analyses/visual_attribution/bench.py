@@ -15,7 +15,9 @@ one forward); its unbatched cost (K + 1 sequential passes) is reported beside it
 product; the pass computes only the attention rows the features read (the queries predicting the spans,
 over every key: probes.attention_rows), tokenises the text once and ends inside the last layer's attention.
 The in-stream cost beside it leaves the pass out (during generation the attention rows exist already).
-Exhaustive, unbatched exhaustive and amortized alternate per scene.
+Exhaustive, unbatched exhaustive and amortized alternate per scene. Beside the wall-clock ratio, `cpu_ratio`
+is the same ratio in this process's CPU seconds, and `load` the 1-minute load average at start and end:
+on the shared machine the wall clock also counts waiting for a core.
 
 Why K = 16 stays under 10 (profiled 2026-12-02, thread CPU time per scene, medians, load 3-7): the
 amortized side is one one-row forward of ~46 tokens, and that forward is mostly fixed cost: the vision
@@ -29,6 +31,7 @@ K = 64: ~70 on the same machine), and with sequence length, where the rows matte
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -76,26 +79,31 @@ def bench_speedup(backend: Backend, grid: int, n_scenes: int = 6, seed: int = 0,
     for batch_size in (32, 1):  # warm-up of every side
         exhaustive_effects(backend, text, image, spans, regions, batch_size=batch_size)
     attention_features(backend, text, image, spans, regions)
+    # wall seconds (the ratio) and this process's CPU seconds beside them: on a loaded shared machine
+    # the wall clock also counts time spent waiting for a core, the CPU clock mostly does not
     seconds = {"exhaustive": 0.0, "exhaustive_unbatched": 0.0, "amortized": 0.0, "in_stream": 0.0}
+    cpu = dict.fromkeys(seconds, 0.0)
     sites = [f"attn_pattern.{layer}" for layer in range(backend.arch().n_layers)]
-    n_spans = 0
-    for text, image, spans, regions in scenes:
-        t = time.perf_counter()
-        exhaustive_effects(backend, text, image, spans, regions)
-        seconds["exhaustive"] += time.perf_counter() - t
-        t = time.perf_counter()
-        exhaustive_effects(backend, text, image, spans, regions, batch_size=1)
-        seconds["exhaustive_unbatched"] += time.perf_counter() - t
-        t = time.perf_counter()
-        feats = attention_features(backend, text, image, spans, regions)
-        est.predict(feats.reshape(-1, feats.shape[-1]))
-        seconds["amortized"] += time.perf_counter() - t
-        # in a stream the attention rows exist already: only the features and the dot product remain
-        trace = backend.trace(text, capture=sites, images=[image])
-        t = time.perf_counter()
+    load = os.getloadavg()[0]
+
+    def timed(key: str, fn: Any) -> None:
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        seconds[key] += time.perf_counter() - t
+        cpu[key] += time.process_time() - c
+
+    def amortized(text: Any, image: Any, spans: Any, regions: Any, trace: Any = None) -> None:
         feats = attention_features(backend, text, image, spans, regions, trace=trace)
         est.predict(feats.reshape(-1, feats.shape[-1]))
-        seconds["in_stream"] += time.perf_counter() - t
+
+    n_spans = 0
+    for text, image, spans, regions in scenes:
+        timed("exhaustive", lambda: exhaustive_effects(backend, text, image, spans, regions))
+        timed("exhaustive_unbatched", lambda: exhaustive_effects(backend, text, image, spans, regions, batch_size=1))
+        timed("amortized", lambda: amortized(text, image, spans, regions))
+        # in a stream the attention rows exist already: only the features and the dot product remain
+        trace = backend.trace(text, capture=sites, images=[image])
+        timed("in_stream", lambda: amortized(text, image, spans, regions, trace))
         n_spans += len(spans)
     per_span = {k: v / n_spans for k, v in seconds.items()}
     return {"bench": name, "ratio": per_span["exhaustive"] / per_span["amortized"], "target": target,
@@ -106,6 +114,9 @@ def bench_speedup(backend: Backend, grid: int, n_scenes: int = 6, seed: int = 0,
             "amortized_in_stream_s_per_span": per_span["in_stream"],
             "in_stream_ratio": per_span["exhaustive"] / per_span["in_stream"],
             "batching_gain": per_span["exhaustive_unbatched"] / per_span["exhaustive"],
+            "cpu_ratio": cpu["exhaustive"] / cpu["amortized"],
+            "cpu_unbatched_ratio": cpu["exhaustive_unbatched"] / cpu["amortized"],
+            "load": [round(load, 2), round(os.getloadavg()[0], 2)],  # 1-minute load average at start and end
             "regions": grid * grid, "scenes": n_scenes, "spans": n_spans, "model": backend.info()["model_id"],
             "note": note}
 

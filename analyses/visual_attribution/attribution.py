@@ -182,7 +182,8 @@ def region_positions(spec: Any, ids: Sequence[int], regions: Sequence[Region]) -
 
 def _region_matrix(spec: Any, ids: Sequence[int], regions: Sequence[Region]) -> torch.Tensor:
     """[tokens, regions]: 1 where a token is one of the region's visual tokens."""
-    out = np.zeros((len(ids), len(regions)), dtype=np.float32)  # filled in numpy: one torch index_put per region costs more
+    # filled in numpy: one torch index_put per region costs more than the whole matrix
+    out = np.zeros((len(ids), len(regions)), dtype=np.float32)
     for j, pos in enumerate(region_positions(spec, ids, regions)):
         out[pos, j] = 1.0
     return torch.from_numpy(out)

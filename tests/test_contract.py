@@ -149,7 +149,9 @@ def test_a_server_refuses_a_state_bigger_than_its_whole_budget(remote):
 
 def _cot(backend):
     problem = load_task("arith", 1, seed=5)[0]
-    report = evaluate_cot_exit(backend, "arith", 2, 2, max_new_tokens=12, batch_size=2)
+    # 4 development problems, not the default 60 (which were most of this test's generations): the settings
+    # chosen on them still decide every method's exits below, so the development sweep is compared too
+    report = evaluate_cot_exit(backend, "arith", 2, 2, n_dev=4, max_new_tokens=12, batch_size=2)
     votes = evaluate_cot_vote(backend, "arith", 2, 2, samples=3, max_new_tokens=12, batch_size=6)
     live = run_with_rule(backend, problem, StoppingRule(probe_step_ends=True), max_new_tokens=12)
     return ([m.to_dict(with_results=True)["per_problem"] for m in report.methods], report.detector.to_dict(),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests import apptest_helpers as helpers
-from thoughtscope import shipped
+from thoughtscope import numerics, shipped
 
 REPO_SHIPPED = Path(__file__).resolve().parents[1] / "docs" / "shipped"
 TOY = "toy-reasoner:small"
@@ -89,11 +89,11 @@ def test_the_shipped_contrast_is_rebuilt_exactly_by_its_command(tmp_path):
 
     folder = ship.build(TOY, "thoughtscope ship contrast", root=tmp_path)
     stored = shipped.find("contrast", TOY, None, root=REPO_SHIPPED)
-    assert (folder / "contrast.json").read_bytes() == stored.path("contrast.json").read_bytes()
-    from safetensors import safe_open
-
-    # the header's metadata order varies between writes (a hash map), so tensors and metadata are compared
-    with safe_open(str(folder / "direction.safetensors"), "pt") as new, \
-            safe_open(str(stored.path("direction.safetensors")), "pt") as old:
-        assert new.metadata() == old.metadata() and new.get_tensor("vector").equal(old.get_tensor("vector"))
+    rebuilt = shipped.find("contrast", TOY, None, root=tmp_path)
+    assert rebuilt and rebuilt.folder == folder
+    # the same bytes on the float arithmetic it was shipped from; made on another kind of CPU, the same
+    # result within float tolerance (the direction's largest difference there: 1.2e-7 of 0.70)
+    assert shipped.rebuild_differences(rebuilt, stored) == []
+    if numerics.same_numerics(stored.manifest):
+        assert (folder / "contrast.json").read_bytes() == stored.path("contrast.json").read_bytes()
     assert stored.command == "thoughtscope ship contrast"

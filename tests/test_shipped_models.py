@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from probes.toys import moe, reasoner, shipped, verify, vlm  # noqa: E402
 from probes.toys.common import recipe_hash  # noqa: E402
 from probes.zoo import list_models, toy_model_ids  # noqa: E402
+from thoughtscope import numerics  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_SMALL = "toy-moe:small"
@@ -177,13 +178,45 @@ def test_a_shipped_toy_loads_without_training(private, monkeypatch):
                                                 add_generation_prompt=True) == "Q : 1 + 2 = ? A :"
 
 
+GOOD_SMALL = REPO / "docs" / "shipped" / "models" / "toy-moe_small"
+
+
+def _ship_in_a_fresh_process(out: Path) -> Path:
+    """`thoughtscope models ship toy-moe:small`, run as the shipped manifest says, in a fresh process."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "THOUGHTSCOPE_CACHE_DIR": str(out / "c")}
+    command = json.loads((GOOD_SMALL / shipped.MANIFEST).read_text())["command"].split()
+    assert command[:3] == ["thoughtscope", "models", "ship"]
+    run = subprocess.run([sys.executable, "-m", "thoughtscope.cli", *command[1:], "--out", str(out / "out")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rebuilt = out / "out" / "toy-moe_small"
+    assert run.stdout.strip().splitlines()[-1] == str(rebuilt)
+    return rebuilt
+
+
+@pytest.fixture(scope="module")
+def rebuilt_small(tmp_path_factory):
+    return _ship_in_a_fresh_process(tmp_path_factory.mktemp("ship"))
+
+
+@pytest.fixture(scope="module")
+def reference_small(rebuilt_small, tmp_path_factory):
+    """What a rebuild on this machine must equal byte for byte: the shipped folder when it was built on
+    this machine's float arithmetic (`thoughtscope.numerics`), else a second rebuild here. On another
+    kind of CPU the kernels differ in their last bits and 300 training steps carry that into other weights
+    (measured: max weight difference 0.28 between an AVX2 and the shipped build), so exactness across
+    kinds is not a property training has; determinism on one machine is."""
+    if numerics.same_numerics(json.loads((GOOD_SMALL / shipped.MANIFEST).read_text())):
+        return GOOD_SMALL
+    return _ship_in_a_fresh_process(tmp_path_factory.mktemp("ship-again"))
+
+
 @pytest.mark.model
-def test_a_damaged_shipped_toy_is_retrained_with_progress_and_equals_the_shipped_weights(private):
+def test_a_damaged_shipped_toy_is_retrained_with_progress_and_equals_the_shipped_weights(private, reference_small):
     from probes.zoo import load_model
 
-    good = REPO / "docs" / "shipped" / "models" / "toy-moe_small"
     copy = shipped.shipped_path(SHIPPED_SMALL)
-    shutil.copytree(good, copy)
+    shutil.copytree(GOOD_SMALL, copy)
     data = bytearray((copy / "model.safetensors").read_bytes())
     data[-1] ^= 0xFF  # one flipped bit pattern in the last weight
     (copy / "model.safetensors").write_bytes(bytes(data))
@@ -195,29 +228,28 @@ def test_a_damaged_shipped_toy_is_retrained_with_progress_and_equals_the_shipped
     assert [c[0] for c in calls[:steps]] == list(range(1, steps + 1))
     assert calls[-1] == (steps, steps, "evaluating toy-moe:small on held-out problems")
     assert moe.folder_for("small").parent == private / "cache" / "models"  # the cache, not the damaged copy
-    # deterministic training: the retrained weights are the shipped ones, bit for bit
-    weights = _weights(good / "model.safetensors")
+    # deterministic training: the weights retrained in this process are the shipped ones (or, on other
+    # numerics, those of the ship command run in a fresh process here), bit for bit
+    weights = _weights(reference_small / "model.safetensors")
     params = dict(handle.model.named_parameters())
+    assert set(weights) == set(params)
     for name, value in weights.items():
         assert torch.equal(params[name], value), name
 
 
 @pytest.mark.model
-def test_the_ship_command_rebuilds_a_shipped_toy_byte_for_byte(tmp_path):
+def test_the_ship_command_rebuilds_a_shipped_toy_byte_for_byte(rebuilt_small, reference_small):
     """`thoughtscope models ship toy-moe:small`, run as the manifest says, in a fresh process: every
-    shipped file but the manifest is the same bytes, and the training report differs only in timings."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "THOUGHTSCOPE_CACHE_DIR": str(tmp_path / "c")}
-    good = REPO / "docs" / "shipped" / "models" / "toy-moe_small"
-    command = json.loads((good / shipped.MANIFEST).read_text())["command"].split()
-    assert command[:3] == ["thoughtscope", "models", "ship"]
-    run = subprocess.run([sys.executable, "-m", "thoughtscope.cli", *command[1:], "--out", str(tmp_path / "out")],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rebuilt = tmp_path / "out" / "toy-moe_small"
-    assert run.stdout.strip().splitlines()[-1] == str(rebuilt)
-    cmp = shipped.same_training(good, rebuilt)
+    shipped file but the manifest is the same bytes as the shipped folder's (on the numerics it was built
+    on; elsewhere as a second rebuild's), and the training report differs only in timings."""
+    cmp = shipped.same_training(reference_small, rebuilt_small)
     assert "model.safetensors" in cmp["files"] and "tokenizer_config.json" in cmp["files"]
     assert cmp["differ"] == [] and cmp["report_equal"], cmp
-    assert json.loads((rebuilt / shipped.MANIFEST).read_text())["files"] == \
-        json.loads((good / shipped.MANIFEST).read_text())["files"] | {
-            "trained.json": shipped.sha256_file(rebuilt / "trained.json")}
+    manifest = json.loads((rebuilt_small / shipped.MANIFEST).read_text())
+    assert manifest["files"] == json.loads((reference_small / shipped.MANIFEST).read_text())["files"] | {
+        "trained.json": shipped.sha256_file(rebuilt_small / "trained.json")}
+    assert manifest["numerics"] == numerics.fingerprint()  # the rebuild says which arithmetic made it
+    # the config, tokenizer and recipe never depend on the arithmetic: the same bytes as shipped, anywhere
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (rebuilt_small / name).read_bytes() == (GOOD_SMALL / name).read_bytes(), name
+    assert manifest["recipe_hash"] == json.loads((GOOD_SMALL / shipped.MANIFEST).read_text())["recipe_hash"]

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 from tests import apptest_helpers as helpers  # noqa: E402
 from tests.test_fuzzy_concepts import DOG_TEXTS  # noqa: E402
-from thoughtscope import shipped  # noqa: E402
+from thoughtscope import numerics, shipped  # noqa: E402
 
 REPO_SHIPPED = Path(__file__).resolve().parents[1] / "docs" / "shipped"
 
@@ -207,7 +207,8 @@ def test_the_visual_attribution_page_opens_on_the_toys_shipped_estimator_and_stu
 @pytest.mark.model
 def test_rebuilding_the_visual_attribution_result_gives_the_shipped_files(tmp_path):
     """`thoughtscope ship visual-attribution`'s build into a private folder: the estimator's weights and settings
-    are byte-identical, and so is every field of the study but `costs` (wall-clock seconds of this run)."""
+    are byte-identical, and so is every field of the study but `costs` (wall-clock seconds of this run), on the
+    CPU kind it was shipped from; elsewhere the same within float tolerance (see below)."""
     from analyses.visual_attribution.ship import DEFAULT_MODEL, NAME, build
     from probes import Engine
 
@@ -216,10 +217,14 @@ def test_rebuilding_the_visual_attribution_result_gives_the_shipped_files(tmp_pa
     assert ref, ref.reason
     folder = build(DEFAULT_MODEL, ref.command, root=tmp_path, backend=engine)
     new = shipped.find(NAME, DEFAULT_MODEL, engine.info()["fingerprint"], root=tmp_path)
-    for name in ("estimator.safetensors", "estimator.json"):
-        assert (folder / name).read_bytes() == ref.path(name).read_bytes(), name
-    mine, theirs = new.json("study.json"), ref.json("study.json")
-    assert set(mine) == set(theirs)
-    for key in set(mine) - {"costs"}:
-        assert mine[key] == theirs[key], key
+    assert new and new.folder == folder
+    # On the float arithmetic it was shipped from: the estimator's files the same bytes and every field of the
+    # study but `costs` (wall-clock seconds) equal. Made on another kind of CPU: the estimator within float
+    # tolerance (6e-7 of 0.37 measured) and the study's statistics within 0.02 (Spearman and LDS rank
+    # effects, and near-tied effects swap ranks there: 0.0055 at most, measured AVX2 against the shipped).
+    assert shipped.rebuild_differences(new, ref, ignore={"study.json": {"costs"}}, atol={"study.json": 0.02}) == []
+    if numerics.same_numerics(ref.manifest):
+        for name in ("estimator.safetensors", "estimator.json"):
+            assert (folder / name).read_bytes() == ref.path(name).read_bytes(), name
+    assert set(new.json("study.json")) == set(ref.json("study.json"))
     assert new.manifest["settings"] == ref.manifest["settings"] and new.command == ref.command

@@ -10,7 +10,11 @@ rebuilds it, the provenance record of the run, and the sha256 of every file. A p
 - every file's sha256 matches (a damaged file is reported, never trusted).
 
 Otherwise it gets a `Missing` that says why, so the page can say so and offer to run the work
-itself. A leaf module: it imports nothing of the project but `thoughtscope.errors`.
+itself. A leaf module: it imports nothing of the project but `thoughtscope.errors` and `thoughtscope.numerics`.
+
+Each manifest records `numerics`, the fingerprint of the float arithmetic it was made on
+(`thoughtscope.numerics`): a rebuild on the same numerics gives the same bytes, one made on another kind of
+CPU the same result within float tolerance.
 
 Budget: everything under `docs/shipped/` together stays under `BUDGET_BYTES` (checked by a test).
 """
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from thoughtscope import numerics
 from thoughtscope.errors import BadInputError
 
 ROOT = Path(__file__).resolve().parents[1] / "docs" / "shipped"
@@ -158,7 +163,7 @@ def write(name: str, model_id: str, fingerprint: str, files: dict[str, Path | by
         digests[file] = sha256_file(target)
     manifest = {"name": name, "model_id": model_id, "fingerprint": fingerprint, "command": command,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "files": digests, "provenance": provenance or {}, **extra}
+                "files": digests, "provenance": provenance or {}, **numerics.describe(), **extra}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True, default=_plain_default))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
@@ -177,3 +182,64 @@ def _plain_default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON-able")
+
+
+def rebuild_differences(new: Shipped, old: Shipped, ignore: dict[str, set[str]] | None = None,
+                        exact: bool | None = None, atol: dict[str, float] | None = None) -> list[str]:
+    """How a rebuilt result `new` differs from the shipped `old`: empty when they agree.
+
+    On the float arithmetic `old` was made on (`numerics.same_numerics`, or `exact=True`) every file must be
+    the same bytes; made elsewhere, JSON files must agree within `numerics.RTOL`/`ATOL` on floats and exactly
+    on everything else, and safetensors files must hold the same names, dtypes, shapes and metadata with
+    values within the same tolerance (float16 files: one float16 step). `ignore` names top-level JSON fields
+    left out per file (wall-clock timings); `atol` widens the absolute tolerance of one JSON file's floats made
+    elsewhere (rank statistics over near-tied values move by more than the last bits)."""
+    ignore = ignore or {}
+    exact = numerics.same_numerics(old.manifest) if exact is None else exact
+    out: list[str] = []
+    if set(new.manifest["files"]) != set(old.manifest["files"]):
+        return [f"files: {sorted(set(new.manifest['files']) ^ set(old.manifest['files']))} in one only"]
+    for name in sorted(old.manifest["files"]):
+        a, b = new.path(name), old.path(name)
+        if name.endswith(".json"):
+            ja, jb = json.loads(a.read_text()), json.loads(b.read_text())
+            if isinstance(ja, dict) and isinstance(jb, dict):
+                ja, jb = ({k: v for k, v in j.items() if k not in ignore.get(name, set())} for j in (ja, jb))
+            out += [f"{name}: {m}" for m in (([] if ja == jb else ["differs"]) if exact
+                                             else numerics.mismatches(ja, jb, atol=(atol or {}).get(
+                                                 name, numerics.ATOL)))]
+        elif exact:
+            if not _same_tensors(a, b, exact=True):
+                out.append(f"{name}: not the same tensors and metadata")
+        elif not _same_tensors(a, b, exact=False):
+            out.append(f"{name}: tensors differ beyond float tolerance (or names, shapes, metadata)")
+    return out
+
+
+def _same_tensors(a: Path, b: Path, exact: bool) -> bool:
+    """Safetensors files compared by content: a header's metadata order varies between writes."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
+        if fa.metadata() != fb.metadata() or set(fa.keys()) != set(fb.keys()):
+            return False
+        for key in fa.keys():
+            x, y = fa.get_tensor(key), fb.get_tensor(key)
+            if x.dtype != y.dtype or x.shape != y.shape:
+                return False
+            if exact:
+                if not torch.equal(x, y):
+                    return False
+                continue
+            if not x.is_floating_point():
+                if not torch.equal(x, y):
+                    return False
+                continue
+            step = torch.finfo(y.dtype).eps if y.dtype in (torch.float16, torch.bfloat16) else numerics.RTOL
+            # the last bits of a float32 sum scale with its largest terms: near-zero entries of a tensor whose
+            # entries reach 165 move by 2e-5 on another CPU kind, hence an absolute tolerance by the tensor's size
+            scale = max(1.0, float(y.double().abs().max())) if y.numel() else 1.0
+            if not torch.allclose(x.double(), y.double(), rtol=step, atol=numerics.ATOL * scale):
+                return False
+    return True

@@ -47,6 +47,7 @@ from probes.toys.verify import (  # noqa: F401  (re-exported: `shipped.verified`
     COMMAND, ENV, MANIFEST, REPORT, SHIPPED_SUFFIXES, ShippedModelWarning, manifest, models_root, problem_of,
     sha256_file, shipped_name, shipped_path, shipped_root, verified)
 from probes.zoo import TOY_MODELS, toy_model_ids
+from thoughtscope import numerics
 from thoughtscope.errors import BadInputError, UnknownModelError
 
 # The report's fields that measure the machine, not the model: a rebuild differs there and only there.
@@ -88,7 +89,7 @@ def ship(model_id: str, root: Path | None = None, on_progress: ProgressFn | None
             "bytes": {name: (out / name).stat().st_size for name in files},
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "python": platform.python_version()},
-            "machine": platform.machine(),
+            "machine": platform.machine(), **numerics.describe(),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         (out / MANIFEST).write_text(json.dumps(record, indent=1, sort_keys=True, default=str))

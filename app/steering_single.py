@@ -49,6 +49,10 @@ SWEEP_GRID = [s for s in GRID if s != 0.0]  # the sweep offers the slider's scal
 SWEEP_DEFAULT = sorted({-0.5, *[s for s in SWEEP_GRID if 0 < s < DEFAULT_SCALE][1::2], DEFAULT_SCALE,
                         *[s for s in SWEEP_GRID if s > DEFAULT_SCALE][:2]} & set(SWEEP_GRID))
 MAX_SCALES_KEPT = 64  # sampled steered generations kept per (prompt, site, direction)
+# session key: {(prompt key, site, direction) slot: the scales this session pressed Run sweep for}. The
+# perplexities are kept per process (a second session's Run reads them), but whether a sweep is drawn is this
+# session's own: another session's Run must not add a sweep to a page nobody here asked for.
+SWEEPS_RUN = "_ts_steer_sweeps_run"
 
 
 @st.cache_resource
@@ -221,6 +225,8 @@ def sweep_section(ctx, key: str, site: str, direction_key: str, direction: np.nd
                               key="steer_sweep_scales", help="the slider's scales: greedy texts come from its grid")
     run = right.button("Run sweep", key="steer_sweep_run", icon=":material/stacked_line_chart:")
     chosen = sorted({float(s) for s in scales})
+    slot = _slot(key, site, direction_key)
+    ran: dict[str, frozenset[float]] = st.session_state.setdefault(SWEEPS_RUN, {})
     if grid is not None:  # greedy: the texts are the slider's; a sweep adds one perplexity pass per text
         if run:
             with shows_errors() as spot:
@@ -231,13 +237,14 @@ def sweep_section(ctx, key: str, site: str, direction_key: str, direction: np.nd
                 bar.empty()
             if spot.failed:
                 return
-        if not chosen or any(s not in grid.perplexities for s in chosen):
+            ran[slot] = ran.get(slot, frozenset()) | set(chosen)
+        if not chosen or not ran.get(slot, frozenset()).issuperset(chosen) or any(
+                s not in grid.perplexities for s in chosen):
             st.info("Press **Run sweep** for each text's perplexity under the unsteered model (the texts are the "
                     "slider's, made in one batch).")
             return
         sweep = grid.sweep(chosen)
     else:
-        slot = _slot(key, site, direction_key)
         known: dict[float, SteeringComparison] = steered_store().get(slot) or {}
         if run:
             with shows_errors() as spot:
@@ -249,9 +256,10 @@ def sweep_section(ctx, key: str, site: str, direction_key: str, direction: np.nd
                 bar.empty()
             if spot.failed:
                 return
+            ran[slot] = ran.get(slot, frozenset()) | set(chosen)
             known = steered_store().get(slot) or {}
         rows = [known[s] for s in chosen if s in known and known[s].perplexity is not None]
-        if not rows or len(rows) < len(chosen):
+        if not rows or len(rows) < len(chosen) or not ran.get(slot, frozenset()).issuperset(chosen):
             st.info("Press **Run sweep** to generate every scale (sampled: each alone from the seed).")
             return
         sweep = SteeringSweep(site, "norm", norm, float(np.linalg.norm(direction)), unsteered(ctx, key),

@@ -242,6 +242,28 @@ def test_the_greedy_sweep_adds_only_perplexity_passes(model_calls):
     assert len(boxes) == 2 and all(b.strip() for b in boxes)
 
 
+def test_a_sweep_run_in_one_session_is_drawn_only_where_it_was_asked_for(model_calls):
+    """The perplexities are kept per process, but another session's Run sweep must not add the sweep's text boxes
+    to a fresh page (they shifted every element after them: the stack's text read the sweep's first row)."""
+    from app.steering_single import SWEEP_DEFAULT, steered_store
+
+    first = helpers.open_page("steering", max_new_tokens=6)
+    first.button(key="steer_sweep_run").click().run()  # the default scales
+    helpers.assert_clean(first)
+    assert len(first.text) == 2 + len(SWEEP_DEFAULT)  # unsteered, steered, one box per scale
+    grids = [g for g in steered_store()._items.values() if hasattr(g, "perplexities")]
+    assert any(set(SWEEP_DEFAULT) <= set(g.perplexities) for g in grids)  # the process keeps every perplexity
+    fresh = helpers.open_page("steering", max_new_tokens=6)  # a new session, same prompt, settings and direction
+    helpers.assert_clean(fresh)
+    assert [t.value for t in fresh.text] == [t.value for t in first.text[:2]]  # no sweep boxes it did not ask for
+    assert any("Press **Run sweep**" in i.value for i in fresh.info)
+    model_calls.clear()
+    fresh.button(key="steer_sweep_run").click().run()
+    helpers.assert_clean(fresh)
+    assert [t.value for t in fresh.text] == [t.value for t in first.text]  # asked for here: the same sweep
+    assert "trace" not in model_calls  # read from the process's perplexities, no pass again
+
+
 def test_sampled_steering_generates_the_scale_alone_from_the_seed(engine, exported):
     from analyses.steering_defaults import chat_input
     from app.views.steering import PROMPT, SET_A, SET_B

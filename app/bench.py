@@ -345,6 +345,17 @@ def steering_slider_times(page: Any, url: str, moves: int = 6) -> dict[str, Any]
     return {"first_draw_s": first, "runs_s": runs, "boxes": labels}
 
 
+def generate_in_a_tab(context: Any, url: str, timeout_ms: int) -> None:
+    """A generation on the trace explorer in a tab of `context`, waited for until its fourth figure is drawn,
+    and the tab closed: the app then holds a result, so a new tab's first run has figures to draw."""
+    tab = context.new_page()
+    tab.set_default_timeout(timeout_ms)
+    tab.goto(f"{url}/trace_explorer")
+    tab.locator(".st-key-generate button").first.click()
+    tab.locator('[data-testid="stPlotlyChart"]').nth(3).locator(".main-svg").first.wait_for()
+    tab.close()
+
+
 def _browser_path() -> str | None:
     """The system Chromium for the browser benchmarks, or None when it or playwright is missing."""
     from app.export import chromium_path
@@ -370,12 +381,7 @@ def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, An
                                          args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
 
             context = browser.new_context()  # one browser profile: its tabs share the HTTP cache
-            warm = context.new_page()
-            warm.set_default_timeout(slow)
-            warm.goto(f"{url}/trace_explorer")
-            warm.locator(".st-key-generate button").first.click()
-            warm.locator('[data-testid="stPlotlyChart"]').nth(3).locator(".main-svg").first.wait_for()
-            warm.close()
+            generate_in_a_tab(context, url, slow)
             tab, switch, cold = [], [], []
             for _ in range(rounds):
                 page = context.new_page()  # a new tab of the same browser

@@ -162,16 +162,12 @@ def test_only_a_new_page_starts_a_new_visit():
 def test_a_new_tab_paints_the_first_figure_alone_then_every_figure(browser, tiny_app_url):
     """In Chromium, on a generation the app holds: when the first figure's plot enters the page, no other
     figure is there yet; then the reporter's rerun draws all four with their export rows."""
+    from app.bench import generate_in_a_tab
     from tests.test_browser import SLOW
 
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     try:
-        made = context.new_page()
-        made.set_default_timeout(SLOW)
-        made.goto(f"{tiny_app_url}/trace_explorer")
-        made.locator(".st-key-generate button").first.click()
-        made.locator('[data-testid="stPlotlyChart"]').nth(3).locator(".main-svg").first.wait_for()
-        made.close()
+        generate_in_a_tab(context, tiny_app_url, SLOW)
         page = context.new_page()
         page.set_default_timeout(SLOW)
         page.add_init_script("""(() => { window.__charts = null; new MutationObserver(() => {

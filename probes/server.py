@@ -243,22 +243,41 @@ class Ticket:
 
         Gives up with `TimeoutExceededError` after `timeout_s`, and silently (holding nothing) when
         `gone()` says the client has disconnected: a client that gave up frees its place at once.
+
+        One acquire waits the whole time and keeps the request's place in the lock's line across the ticks.
+        (Cancelling the acquire at each tick and starting another sent the waiter to the back of the line:
+        a trace, which ticks every 0.5 s to notice a gone client, was overtaken by every stream admitted
+        after it, and the server curve's p95 at 16 clients was 1.45x its linear shape.)
         """
         started = time.monotonic()
-        while not self.holding:
-            with anyio.move_on_after(tick_s):
-                await self.wait()
-            if self.holding:
-                return
-            if gone is not None and await gone():
-                self.release()
-                return
-            if time.monotonic() - started > timeout_s:
-                self.release()
-                raise TimeoutExceededError(
-                    f"waited {timeout_s:g} s for the model without getting it; the server is overloaded. "
-                    "Retry later, or start the server with a longer --queue-timeout-s", )
-            yield
+        acquire = asyncio.ensure_future(self.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({acquire}, timeout=tick_s)
+                if done:
+                    acquire.result()
+                    return
+                if gone is not None and await gone():
+                    await self._give_up(acquire)
+                    return
+                if time.monotonic() - started > timeout_s:
+                    await self._give_up(acquire)
+                    raise TimeoutExceededError(
+                        f"waited {timeout_s:g} s for the model without getting it; the server is overloaded. "
+                        "Retry later, or start the server with a longer --queue-timeout-s", )
+                yield
+        finally:
+            if not acquire.done():  # the caller stopped waiting (a stream closed, a cancelled request)
+                await self._give_up(acquire)
+
+    async def _give_up(self, acquire: "asyncio.Future[None]") -> None:
+        """Stop waiting: the acquire is cancelled (or, had it just got the model, the model let go)."""
+        acquire.cancel()
+        try:
+            await acquire
+        except asyncio.CancelledError:
+            pass
+        self.release()
 
     def release(self) -> None:
         """Idempotent: a ticket may be released by the stream's end and again by the response's cleanup."""

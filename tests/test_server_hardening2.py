@@ -281,3 +281,82 @@ def test_a_refused_client_keeps_its_place_ahead_of_newcomers():
     assert newcomer.value.queue_ticket != ticket and queue.backlog == 2
     queue.admit(ticket)  # the refused client comes back first in line and gets it
     assert queue.backlog == 1 and queue.waiting == 1
+
+
+def test_waiting_requests_are_served_in_the_order_they_were_admitted_across_keep_alive_ticks():
+    """A trace waits with a 0.5 s tick (to notice a gone client), a stream with a 5 s one (its keep-alive).
+    Each tick used to cancel the lock's acquire and start another at the back of the line, so the trace
+    admitted first was served after the streams admitted behind it. Order of service, not time, is checked."""
+    import asyncio
+
+    from probes.server import ModelQueue
+
+    async def scenario() -> tuple[list[str], list[int], int]:
+        queue = ModelQueue(max_queue=8)
+        holder = queue.admit()
+        await holder.wait()
+        served: list[str] = []
+        ticks = {"trace": 0, "stream": 0}
+
+        async def request(name: str, tick_s: float) -> None:
+            ticket = queue.admit()
+            async for _ in ticket.wait_for(60.0, tick_s=tick_s):
+                ticks[name.split("-")[0]] += 1
+            served.append(name)
+            await asyncio.sleep(0)
+            ticket.release()
+
+        tasks = [asyncio.create_task(request("trace-1", 0.005))]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(request(f"stream-{i}", 5.0)) for i in range(3)]
+        tasks.append(asyncio.create_task(request("trace-2", 0.005)))
+        while ticks["trace"] < 20:  # the traces' waits span many ticks before the model is let go
+            await asyncio.sleep(0.005)
+        waiting = queue.waiting
+        holder.release()
+        await asyncio.gather(*tasks)
+        return served, [queue.waiting, int(queue.busy)], waiting
+
+    served, after, waiting = asyncio.run(scenario())
+    assert waiting == 5
+    assert served == ["trace-1", "stream-0", "stream-1", "stream-2", "trace-2"]
+    assert after == [0, 0]  # every place given back
+
+
+def test_a_waiter_that_gives_up_frees_its_place_and_never_holds_the_model():
+    import asyncio
+
+    from probes.server import ModelQueue
+    from thoughtscope.errors import TimeoutExceededError
+
+    async def scenario() -> tuple[int, bool, list[str]]:
+        queue = ModelQueue(max_queue=8)
+        holder = queue.admit()
+        await holder.wait()
+        gone = {"now": False}
+
+        async def is_gone() -> bool:
+            return gone["now"]
+
+        leaving, late = queue.admit(), queue.admit()
+        log: list[str] = []
+
+        async def leave() -> None:
+            async for _ in leaving.wait_for(60.0, is_gone, tick_s=0.005):
+                gone["now"] = True  # the client disconnects after one tick
+            log.append(f"leaving holds {leaving.holding}")
+
+        async def timeout() -> None:
+            with pytest.raises(TimeoutExceededError, match="waited 0.02 s for the model"):
+                async for _ in late.wait_for(0.02, tick_s=0.005):
+                    pass
+            log.append(f"late holds {late.holding}")
+
+        await asyncio.gather(leave(), timeout())
+        waiting_before_release = queue.waiting
+        holder.release()
+        return waiting_before_release, queue.busy, log
+
+    waiting, busy, log = asyncio.run(scenario())
+    assert waiting == 0 and not busy  # both places freed; the lock went to nobody when the holder let go
+    assert sorted(log) == ["late holds False", "leaving holds False"]

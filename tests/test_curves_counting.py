@@ -97,3 +97,19 @@ def test_a_saved_curve_redraws_from_its_json_with_its_numbers():
     assert saved["provenance"]["settings"]["curve"] == "fork_prefix"
     shape = next(t for t in fig.data if t.name.endswith("shape from the lower points"))
     assert shape.y[-1] == saved["fit"]["predicted_top"]
+    # log axes labelled at the measured sizes and at 1-2-5 steps of the seconds drawn (no unlabelled minor digits)
+    assert list(fig.layout.xaxis.tickvals) == saved["x"] and list(fig.layout.xaxis.ticktext) == \
+        [f"{x:,}" for x in saved["x"]]
+    drawn = [y for t in fig.data if t.yaxis in (None, "y") for y in t.y]
+    ticks = list(fig.layout.yaxis.tickvals)
+    assert ticks and all(min(drawn) <= t <= max(drawn) for t in ticks)
+    assert all(f"{t:e}"[0] in "125" and f"{t:e}"[1:5] == ".000" for t in ticks) and list(fig.layout.yaxis.ticktext) == [f"{t:g}" for t in ticks]
+
+
+def test_log_ticks_are_the_1_2_5_steps_inside_the_values():
+    from app.figures.curves import log_ticks
+
+    assert log_ticks([0.15, 3.8]) == [0.2, 0.5, 1.0, 2.0]
+    assert log_ticks([7.0, 780.0]) == [10.0, 20.0, 50.0, 100.0, 200.0, 500.0]
+    assert log_ticks([3.0, 4.0]) == [2.0, 5.0]  # no step inside: the nearest ones around
+    assert log_ticks([0.0, float("nan")]) == []

@@ -8,11 +8,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest --durations=10
 # WORKERS pytest-xdist processes for the unit and model tiers, whole files per worker (module fixtures: one
 # server, one app per file); BROWSER_WORKERS for the browser tier. Serial by default: under 2 workers the
-# failures depend on which files share a worker. Known: test_steering_stack_page fails after test_views'
-# export tests in one process (serially too: pytest tests/test_views.py tests/test_steering_stack_page.py),
-# cause not yet found; test_ray's two equalities (float32 last digits) and a tiny-random:qwen2_vl server
-# failing to import Qwen2VLForConditionalGeneration (test_vlm_engine) seen in 1 of 3 runs, not yet
-# reproduced alone. `make test WORKERS=2` is the faster, unverified way.
+# failures depend on which files share a worker. Known: test_ray's two equalities (float32 last digits) and a
+# tiny-random:qwen2_vl server failing to import Qwen2VLForConditionalGeneration (test_vlm_engine) seen in 1 of 3
+# runs, not yet reproduced alone. (test_steering_stack_page after test_views was a real leak, fixed in
+# app/steering_single.py.) `make test WORKERS=2` is the faster, unverified way.
 WORKERS ?= 0
 BROWSER_WORKERS ?= 0
 XDIST := -n $(WORKERS) --dist loadfile

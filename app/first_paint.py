@@ -85,6 +85,14 @@ def begin_page(name: str) -> None:
         st.session_state[OPEN] = False
 
 
+def end_page() -> None:
+    """At the end of a page's run that was not stopped: the visit's first run drew no figure (the steering
+    page before its stack has one), so nothing waits on a paint and every later run draws the whole page. Left
+    closed, the first figure to appear later (drawn by a widget's rerun) stopped that rerun and the ones after
+    it until the browser's report came, and a slider moved meanwhile never drew its text."""
+    st.session_state[OPEN] = True
+
+
 def _opened() -> None:
     st.session_state[OPEN] = True
 

@@ -79,6 +79,7 @@ def run_page(module, ctx: PageContext | Frame | None) -> None:
     except Exception:  # a bug's traceback still shows, under the banner (not Streamlit's rerun and stop signals)
         outage.show_banner(top)
         raise
+    first_paint.end_page()  # a first run that drew no figure opens the gate: later runs are never cut short
     outage.show_banner(top)
 
 

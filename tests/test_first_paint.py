@@ -158,6 +158,32 @@ def test_only_a_new_page_starts_a_new_visit():
     assert at.text[0].value == "False"  # another page: a new visit, its first figure first again
 
 
+def test_a_first_run_without_a_figure_opens_the_visit_so_a_later_figure_never_stops_a_run():
+    """The steering page draws no figure until its stack has a term: the figure that a widget's rerun draws
+    later must not stop that rerun (a slider moved then never drew its text in the browser)."""
+    from streamlit.testing.v1 import AppTest
+
+    from app import first_paint
+
+    at = AppTest.from_string(
+        "import streamlit as st\nimport plotly.graph_objects as go\nfrom app import first_paint\n"
+        "from app.export import show_figure\nfirst_paint.begin_page('p')\n"
+        "if st.session_state.get('draw'):\n"
+        "    show_figure(go.Figure(go.Scatter(y=[0, 1])), {'y': [0, 1]}, 'f')\n"
+        "st.text('after the figure')\nfirst_paint.end_page()\n", default_timeout=60)
+    at.session_state[first_paint.ENABLED] = True
+    at.run()  # the visit's first run: no figure, so it reaches the end and opens the gate
+    assert at.text[0].value == "after the figure" and at.session_state[first_paint.OPEN] is True
+    at.session_state["draw"] = True
+    at.run()  # a later run draws a figure: the whole run, no reporter
+    assert [t.value for t in at.text] == ["after the figure"] and not at.get("bidi_component")
+    at.session_state["draw"] = True
+    at.session_state[first_paint.OPEN] = False  # a new visit whose first run has a figure: it stops after it
+    at.run()
+    assert not [t.value for t in at.text] and [e.proto.component_name for e in at.get("bidi_component")] == [
+        "thoughtscope_first_paint"]
+
+
 @pytest.mark.browser
 def test_a_new_tab_paints_the_first_figure_alone_then_every_figure(browser, tiny_app_url):
     """In Chromium, on a generation the app holds: when the first figure's plot enters the page, no other

@@ -10,8 +10,10 @@ PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest --dura
 # server, one app per file); BROWSER_WORKERS for the browser tier. Two by default: on this 2-core machine
 # the unit tier takes 4:46 with 2 workers against 9:28 serially, the model tier 2:54 against 4:55 (2026-12-03).
 # Tests marked `alone` (a server under 8-16 clients, whose Retry-After estimates a neighbour's load makes
-# short; the Ray cluster; VLM server starts: the flakes once seen under 2 workers) run after the parallel
-# part, one at a time. `make test WORKERS=0` runs every tier serially.
+# short) run after the parallel part, one at a time. The other flakes once seen under 2 workers (Ray
+# equalities, a Qwen2-VL server failing to import torch) came from TransformerLens running `pip install
+# torchvision` mid-run, swapping torch under the other worker: refused since (probes.zoo._no_package_installs;
+# tests/conftest.py fails a run that changes an installed package). `make test WORKERS=0`: every tier serially.
 WORKERS ?= 2
 BROWSER_WORKERS ?= 0
 XDIST := -n $(WORKERS) --dist loadfile

@@ -30,6 +30,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,6 +143,17 @@ def _clock(seconds: float | None) -> str:
     return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
 
 
+def _reap_while_held(ref: "weakref.ReferenceType[JobRegistry]") -> None:
+    """Once a second, stop the registry's unwatched jobs; return once the registry itself is gone."""
+    while True:
+        time.sleep(1.0)
+        registry = ref()
+        if registry is None:
+            return
+        registry.reap()
+        del registry  # no strong reference kept across the sleep
+
+
 class JobRegistry:
     """Every job of this app process: start, find by id or key, stop, reap the unwatched."""
 
@@ -152,7 +164,9 @@ class JobRegistry:
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._lock = threading.Lock()
         self._costs_path = costs_path
-        self._reaper = threading.Thread(target=self._reap_forever, name="thoughtscope-job-reaper", daemon=True)
+        # the reaper holds the registry weakly: a registry nobody holds (a test's, a bench's) ends its thread
+        self._reaper = threading.Thread(target=_reap_while_held, args=(weakref.ref(self),),
+                                        name="thoughtscope-job-reaper", daemon=True)
         self._reaper.start()
 
     # ---- ids ----
@@ -260,11 +274,6 @@ class JobRegistry:
                 job.stop(f"stopped: no open page watched it for {self.grace_s:.0f} s")
                 stopped.append(job)
         return stopped
-
-    def _reap_forever(self) -> None:
-        while True:
-            time.sleep(1.0)
-            self.reap()
 
     # ---- measured cost per unit, for the first estimate ----
     def _load_costs(self) -> dict[str, float]:

@@ -568,6 +568,34 @@ def _load_ndif(model_id: str, dtype: torch.dtype) -> ModelHandle:
     return handle
 
 
+@contextlib.contextmanager
+def _no_package_installs():
+    """Refuse any `pip install` / `uv pip install` a library starts while this is open.
+
+    TransformerLens 3.9's `boot_transformers` (model_bridge/sources/transformers.py), for a multimodal
+    model whose processor does not load (offline; our tiny VLMs have none saved), runs `pip install
+    torchvision` into this interpreter's environment and carries on. On a CPU machine that replaced
+    the pinned torch 2.13.0 with a multi-GB CUDA build in the middle of `make test`, and any other
+    process importing torch at that moment failed. Nothing here may install or download at run time:
+    the call is refused (TransformerLens then skips the processor, which the bridge reads do not use)."""
+    import subprocess
+
+    original = subprocess.check_call
+
+    def guarded(args: Any, *rest: Any, **kwargs: Any) -> int:
+        words = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+        if "pip" in words and "install" in words:
+            log.warning("refused a package install started by a library at run time: %s", " ".join(words))
+            raise subprocess.CalledProcessError(1, args, output=b"refused: thoughtscope installs nothing at run time")
+        return original(args, *rest, **kwargs)
+
+    subprocess.check_call = guarded
+    try:
+        yield
+    finally:
+        subprocess.check_call = original
+
+
 def _boot_bridge(handle: ModelHandle) -> Any:
     from transformer_lens.model_bridge import TransformerBridge
 
@@ -577,7 +605,7 @@ def _boot_bridge(handle: ModelHandle) -> Any:
     # The bridge rewires the modules of the model it is given (its own block and attention
     # wrappers), which breaks KV-cached generation through them: it gets a copy of the weights.
     hf_copy = copy.deepcopy(handle.model)
-    with contextlib.redirect_stdout(None):
+    with contextlib.redirect_stdout(None), _no_package_installs():
         try:
             return TransformerBridge.boot_transformers(
                 name, hf_model=hf_copy, tokenizer=handle.tokenizer, device=str(handle.device)

@@ -18,6 +18,27 @@ os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 import pytest  # noqa: E402
 
 
+def _installed_packages() -> dict[str, str]:
+    from importlib import metadata
+
+    return {(d.metadata["Name"] or "").lower(): d.version for d in metadata.distributions()}
+
+
+_PACKAGES_AT_START = _installed_packages()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Nothing installs a package at run time: a run that changed this environment fails, naming what.
+    (TransformerLens once ran `pip install torchvision` from a test, swapping torch mid-run: probes.zoo.)"""
+    now = _installed_packages()
+    changed = sorted(f"{name} {_PACKAGES_AT_START.get(name, '(absent)')} -> {now.get(name, '(removed)')}"
+                     for name in set(now) | set(_PACKAGES_AT_START) if now.get(name) != _PACKAGES_AT_START.get(name))
+    if changed:
+        session.config.get_terminal_writer().line(
+            "FAILED: this test run changed the installed packages: " + "; ".join(changed), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture(scope="session")
 def llama():
     from probes import Engine

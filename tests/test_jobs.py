@@ -80,6 +80,18 @@ def test_job_ids_are_signed_and_belong_to_a_page(tmp_path):
         reg.get(job.id, page="cot_entropy")
 
 
+def test_a_registry_nobody_holds_ends_its_reaper_thread():
+    import gc
+
+    reg = JobRegistry(costs_path=None)
+    reaper = reg._reaper
+    assert reaper.is_alive()
+    del reg
+    gc.collect()
+    reaper.join(timeout=30)  # it wakes once a second; 30 s only keeps a broken build from hanging
+    assert not reaper.is_alive()
+
+
 def test_unwatched_jobs_are_stopped_unless_kept(tmp_path):
     gate = threading.Event()
     reg = JobRegistry(grace_s=5.0, costs_path=None)

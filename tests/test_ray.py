@@ -21,10 +21,6 @@ from analyses.moe_router.evaluate import ExpertSetting, evaluate_expert_sample
 from analyses.tasks import load_splits
 from thoughtscope.errors import BadInputError, ClusterError
 
-# a local cluster of 2 CPUs: with a second test process beside it the replicas wait for cores; and twice under
-# 2 workers its equalities missed in the last digits (not reproduced alone)
-pytestmark = pytest.mark.alone
-
 ray = pytest.importorskip("ray", reason="the ray extra (pip install 'thoughtscope[ray]', installed by make setup)")
 
 MODEL = "tiny-random:qwen3_moe"  # both evaluations run on it: one pair of replicas for the module

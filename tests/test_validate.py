@@ -293,3 +293,30 @@ def test_serve_validate_fills_info_with_the_badge_in_the_background():
     assert found is not None and found["verdict"] == "pass"
     assert found == V.cached_summary(engine.handle)
     assert found["fingerprint"] == engine.info()["fingerprint"]
+
+
+def test_booting_a_vlm_bridge_installs_no_package(monkeypatch, caplog):
+    """TransformerLens runs `pip install torchvision` when a multimodal model's processor does not load
+    (offline, as here): that once swapped torch for a CUDA build in the middle of `make test`. The bridge
+    boots with the install refused before anything runs."""
+    import logging
+    import subprocess
+    import sys
+
+    calls = []
+
+    def recorder(args, *a, **k):
+        calls.append(list(args))
+        return 0
+
+    monkeypatch.setattr(subprocess, "check_call", recorder)
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # `import torchvision` fails, as in a clean set-up
+    engine = Engine.from_id("tiny-random:llava", device="cpu")
+    engine.handle.model.config.architectures = [type(engine.handle.model).__name__]  # as the validator sets it
+    with caplog.at_level(logging.WARNING, logger="probes.zoo"):
+        bridge = engine.handle.bridge
+    refused = [r.getMessage() for r in caplog.records if "refused a package install" in r.getMessage()]
+    assert refused and "install torchvision" in refused[0]  # TransformerLens asked ...
+    assert calls == []  # ... and nothing ran
+    assert subprocess.check_call is recorder  # the guard is gone once the bridge is up
+    assert len(bridge.blocks) == engine.handle.arch.n_layers

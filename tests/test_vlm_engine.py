@@ -174,7 +174,6 @@ def test_bad_images_fail_before_model_work(vlm, llama):
     assert vision.load_image(vision.image_to_b64(buf.getvalue())).size == (50, 40)
 
 
-@pytest.mark.alone  # a server process per test; a qwen2_vl server once failed to import its class under 2 workers
 def test_vlm_trace_and_generation_through_the_server_equal_in_process():
     from probes.server_bench import served
 
@@ -323,7 +322,6 @@ def test_qwen2_vl_decodes_with_3d_positions(qwen):
                        exhaustive_effects(qwen, full, img, spans, regions, batch_size=1), atol=1e-4)
 
 
-@pytest.mark.alone  # a server process per test; a qwen2_vl server once failed to import its class under 2 workers
 def test_qwen2_vl_through_the_server_equals_in_process():
     from probes.server_bench import served
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,23 +19,28 @@ os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 import pytest  # noqa: E402
 
 
-def _installed_packages() -> dict[str, str]:
+def _installed_packages(paths: list[str]) -> dict[str, str]:
     from importlib import metadata
 
-    return {(d.metadata["Name"] or "").lower(): d.version for d in metadata.distributions()}
+    return {(d.metadata["Name"] or "").lower(): d.version for d in metadata.distributions(path=paths)}
 
 
-_PACKAGES_AT_START = _installed_packages()
+# the folders read are those on sys.path now: a test that later puts another environment's site-packages
+# on sys.path (one does) adds no install
+_SEARCHED = list(sys.path)
+_PACKAGES_AT_START = _installed_packages(_SEARCHED)
 
 
 def pytest_sessionfinish(session, exitstatus):
     """Nothing installs a package at run time: a run that changed this environment fails, naming what.
     (TransformerLens once ran `pip install torchvision` from a test, swapping torch mid-run: probes.zoo.)"""
-    now = _installed_packages()
+    now = _installed_packages(_SEARCHED)
     changed = sorted(f"{name} {_PACKAGES_AT_START.get(name, '(absent)')} -> {now.get(name, '(removed)')}"
                      for name in set(now) | set(_PACKAGES_AT_START) if now.get(name) != _PACKAGES_AT_START.get(name))
     if changed:
-        session.config.get_terminal_writer().line(
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(
             "FAILED: this test run changed the installed packages: " + "; ".join(changed), red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

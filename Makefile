@@ -7,15 +7,16 @@ TORCH ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest --durations=10
 # WORKERS pytest-xdist processes for the unit and model tiers, whole files per worker (module fixtures: one
-# server, one app per file); BROWSER_WORKERS for the browser tier. Two by default: on this 2-core machine
-# the unit tier takes 4:46 with 2 workers against 9:28 serially, the model tier 2:54 against 4:55 (2026-12-03).
+# server, one app per file); BROWSER_WORKERS for the browser tier. Two of each by default: on this 2-core
+# machine a fresh clone's `make test` took 13 min 54 s so (2026-12-03; unit 3:39 + 0:59 alone, model 2:45,
+# browser 4:32), against 22 min 36 s serially that morning.
 # Tests marked `alone` (a server under 8-16 clients, whose Retry-After estimates a neighbour's load makes
 # short) run after the parallel part, one at a time. The other flakes once seen under 2 workers (Ray
 # equalities, a Qwen2-VL server failing to import torch) came from TransformerLens running `pip install
 # torchvision` mid-run, swapping torch under the other worker: refused since (probes.zoo._no_package_installs;
-# tests/conftest.py fails a run that changes an installed package). `make test WORKERS=0`: every tier serially.
+# tests/conftest.py fails a run that changes an installed package). `make test WORKERS=0 BROWSER_WORKERS=0`: every tier serially.
 WORKERS ?= 2
-BROWSER_WORKERS ?= 0
+BROWSER_WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile
 # a tier's `alone` part; pytest's exit status 5 ("no tests collected") is not a failure there
 ALONE = $(PYTEST) -q -m "$(1) and alone" tests || [ $$? -eq 5 ]

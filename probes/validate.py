@@ -499,11 +499,6 @@ def _nnsight_reads(handle: Any, ids: list[int], names: Sequence[str]) -> dict[st
 def _bridge_reads(handle: Any, ids: list[int], names: Sequence[str]) -> dict[str, torch.Tensor]:
     from probes.sites import parse_site
 
-    config = handle.model.config
-    if not getattr(config, "architectures", None):
-        # a model built from a config (the tiny-random zoo) has no `architectures`, which TransformerLens
-        # needs to pick its adapter; a model loaded from a folder has it
-        config.architectures = [type(handle.model).__name__]
     bridge = handle.bridge
     with torch.no_grad():
         logits, cache = bridge.run_with_cache(torch.tensor([ids], device=handle.device))

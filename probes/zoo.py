@@ -605,6 +605,10 @@ def _boot_bridge(handle: ModelHandle) -> Any:
     # The bridge rewires the modules of the model it is given (its own block and attention
     # wrappers), which breaks KV-cached generation through them: it gets a copy of the weights.
     hf_copy = copy.deepcopy(handle.model)
+    if not getattr(hf_copy.config, "architectures", None):
+        # a model built from a config (the tiny-random zoo) has no `architectures`, which TransformerLens
+        # needs to pick its adapter; a model loaded from a folder has it
+        hf_copy.config.architectures = [type(hf_copy).__name__]
     with contextlib.redirect_stdout(None), _no_package_installs():
         try:
             return TransformerBridge.boot_transformers(

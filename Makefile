@@ -7,14 +7,11 @@ TORCH ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest --durations=10
 # WORKERS pytest-xdist processes for the unit and model tiers, whole files per worker (module fixtures: one
-# server, one app per file); BROWSER_WORKERS for the browser tier. Two of each by default: on this 2-core
-# machine a fresh clone's `make test` took 13 min 54 s so (2026-12-03; unit 3:39 + 0:59 alone, model 2:45,
-# browser 4:32), against 22 min 36 s serially that morning.
-# Tests marked `alone` (a server under 8-16 clients, whose Retry-After estimates a neighbour's load makes
-# short) run after the parallel part, one at a time. The other flakes once seen under 2 workers (Ray
-# equalities, a Qwen2-VL server failing to import torch) came from TransformerLens running `pip install
-# torchvision` mid-run, swapping torch under the other worker: refused since (probes.zoo._no_package_installs;
-# tests/conftest.py fails a run that changes an installed package). `make test WORKERS=0 BROWSER_WORKERS=0`: every tier serially.
+# server, one app per file); BROWSER_WORKERS for the browser tier. Two of each by default (the README has the
+# times measured in fresh clones). In the unit and model tiers, tests marked `alone` (a server under 8-16
+# clients, whose Retry-After estimates a neighbour's load makes short) run after the parallel part, one at a
+# time. The flakes once blamed on 2 workers came from TransformerLens running `pip install torchvision` mid-run
+# (refused since: probes.zoo._no_package_installs). `make test WORKERS=0 BROWSER_WORKERS=0`: every tier serially.
 WORKERS ?= 2
 BROWSER_WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile

@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -38,7 +38,8 @@ class ArchInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (tuples as lists), so the dict is the same after a trip through the server."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        # the fields are scalars and one flat tuple: read directly (asdict deep-copies each value)
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ArchInfo":

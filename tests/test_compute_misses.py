@@ -145,3 +145,41 @@ def test_attention_rows_with_an_image_and_the_features_that_read_them():
                                     trace=llava.trace(text, capture=sites, images=[image]))
     assert from_rows.shape == (2, 4, llava.arch().n_layers * llava.arch().n_heads)
     assert np.allclose(from_rows, from_trace, atol=1e-6) and float(np.abs(from_rows).sum()) > 0
+
+
+def test_attention_rows_come_back_as_ordinary_tensors(llama):
+    """The rows path runs its forward under inference mode (probes.engine.capture_batch); every tensor it
+    returns is made outside it: an ordinary tensor (not an inference tensor) that autograd still takes,
+    the other captured sites' rows included."""
+    ids = llama.encode("one two three four five")
+    out = llama.capture_batch([ids], ["attn_pattern.0", "attn_pattern.1", "resid_post.0"], positions=[[4, 2]])
+    assert sorted(out) == ["attn_pattern.0", "attn_pattern.1", "resid_post.0"]
+    for t in out.values():
+        assert not t.is_inference() and not torch.is_inference_mode_enabled()
+        x = t.clone().requires_grad_(True)
+        (x * 2).sum().backward()
+        assert torch.equal(x.grad, torch.full_like(t, 2.0))
+
+
+def test_image_preprocessing_equals_the_channel_last_formula_bit_for_bit():
+    """`preprocess` normalises channels first (faster); its values are the plain formula's, bit for bit
+    (the shipped study is rebuilt byte for byte from them)."""
+    import numpy as np
+    from PIL import Image
+
+    from probes.vision import VisionSpec, preprocess
+
+    rng = np.random.default_rng(0)
+    for size, mean, std in ((64, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+                            (32, (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))):
+        spec = VisionSpec("llava", 5, size, 8, mean=mean, std=std)
+        for shape in ((48, 48, 3), (size, size, 3), (30, 50), (17, 41, 4)):
+            image = rng.integers(0, 256, size=shape, dtype=np.uint8)
+            img = Image.fromarray(image).convert("RGB")
+            if img.size != (size, size):
+                img = img.resize((size, size), Image.Resampling.BICUBIC)
+            x = (np.asarray(img, dtype=np.float64) / 255.0 - np.asarray(mean)) / np.asarray(std)
+            want = torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1).astype(np.float32)))
+            got = preprocess(spec, image)
+            assert got.is_contiguous() and got.dtype == torch.float32
+            assert got.numpy().tobytes() == want.numpy().tobytes()

@@ -196,7 +196,9 @@ def _span_region_features(pat: torch.Tensor, span_rows: Sequence[Sequence[int]],
     is rebuilt byte for byte (tests/test_shipped_pages_b.py); the loop costs ~0.1 ms per scene."""
     feats = np.zeros((len(span_rows), regions.shape[1], pat.shape[0] * pat.shape[2]))
     for i, picked in enumerate(span_rows):
-        mean = pat[:, list(picked)].float().mean(1)  # [layers, heads, kv]: the queries that predict the span's tokens
+        # index_select: the same rows as pat[:, list(picked)], without the list made into an index at each use
+        rows = pat.index_select(1, torch.as_tensor(list(picked), dtype=torch.long, device=pat.device))
+        mean = rows.float().mean(1)  # [layers, heads, kv]: the queries that predict the span's tokens
         feats[i] = (mean[..., :regions.shape[0]] @ regions).permute(2, 0, 1).reshape(regions.shape[1], -1).numpy()
     return feats
 

@@ -5,7 +5,9 @@
   inside a session (from the click), a new tab of the same browser, and a first visit with nothing
   cached (from navigation start). Timed by the page's own clock (`PAINT_PROBE`); the driver's wall
   clock, which adds Playwright's round trips, is reported beside it. Goals: <= 2 s new tab, <= 1 s
-  switch.
+  switch. A new tab may paint the first figure as its static preview (app/figure_preview.py): `seconds`
+  counts the first figure painted either way, `interactive_s` the first plotly chart, and `previews` says
+  which openings had a preview (the first new tab after a generation may come before its preview is made).
 - `first_figure_first` (in `views`): new tabs of the trace explorer and two method pages with the first figure
   drawn before the rest of the page (app/first_paint.py), side by side with an app that draws each page in one
   run (`THOUGHTSCOPE_FIRST_FIGURE_FIRST=0`); ratio < 1: the first figure is painted sooner.
@@ -61,6 +63,7 @@ from analyses.feature_browser import SAELatent, VectorDirection, browse, build_i
 from analyses.steering import diff_of_means_direction, generate_text, site_norm, steering_grid, steering_vector
 from analyses.tasks import one_shot_messages
 from app.cli import streamlit_command
+from app.figure_preview import CLASS
 from probes.backend import Backend
 from probes.engine import Engine
 from probes.interventions import AddVector
@@ -247,31 +250,37 @@ def first_figure(page: Any) -> Any:
     return page.locator('[data-testid="stPlotlyChart"]').first.locator(".main-svg").first
 
 
-# The page's own clock: when a figure's SVG enters the document, the frame after it is painted (a
-# requestAnimationFrame callback runs before a paint, a task queued from it runs after). Times are
-# performance.now(): ms since the tab's navigation started, and the last click is recorded too, so a
-# page switch is timed from the click event the user makes. The test driver's own round trips
-# (Playwright's actionability checks before a click, its polling after) are not part of what a user
-# waits for; on this loaded 2-core machine they added 0.3-1 s to every opening.
+# The page's own clock: when a figure enters the document, the frame after it is painted (a
+# requestAnimationFrame callback runs before a paint, a task queued from it runs after). A figure is a
+# plotly chart's SVG, or a new tab's static preview of it (app/figure_preview.py) once its image is
+# decoded; `painted` is the first of either, `interactive` the first chart. Times are performance.now():
+# ms since the tab's navigation started, and the last click is recorded too, so a page switch is timed
+# from the click event the user makes. The test driver's own round trips (Playwright's actionability
+# checks before a click, its polling after) are not part of what a user waits for; on this loaded 2-core
+# machine they added 0.3-1 s to every opening.
 PAINT_PROBE = """
 (() => {
   if (window.__tsProbe) return;
-  const probe = window.__tsProbe = {click: null, painted: null, pending: false};
-  document.addEventListener('click', () => { probe.click = performance.now(); probe.painted = null; }, true);
+  const probe = window.__tsProbe = {click: null, painted: null, interactive: null, preview: null};
+  let first = false, chart = false;
+  document.addEventListener('click', () => {
+    probe.click = performance.now(); probe.painted = probe.interactive = probe.preview = null; first = chart = false;
+  }, true);
+  const stamp = (key) => requestAnimationFrame(() => setTimeout(() => { probe[key] = performance.now(); }, 0));
   new MutationObserver(() => {
-    if (probe.painted !== null || probe.pending) return;
-    if (!document.querySelector('[data-testid="stPlotlyChart"] .main-svg')) return;
-    probe.pending = true;
-    requestAnimationFrame(() => setTimeout(() => { probe.painted = performance.now(); probe.pending = false; }, 0));
-  }).observe(document, {subtree: true, childList: true});
+    const drawn = document.querySelector('[data-testid="stPlotlyChart"] .main-svg');
+    const img = document.querySelector('.PREVIEW img');
+    if (!first && (drawn || (img && img.complete))) { first = true; probe.preview = !drawn; stamp('painted'); }
+    if (!chart && drawn) { chart = true; stamp('interactive'); }
+  }).observe(document, {subtree: true, childList: true, attributes: true});
 })();
-"""
+""".replace("PREVIEW", CLASS)
 
 
-def _painted_s(page: Any, since_click: bool) -> float:
-    page.wait_for_function("window.__tsProbe && window.__tsProbe.painted !== null")
+def _painted_s(page: Any, since_click: bool, which: str = "painted") -> float:
+    page.wait_for_function(f"window.__tsProbe && window.__tsProbe.{which} !== null")
     probe = page.evaluate("window.__tsProbe")
-    return (probe["painted"] - (probe["click"] if since_click else 0.0)) / 1000
+    return (probe[which] - (probe["click"] if since_click else 0.0)) / 1000
 
 
 def page_opening_times(page: Any, url: str, switches: int = 2) -> dict[str, Any]:
@@ -284,7 +293,8 @@ def page_opening_times(page: Any, url: str, switches: int = 2) -> dict[str, Any]
     first_figure(page).wait_for(state="visible")
     driver = time.perf_counter() - started
     out: dict[str, Any] = {"new_tab": _painted_s(page, False), "new_tab_driver": driver, "switch": [],
-                           "switch_driver": []}
+                           "switch_driver": [], "new_tab_interactive": _painted_s(page, False, "interactive"),
+                           "new_tab_preview": page.evaluate("window.__tsProbe.preview")}
     nav = page.locator('[data-testid="stSidebarNav"] a')
     for _ in range(switches):
         nav.filter(has_text="Home").click()
@@ -399,19 +409,26 @@ def bench_page_first_figure(model_id: str, rounds: int = 3) -> list[dict[str, An
             slider = steering_slider_times(page, url)
             browser.close()
     common = {"model": model_id, "page": "trace_explorer", "load_avg_1m": _load(),
-              "clock": "the page's own: navigation start or click event -> the first figure painted"}
+              "clock": "the page's own: navigation start or click event -> the first figure painted (a chart, or "
+                       "its static preview in a new tab: app/figure_preview.py); interactive_s: -> the first chart"}
 
-    def row(opening: str, pairs: list[tuple[float, float]], goal: str) -> dict[str, Any]:
+    def row(opening: str, pairs: list[tuple[float, float]], goal: str, extra: dict | None = None) -> dict[str, Any]:
         page_s, driver_s = [p for p, _ in pairs], [d for _, d in pairs]
         return {"bench": "page_first_figure_s", "opening": opening, "seconds": _median(page_s),
                 "ratio": round(statistics.median(page_s) / GOALS[goal], 3), "target": 1.0,
                 "runs_s": [round(t, 3) for t in page_s], "driver_s": _median(driver_s),
-                "driver_runs_s": [round(t, 3) for t in driver_s], **common}
+                "driver_runs_s": [round(t, 3) for t in driver_s], **(extra or {}), **common}
+
+    def charts(openings: list[dict[str, Any]]) -> dict[str, Any]:
+        """When the first interactive chart came, and which openings painted a static preview first."""
+        chart_s = [t["new_tab_interactive"] for t in openings]
+        return {"interactive_s": _median(chart_s), "interactive_runs_s": [round(t, 3) for t in chart_s],
+                "previews": [bool(t["new_tab_preview"]) for t in openings]}
 
     return [row("page switch", switch, "page_first_figure_switch"),
-            row("new tab", [(t["new_tab"], t["new_tab_driver"]) for t in tab], "page_first_figure_new_tab"),
+            row("new tab", [(t["new_tab"], t["new_tab_driver"]) for t in tab], "page_first_figure_new_tab", charts(tab)),
             row("first visit (cold cache)", [(t["new_tab"], t["new_tab_driver"]) for t in cold],
-                "page_first_figure_new_tab"),
+                "page_first_figure_new_tab", charts(cold)),
             {**common, "bench": "steer_slider_s", "page": "steering",
              "clock": "the page's own: key press -> the new steered text painted",
              "opening": "Chromium: arrow key on the scale slider (one 0.25 stop)",
@@ -621,9 +638,9 @@ def page_first_result_times(context: Any, url: str, page_name: str, timeout_ms: 
     page.goto(f"{url}/{page_name}" if page_name != "home" else url)
     page.locator(selector).first.wait_for(state="visible")
     driver = time.perf_counter() - started
-    painted = _painted_s(page, False)
+    painted, interactive = _painted_s(page, False), _painted_s(page, False, "interactive")
     page.close()
-    return painted, driver
+    return painted, driver, interactive
 
 
 def bench_page_first_result(model_id: str = "smollm2-135m", rounds: int = 3,
@@ -656,22 +673,24 @@ def bench_page_first_result(model_id: str = "smollm2-135m", rounds: int = 3,
             home.append(page_first_result_times(context, url, "home", selector=METRIC))
         browser.close()
     common = {"model": model_id, "load_avg_1m_before": load_before, "load_avg_1m": _load(),
-              "clock": "the page's own: navigation start of a new tab -> the first figure painted"}
+              "clock": "the page's own: navigation start of a new tab -> the first figure painted (a chart, or its "
+                       "static preview); interactive_s: -> the first chart"}
     rows = []
-    for name, pairs in times.items():
-        page_s, driver_s = [t for t, _ in pairs], [d for _, d in pairs]
+    for name, runs in times.items():
+        page_s, driver_s, chart_s = ([r[i] for r in runs] for i in range(3))
         later = page_s[1:] or page_s
         rows.append({"bench": "page_first_result_s", "page": name, "seconds": _median(later),
                      "ratio": round(statistics.median(later) / GOALS["page_first_result"], 3), "target": 1.0,
                      "goal_s": GOALS["page_first_result"], "first_s": round(page_s[0], 3),
                      "runs_s": [round(t, 3) for t in page_s], "driver_runs_s": [round(t, 3) for t in driver_s],
-                     **common})
-    home_s = [t for t, _ in home]
+                     "interactive_s": _median(chart_s[1:] or chart_s),
+                     "interactive_runs_s": [round(t, 3) for t in chart_s], **common})
+    home_s = [t for t, _, _ in home]
     rows.append({"bench": "page_first_result_s", "page": "home (baseline: no figure, its first metric)",
                  "seconds": _median(home_s[1:] or home_s), "ratio": round(statistics.median(home_s[1:] or home_s)
                                                                           / GOALS["page_first_result"], 3),
                  "target": 1.0, "goal_s": GOALS["page_first_result"], "first_s": round(home_s[0], 3),
-                 "runs_s": [round(t, 3) for t in home_s], "driver_runs_s": [round(d, 3) for _, d in home], **common})
+                 "runs_s": [round(t, 3) for t in home_s], "driver_runs_s": [round(d, 3) for _, d, _ in home], **common})
     return rows
 
 
@@ -720,11 +739,11 @@ def bench_streamlit_floor(rounds: int = 5) -> list[dict[str, Any]]:
                 page_first_result_times(context, url, "home", selector=selector)  # warm-up: the HTTP cache filled
                 runs = [page_first_result_times(context, url, "home", selector=selector) for _ in range(rounds)]
                 context.close()
-            page_s = [t for t, _ in runs]
+            page_s = [t for t, _, _ in runs]
             rows.append({"bench": "page_first_result_s", "page": f"bare Streamlit app: {what} (the floor)",
                          "seconds": _median(page_s), "ratio": round(statistics.median(page_s) / GOALS["page_first_result"], 3),
                          "target": 1.0, "goal_s": GOALS["page_first_result"], "runs_s": [round(t, 3) for t in page_s],
-                         "driver_runs_s": [round(d, 3) for _, d in runs], "load_avg_1m_before": load_before,
+                         "driver_runs_s": [round(d, 3) for _, d, _ in runs], "load_avg_1m_before": load_before,
                          "load_avg_1m": _load(), "clock": "the page's own: navigation start of a new tab -> painted"})
         browser.close()
     return rows

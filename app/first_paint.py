@@ -16,6 +16,11 @@ the same visit (a widget moved, a button pressed) draw the whole page at once, a
 never comes (the figure failed to draw) is replaced by one after `FALLBACK_MS`, so a page never stays
 half drawn.
 
+A tab that has not loaded plotly.js yet (a new tab, a reload) draws the first figure as its static preview
+when the app has one (app/figure_preview.py): the visit's first run draws the preview alone, the run after
+its report draws the preview with the interactive chart under it (the tab loads plotly.js meanwhile; the
+preview is hidden once the chart is drawn), and the report of that chart opens the gate.
+
 Only for sessions served by `streamlit run app/main.py` (`enable`), which always have a browser: a page
 run without one (`streamlit.testing`, a script) has nobody to report a paint and draws everything in
 one run. `THOUGHTSCOPE_FIRST_FIGURE_FIRST=0` in the app's environment draws every page in one run too
@@ -24,22 +29,33 @@ one run. `THOUGHTSCOPE_FIRST_FIGURE_FIRST=0` in the app's environment draws ever
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+from typing import Any
 
 import streamlit as st
+
+from app import figure_preview
 
 SWITCH = "THOUGHTSCOPE_FIRST_FIGURE_FIRST"
 
 VISIT = "_ts_first_paint_visit"  # the page whose visit the gate below belongs to
 OPEN = "_ts_first_paint_open"  # True once the browser has painted that visit's first figure
 ENABLED = "_ts_first_paint_enabled"
+SEEN = "_ts_first_paint_seen"  # True once this session's browser has reported a painted figure (plotly.js loads)
+FIRST = "_ts_first_paint_first"  # True until the running page draws its first figure
+PREVIEWED = "_ts_first_paint_previewed"  # the key of the preview the visit's first run drew
 FALLBACK_MS = 8000
+PREVIEW = figure_preview.CLASS
 
 # The component's code runs in the app's page (isolate_styles=False: no shadow root). It looks for the
-# figure drawn just before it (the element container above its own), waits until plotly's SVG is in it,
+# figure drawn just before it (the element container above its own), waits until plotly's SVG (or the
+# figure's static preview, app/figure_preview.py) is in it,
 # then reports after the next frame is painted (a requestAnimationFrame callback runs before a paint, a
 # task queued from it after: the same clock as app.bench.PAINT_PROBE).
 _JS = """
+const CHUNK = %s;
 export default function(component) {
   const { setTriggerValue, parentElement } = component;
   let sent = false;
@@ -48,19 +64,36 @@ export default function(component) {
     sent = true;
     requestAnimationFrame(() => setTimeout(() => setTriggerValue("painted", why), 0));
   };
+  const drawn = '[data-testid="stPlotlyChart"] .main-svg, .%s img';
   const figureAbove = () => {
     const box = parentElement.closest('[data-testid="stElementContainer"]');
     let el = box ? box.previousElementSibling : null;
-    while (el && !el.querySelector('[data-testid="stPlotlyChart"]')) el = el.previousElementSibling;
-    return el ? el.querySelector('[data-testid="stPlotlyChart"] .main-svg') : null;
+    while (el && !el.querySelector('[data-testid="stPlotlyChart"], .%s')) el = el.previousElementSibling;
+    return el ? el.querySelector(drawn) : null;
   };
-  if (figureAbove()) { report("painted"); return; }
-  const watch = new MutationObserver(() => { if (figureAbove()) { watch.disconnect(); report("painted"); } });
+  // A preview is an image: painted once decoded. Then this tab loads plotly.js (the chunk Streamlit would load
+  // for the chart the rerun draws, by the URL its own import resolves to: one module, evaluated once) while
+  // the server reruns the page, so the chart is ready sooner.
+  const plotly = () => {
+    const main = document.querySelector('script[type="module"][src*="static/js/index."]');
+    if (main && CHUNK) setTimeout(() => import(new URL(CHUNK, main.src).href).catch(() => {}), 0);
+  };
+  const seen = (el) => el.tagName !== "IMG" ? report("painted")
+    : el.decode().catch(() => {}).then(() => { report("painted"); requestAnimationFrame(plotly); });
+  const found = figureAbove();
+  if (found) { seen(found); return; }
+  const watch = new MutationObserver(() => { const el = figureAbove(); if (el) { watch.disconnect(); seen(el); } });
   watch.observe(document.body, {subtree: true, childList: true});
   const fallback = setTimeout(() => { watch.disconnect(); report("timeout"); }, %d);
   return () => { watch.disconnect(); clearTimeout(fallback); };
 }
-""" % FALLBACK_MS
+"""
+
+
+def _plotly_chunk() -> str | None:
+    """Streamlit's lazily loaded plotly.js chunk, as its main script imports it (`./PlotlyChart.<hash>.js`)."""
+    found = sorted((Path(st.__file__).parent / "static" / "static" / "js").glob("PlotlyChart.*.js"))
+    return f"./{found[0].name}" if len(found) == 1 else None
 
 _component = None
 
@@ -68,7 +101,8 @@ _component = None
 def _reporter():
     global _component
     if _component is None:  # registered once per process, on the first page that needs it
-        _component = st.components.v2.component("thoughtscope_first_paint", js=_JS, isolate_styles=False)
+        js = _JS % (json.dumps(_plotly_chunk()), PREVIEW, PREVIEW, FALLBACK_MS)
+        _component = st.components.v2.component("thoughtscope_first_paint", js=js, isolate_styles=False)
     return _component
 
 
@@ -80,6 +114,7 @@ def enable() -> None:
 def begin_page(name: str) -> None:
     """At the start of a page's run: a run of another page than the last one starts a new visit (the gate
     closed until the browser reports this visit's first figure painted)."""
+    st.session_state[FIRST] = True
     if st.session_state.get(VISIT) != name:
         st.session_state[VISIT] = name
         st.session_state[OPEN] = False
@@ -93,8 +128,52 @@ def end_page() -> None:
     st.session_state[OPEN] = True
 
 
+def after_report(state: Any) -> None:
+    """The browser painted the visit's first figure (`state`: the session state). After a preview the gate
+    stays closed for one more run, which draws the preview with the interactive chart under it and stops
+    there (the tab loads plotly.js meanwhile); that run's report, the chart painted, opens the gate."""
+    if state.get(PREVIEWED) is not None and not state.get(SEEN):
+        state[SEEN] = True
+        return
+    state[OPEN] = True
+    state[SEEN] = True  # this tab has drawn a chart: plotly.js is loaded
+    state[PREVIEWED] = None
+
+
 def _opened() -> None:
-    st.session_state[OPEN] = True
+    after_report(st.session_state)
+
+
+def preview_for(fig) -> tuple[str | None, bool]:
+    """For a figure about to be drawn: (its static preview's HTML or None, whether to draw the chart too).
+
+    Only the running page's first figure in a session with a browser (`enable`) has a preview, and only in
+    the visit's first run in a tab that has not loaded plotly.js (the preview alone) and in the run after
+    its report (the preview and the chart, app/figure_preview.py says why). A figure without a preview yet
+    gets one made in the background for the next new tab."""
+    if not st.session_state.get(ENABLED) or not st.session_state.get(FIRST) or not figure_preview.enabled():
+        return None, True
+    st.session_state[FIRST] = False
+    spec = fig.to_json()
+    key, height = figure_preview.figure_key(spec), figure_preview.figure_height(fig)
+    store = preview_store()
+    svg, chart = None, True
+    if not st.session_state.get(OPEN, True):
+        if not st.session_state.get(SEEN):
+            svg, chart = store.get(key), False  # the visit's first run in a tab without plotly.js
+            st.session_state[PREVIEWED] = key if svg is not None else None
+        elif st.session_state.get(PREVIEWED) == key:
+            svg = store.get(key)  # the run after the preview's report: the preview stays until the chart is drawn
+    if svg is None:
+        store.request(str(st.session_state.get(VISIT)), key, spec, height)
+        return None, True
+    return figure_preview.preview_html(svg, height), chart
+
+
+@st.cache_resource
+def preview_store() -> figure_preview.PreviewStore:
+    """The app process' previews, shared by every session."""
+    return figure_preview.PreviewStore()
 
 
 def after_figure() -> None:
@@ -102,5 +181,8 @@ def after_figure() -> None:
     (the reporter's rerun draws the whole page); otherwise nothing."""
     if not st.session_state.get(ENABLED) or st.session_state.get(OPEN, True):
         return
-    _reporter()(key="first-paint-report", on_painted_change=_opened)
+    # the run after a preview's report has a reporter of its own: the first one has reported and is done
+    key = "first-paint-report-chart" if st.session_state.get(PREVIEWED) and st.session_state.get(SEEN) else (
+        "first-paint-report")
+    _reporter()(key=key, on_painted_change=_opened)
     st.stop()

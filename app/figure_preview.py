@@ -1,0 +1,143 @@
+"""Static previews: a new tab paints its first figure as an SVG before plotly.js has loaded.
+
+Why (issue 28, a new tab to its first figure <= 2 s; measured in Chromium on the 2-core development CPU):
+a new tab cannot draw any plotly figure before it has evaluated Streamlit's lazily loaded plotly.js chunk
+(4.7 MB), one task of 0.7-0.75 s on the main thread that starts only once the first figure's element
+arrives; a bare Streamlit app with one 3-point figure paints it at 1.6-1.7 s, the trace explorer at
+2.0-2.7 s. The same figure as an inline SVG needs no plotly.js: it is painted with the page's text.
+
+So each page's first figure gets a preview: the SVG that plotly.js itself draws for that figure in the
+export Chromium (`app.export.figure_bytes`, kaleido), made in the background a few seconds after a
+run drew the figure (by then the page that drew it has painted), and kept in this app process, keyed
+by the figure's JSON, so a preview is always of exactly the figure that would be drawn. In the first run
+of a visit in a tab that has not loaded plotly.js yet (the session's first report of a painted figure
+has not come: a new tab, a reload), `show_figure` draws the preview instead of the chart when one
+exists; the first-paint gate's rerun (app/first_paint.py) then draws the interactive figure in its
+place. Without a preview (the figure not seen before, no Chromium) the chart is drawn as before.
+
+`THOUGHTSCOPE_FIGURE_PREVIEWS=0` switches previews off (the benchmark's side-by-side baseline).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SWITCH = "THOUGHTSCOPE_FIGURE_PREVIEWS"
+CLASS = "ts-figure-preview"  # the element a preview is drawn in (the reporter and the benchmarks look for it)
+WIDTH = 1000  # px: about the main column of the wide layout; narrower columns scale the drawing down
+DEFAULT_HEIGHT = 450  # plotly.js' height for a figure without one
+DELAY_S = 2.5  # after the run that drew a figure: that page's own drawing goes first on a small machine
+MAX_PREVIEWS = 64
+MAX_BYTES = 48 * 2**20
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+def figure_key(spec: str) -> str:
+    return hashlib.sha256(spec.encode()).hexdigest()
+
+
+def figure_height(fig: Any) -> int:
+    return int(fig.layout.height or DEFAULT_HEIGHT)
+
+
+def preview_html(svg: str, height: int) -> str:
+    """The preview element: the SVG as an image (st.html's sanitiser keeps no inline SVG) filling a box of
+    the figure's height (no jump when the chart takes its place), scaled down in a narrower column, never
+    stretched."""
+    data = base64.b64encode(svg.encode()).decode()
+    return (f'<style>{HIDE_WHEN_DRAWN}</style><div class="{CLASS}" style="height:{height}px;max-width:{WIDTH}px">'
+            f'<img src="data:image/svg+xml;base64,{data}" alt="the figure (a static preview: the interactive '
+            f'figure takes its place in a moment)" style="width:100%;height:100%;object-fit:contain;'
+            f'object-position:left top"></div>')
+
+
+# The preview's element disappears once the chart drawn right after it (the report's rerun) has its SVG: the
+# preview stays on screen while the tab loads plotly.js, and the chart takes its place without a blank.
+HIDE_WHEN_DRAWN = (f'[data-testid="stElementContainer"]:has(.{CLASS}):has(+ [data-testid="stElementContainer"] '
+                   '[data-testid="stPlotlyChart"] .main-svg){display:none}')
+
+
+class PreviewStore:
+    """SVG previews of figures by key, made in one background thread, least recently used dropped first
+    (at most `MAX_PREVIEWS` and `MAX_BYTES`). A request replaces the one still waiting in its slot (a page):
+    a slider moved ten times in a row renders the last figure only."""
+
+    def __init__(self, render: Any = None, delay_s: float = DELAY_S, idle_s: float = 30.0):
+        self._render = render or _render_svg
+        self.delay_s, self.idle_s = delay_s, idle_s
+        self._svgs: OrderedDict[str, str] = OrderedDict()
+        self._waiting: dict[str, tuple[str, str, int]] = {}  # slot -> (key, figure JSON, height)
+        self._cond = threading.Condition()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self.rendered = 0  # previews made (tests count the work)
+
+    def get(self, key: str) -> str | None:
+        with self._cond:
+            svg = self._svgs.get(key)
+            if svg is not None:
+                self._svgs.move_to_end(key)
+            return svg
+
+    def request(self, slot: str, key: str, spec: str, height: int) -> None:
+        """Make the preview of the figure `spec` (its JSON) in the background, unless it exists."""
+        with self._cond:
+            if key in self._svgs:
+                return
+            self._waiting[slot] = (key, spec, height)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="figure-previews", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once nothing waits to be rendered or is being rendered (tests)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._waiting and not self._busy, timeout_s)
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: bool(self._waiting), self.idle_s):
+                    self._thread = None  # nothing asked for a while: the thread ends, a request starts another
+                    return
+            time.sleep(self.delay_s)  # the page that asked draws first; a newer request may replace this one
+            with self._cond:
+                slot = next(iter(self._waiting))
+                key, spec, height = self._waiting.pop(slot)
+                self._busy = True
+            try:
+                svg: str | None = self._render(spec, height)
+            except Exception as err:  # no Chromium, a figure kaleido cannot draw: the chart as before
+                log.info("no preview for a figure: %s", err)
+                svg = None
+            with self._cond:
+                self._busy = False
+                if svg is not None:
+                    self._svgs[key] = svg
+                    self.rendered += 1
+                    while len(self._svgs) > MAX_PREVIEWS or sum(map(len, self._svgs.values())) > MAX_BYTES:
+                        self._svgs.popitem(last=False)
+                self._cond.notify_all()
+
+
+def _render_svg(spec: str, height: int) -> str:
+    import json
+
+    from app.export import figure_bytes, static_export_available
+
+    if not static_export_available():
+        raise RuntimeError("no Chromium for previews")
+    return figure_bytes(json.loads(spec), "svg", width=WIDTH, height=height).decode()

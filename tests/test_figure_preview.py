@@ -1,0 +1,238 @@
+"""A new tab's first figure as a static preview (app/figure_preview.py, app/first_paint.py): the store that
+makes previews in the background, the gate's stages after a preview, and a page drawn at each stage."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+import plotly.graph_objects as go
+import pytest
+
+from app import first_paint
+from app.figure_preview import CLASS, HIDE_WHEN_DRAWN, PreviewStore, figure_height, figure_key, preview_html
+
+
+def _spec(y: list[float]) -> str:
+    return go.Figure(go.Scatter(y=y)).to_json()
+
+
+class Renders:
+    """A stand-in for the Chromium render: records what it was asked, answers an SVG naming the figure."""
+
+    def __init__(self, fail: bool = False):
+        self.asked: list[str] = []
+        self.fail = fail
+
+    def __call__(self, spec: str, height: int) -> str:
+        self.asked.append(spec)
+        if self.fail:
+            raise RuntimeError("no Chromium")
+        return f'<svg class="main-svg" width="1000" height="{height}"><text>{figure_key(spec)}</text></svg>'
+
+
+def test_a_request_is_rendered_once_in_the_background_and_found_by_the_figures_json():
+    renders = Renders()
+    store = PreviewStore(render=renders, delay_s=0.0)
+    spec = _spec([0, 1, 2])
+    store.request("trace_explorer", figure_key(spec), spec, 300)
+    assert store.wait_idle(10)
+    assert store.get(figure_key(spec)) == renders(spec, 300)
+    store.request("trace_explorer", figure_key(spec), spec, 300)  # made already: no second render
+    assert store.wait_idle(10) and store.rendered == 1
+    assert store.get(figure_key(_spec([0, 1, 3]))) is None  # another figure has no preview
+
+
+def test_requests_waiting_in_one_slot_render_only_the_last_figure():
+    renders = Renders()
+    store = PreviewStore(render=renders, delay_s=0.3)  # a slider moved three times within the delay
+    specs = [_spec([0, 1, k]) for k in range(3)]
+    for spec in specs:
+        store.request("steering", figure_key(spec), spec, 450)
+    other = _spec([5, 5])
+    store.request("rise", figure_key(other), other, 450)
+    assert store.wait_idle(10)
+    assert sorted(renders.asked) == sorted([specs[-1], other]) and store.rendered == 2
+    assert store.get(figure_key(specs[0])) is None and store.get(figure_key(specs[-1])) is not None
+
+
+def test_a_failed_render_leaves_no_preview_and_the_store_keeps_working():
+    store = PreviewStore(render=Renders(fail=True), delay_s=0.0)
+    spec = _spec([1, 2])
+    store.request("p", figure_key(spec), spec, 450)
+    assert store.wait_idle(10) and store.get(figure_key(spec)) is None and store.rendered == 0
+
+
+def test_the_least_recently_used_preview_goes_first(monkeypatch):
+    monkeypatch.setattr("app.figure_preview.MAX_PREVIEWS", 2)
+    store = PreviewStore(render=Renders(), delay_s=0.0)
+    specs = [_spec([k]) for k in range(3)]
+    for i, spec in enumerate(specs):
+        store.request(f"page{i}", figure_key(spec), spec, 450)
+        assert store.wait_idle(10)
+        if i == 1:
+            assert store.get(figure_key(specs[0])) is not None  # used: the oldest is now specs[1]
+    assert [store.get(figure_key(s)) is not None for s in specs] == [True, False, True]
+
+
+def test_the_worker_thread_ends_when_idle_and_a_later_request_starts_another():
+    store = PreviewStore(render=Renders(), delay_s=0.0, idle_s=0.05)
+    spec = _spec([1])
+    store.request("p", figure_key(spec), spec, 450)
+    assert store.wait_idle(10)
+    threading.Event().wait(0.5)
+    assert store._thread is None  # no thread left waiting
+    later = _spec([2])
+    store.request("p", figure_key(later), later, 450)
+    assert store.wait_idle(10) and store.get(figure_key(later)) is not None
+
+
+def test_the_preview_element_is_the_svg_as_an_image_in_a_box_of_the_figures_height():
+    svg = '<svg class="main-svg" width="1000" height="360"><text>x</text></svg>'
+    html = preview_html(svg, 360)
+    assert f'class="{CLASS}" style="height:360px;max-width:1000px"' in html
+    data = html.split("data:image/svg+xml;base64,")[1].split('"')[0]
+    assert base64.b64decode(data).decode() == svg  # the SVG plotly.js drew, unchanged
+    assert "<svg" not in html.replace(data, "")  # an image: nothing a selector reads as a drawn chart's SVG
+    assert f"<style>{HIDE_WHEN_DRAWN}</style>" in html  # hidden once the chart after it is drawn
+    assert figure_height(go.Figure().update_layout(height=360)) == 360 and figure_height(go.Figure()) == 450
+
+
+def test_the_gate_after_a_preview_waits_for_the_chart_then_opens():
+    state = {first_paint.OPEN: False, first_paint.PREVIEWED: "k"}
+    first_paint.after_report(state)  # the preview painted: one more gated run, the chart under the preview
+    assert state[first_paint.OPEN] is False and state[first_paint.SEEN] is True
+    first_paint.after_report(state)  # the chart painted
+    assert state[first_paint.OPEN] is True and state[first_paint.PREVIEWED] is None
+    plain = {first_paint.OPEN: False}
+    first_paint.after_report(plain)  # no preview: the chart's report opens the gate at once
+    assert plain[first_paint.OPEN] is True and plain[first_paint.SEEN] is True
+
+
+SCRIPT = """
+import streamlit as st
+import plotly.graph_objects as go
+from app import first_paint
+from app.export import show_figure
+first_paint.begin_page('p')
+show_figure(go.Figure(go.Scatter(y=[0, 2, 1])).update_layout(height=300), {'y': [0, 2, 1]}, 'first')
+show_figure(go.Figure(go.Scatter(y=[1, 1])), {'y': [1, 1]}, 'second')
+first_paint.end_page()
+"""
+
+
+def _drawn(at) -> list[str]:
+    """The page's elements in order: 'preview', 'chart:<title or trace y>', 'reporter'."""
+    out = []
+    for node in at.main:
+        kind = getattr(node, "type", "")
+        if kind == "html" and CLASS in node.proto.body:
+            out.append("preview")
+        elif kind == "plotly_chart":
+            out.append("chart:" + str(json.loads(node.proto.spec)["data"][0]["y"]))
+        elif kind == "bidi_component":
+            out.append("reporter")
+    return out
+
+
+@pytest.fixture
+def previews(monkeypatch):
+    store = PreviewStore(render=Renders(), delay_s=0.0)
+    monkeypatch.setattr(first_paint, "preview_store", lambda: store)
+    return store
+
+
+def test_a_new_tab_draws_the_preview_alone_then_preview_and_chart_then_the_page(previews):
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_string(SCRIPT, default_timeout=60)
+    at.session_state[first_paint.ENABLED] = True  # served by `streamlit run`: a browser reports paints
+    at.run()  # the app has no preview yet: the chart, the reporter, and a preview asked for
+    assert _drawn(at) == ["chart:[0, 2, 1]", "reporter"]
+    assert previews.wait_idle(10) and previews.rendered == 1
+    first_paint.after_report(at.session_state)  # that tab's chart painted: its visit opens
+    at.run()
+    assert _drawn(at) == ["chart:[0, 2, 1]", "chart:[1, 1]"]
+
+    tab = AppTest.from_string(SCRIPT, default_timeout=60)  # a new tab: a new session, plotly.js not loaded
+    tab.session_state[first_paint.ENABLED] = True
+    tab.run()
+    assert _drawn(tab) == ["preview", "reporter"]
+    first_paint.after_report(tab.session_state)  # the preview painted
+    tab.run()
+    assert _drawn(tab) == ["preview", "chart:[0, 2, 1]", "reporter"]
+    first_paint.after_report(tab.session_state)  # the chart painted under it
+    tab.run()
+    assert _drawn(tab) == ["chart:[0, 2, 1]", "chart:[1, 1]"]
+    assert previews.rendered == 1  # the first figure only, once
+
+
+def test_without_a_browser_or_with_previews_off_nothing_is_previewed_or_rendered(previews, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_string(SCRIPT, default_timeout=60).run()  # AppTest alone: no browser, no gate
+    assert _drawn(at) == ["chart:[0, 2, 1]", "chart:[1, 1]"]
+    monkeypatch.setenv("THOUGHTSCOPE_FIGURE_PREVIEWS", "0")
+    off = AppTest.from_string(SCRIPT, default_timeout=60)
+    off.session_state[first_paint.ENABLED] = True
+    off.run()
+    assert _drawn(off) == ["chart:[0, 2, 1]", "reporter"]
+    assert previews.wait_idle(5) and previews.rendered == 0
+
+
+# In the page: the order in which the first figure arrives as a preview (its image decoded) and as a chart.
+ORDER_PROBE = """(() => {
+  const o = window.__order = {preview: null, chart: null, chartsAtPreview: null, previewShownWithChart: null};
+  new MutationObserver(() => {
+    const img = document.querySelector('.%s img');
+    if (o.preview === null && img && img.complete) {
+      o.preview = performance.now();
+      o.chartsAtPreview = document.querySelectorAll('[data-testid="stPlotlyChart"] .main-svg').length;
+    }
+    if (o.chart === null && document.querySelector('[data-testid="stPlotlyChart"] .main-svg')) {
+      o.chart = performance.now();
+      const box = img ? img.closest('[data-testid="stElementContainer"]') : null;
+      o.previewShownWithChart = box ? getComputedStyle(box).display !== 'none' : null;
+    }
+  }).observe(document, {subtree: true, childList: true, attributes: true});
+})();""" % CLASS
+
+
+@pytest.mark.browser
+def test_a_new_tab_paints_the_figures_preview_before_plotly_then_the_chart_in_its_place(browser, tiny_app_url):
+    """In Chromium: after a generation the app makes its first figure's preview in the background (plotly.js
+    in the export Chromium); a new tab then paints that preview before any chart, the chart takes its place
+    (never both on screen), and the whole page follows."""
+    import time
+
+    from app.bench import generate_in_a_tab
+    from tests.test_browser import SLOW
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        generate_in_a_tab(context, tiny_app_url, SLOW)  # its run asks for the entropy figure's preview
+        deadline = time.monotonic() + 180  # the export Chromium's first start, on a loaded machine
+        while True:  # new tabs until one finds the preview made
+            page = context.new_page()
+            page.set_default_timeout(SLOW)
+            page.add_init_script(ORDER_PROBE)
+            page.goto(f"{tiny_app_url}/trace_explorer")
+            charts = page.locator('[data-testid="stPlotlyChart"]')
+            charts.nth(3).locator(".main-svg").first.wait_for()  # every figure, in any case
+            order = page.evaluate("window.__order")
+            if order["preview"] is not None or time.monotonic() > deadline:
+                break
+            page.close()
+            time.sleep(2)
+        assert order["preview"] is not None, "no new tab painted a preview"
+        assert order["chartsAtPreview"] == 0 and order["preview"] < order["chart"]  # painted before any chart
+        # never the figure twice: the preview is hidden once the chart is drawn (None: already gone; seen in
+        # 1 of 4 runs, where the preview left before the chart was drawn, a blank instead of a swap)
+        assert order["previewShownWithChart"] is not True, order
+        assert page.locator(f".{CLASS}").count() == 0  # the full page draws no preview
+        page.locator('[data-testid="stDownloadButton"]').nth(19).wait_for()  # PNG..JSON under every figure
+        assert page.locator('[class*="st-key-first-paint-report"]').count() == 0  # both reporters are gone
+        page.close()
+    finally:
+        context.close()

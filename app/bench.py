@@ -297,6 +297,9 @@ def page_opening_times(page: Any, url: str, switches: int = 2) -> dict[str, Any]
                            "new_tab_preview": page.evaluate("window.__tsProbe.preview")}
     nav = page.locator('[data-testid="stSidebarNav"] a')
     for _ in range(switches):
+        # the page has finished opening (no first-paint reporter left: app/first_paint.py) before the user
+        # leaves it; a click in the same frame as a report could otherwise race the report's rerun
+        page.wait_for_function("!document.querySelector('[class*=\"st-key-first-paint-report\"]')")
         nav.filter(has_text="Home").click()
         page.locator('[data-testid="stMetric"]').first.wait_for()
         time.sleep(0.5)  # Home has finished drawing: the switch does not wait for its run to stop

@@ -99,6 +99,12 @@ def _start_kaleido() -> Any:
     return kaleido
 
 
+def start_export_browser() -> None:
+    """Start kaleido's Chromium now (once per process), so that a later render is a warm one."""
+    with _lock:
+        _start_kaleido()
+
+
 def _stop_kaleido() -> None:
     global _server_started
     if _server_started:

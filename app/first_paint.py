@@ -17,9 +17,9 @@ never comes (the figure failed to draw) is replaced by one after `FALLBACK_MS`, 
 half drawn.
 
 A tab that has not loaded plotly.js yet (a new tab, a reload) draws the first figure as its static preview
-when the app has one (app/figure_preview.py): the visit's first run draws the preview alone, the run after
-its report draws the preview with the interactive chart under it (the tab loads plotly.js meanwhile; the
-preview is hidden once the chart is drawn), and the report of that chart opens the gate.
+when the app has one (app/figure_preview.py): the visit's first run draws the preview alone, and its report
+opens the gate as a chart's would; the run it starts draws the preview again above the interactive chart
+(the tab loads plotly.js meanwhile), which hides it once drawn.
 
 Only for sessions served by `streamlit run app/main.py` (`enable`), which always have a browser: a page
 run without one (`streamlit.testing`, a script) has nobody to report a paint and draws everything in
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,10 @@ SWITCH = "THOUGHTSCOPE_FIRST_FIGURE_FIRST"
 VISIT = "_ts_first_paint_visit"  # the page whose visit the gate below belongs to
 OPEN = "_ts_first_paint_open"  # True once the browser has painted that visit's first figure
 ENABLED = "_ts_first_paint_enabled"
-SEEN = "_ts_first_paint_seen"  # True once this session's browser has reported a painted figure (plotly.js loads)
+SEEN = "_ts_first_paint_seen"  # True once this session's browser has reported a painted figure (charts follow)
 FIRST = "_ts_first_paint_first"  # True until the running page draws its first figure
-PREVIEWED = "_ts_first_paint_previewed"  # the key of the preview the visit's first run drew
+PREVIEWED = "_ts_first_paint_previewed"  # the key of the preview the visit's first run drew (until the next)
+REPORTS = "_ts_first_paint_reports"  # reporters mounted in this session (each gated run has its own)
 FALLBACK_MS = 8000
 PREVIEW = figure_preview.CLASS
 
@@ -64,12 +66,11 @@ export default function(component) {
     sent = true;
     requestAnimationFrame(() => setTimeout(() => setTriggerValue("painted", why), 0));
   };
-  const drawn = '[data-testid="stPlotlyChart"] .main-svg, .%s img';
   const figureAbove = () => {
     const box = parentElement.closest('[data-testid="stElementContainer"]');
     let el = box ? box.previousElementSibling : null;
     while (el && !el.querySelector('[data-testid="stPlotlyChart"], .%s')) el = el.previousElementSibling;
-    return el ? el.querySelector(drawn) : null;
+    return el ? el.querySelector('[data-testid="stPlotlyChart"] .main-svg, .%s img') : null;
   };
   // A preview is an image: painted once decoded. Then this tab loads plotly.js (the chunk Streamlit would load
   // for the chart the rerun draws, by the URL its own import resolves to: one module, evaluated once) while
@@ -129,15 +130,10 @@ def end_page() -> None:
 
 
 def after_report(state: Any) -> None:
-    """The browser painted the visit's first figure (`state`: the session state). After a preview the gate
-    stays closed for one more run, which draws the preview with the interactive chart under it and stops
-    there (the tab loads plotly.js meanwhile); that run's report, the chart painted, opens the gate."""
-    if state.get(PREVIEWED) is not None and not state.get(SEEN):
-        state[SEEN] = True
-        return
+    """The browser painted the visit's first figure (`state`: the session state): the gate opens, and the tab
+    draws charts from now on (plotly.js loads)."""
     state[OPEN] = True
-    state[SEEN] = True  # this tab has drawn a chart: plotly.js is loaded
-    state[PREVIEWED] = None
+    state[SEEN] = True
 
 
 def _opened() -> None:
@@ -147,10 +143,10 @@ def _opened() -> None:
 def preview_for(fig) -> tuple[str | None, bool]:
     """For a figure about to be drawn: (its static preview's HTML or None, whether to draw the chart too).
 
-    Only the running page's first figure in a session with a browser (`enable`) has a preview, and only in
-    the visit's first run in a tab that has not loaded plotly.js (the preview alone) and in the run after
-    its report (the preview and the chart, app/figure_preview.py says why). A figure without a preview yet
-    gets one made in the background for the next new tab."""
+    Only the running page's first figure in a session with a browser (`enable`) has a preview: in the
+    visit's first run in a tab that has not loaded plotly.js, alone; in the run its report starts, above the
+    chart, which hides it once drawn (app/figure_preview.py says why). A figure without a preview yet gets
+    one made in the background for the next new tab."""
     if not st.session_state.get(ENABLED) or not st.session_state.get(FIRST) or not figure_preview.enabled():
         return None, True
     st.session_state[FIRST] = False
@@ -158,12 +154,12 @@ def preview_for(fig) -> tuple[str | None, bool]:
     key, height = figure_preview.figure_key(spec), figure_preview.figure_height(fig)
     store = preview_store()
     svg, chart = None, True
-    if not st.session_state.get(OPEN, True):
-        if not st.session_state.get(SEEN):
-            svg, chart = store.get(key), False  # the visit's first run in a tab without plotly.js
-            st.session_state[PREVIEWED] = key if svg is not None else None
-        elif st.session_state.get(PREVIEWED) == key:
-            svg = store.get(key)  # the run after the preview's report: the preview stays until the chart is drawn
+    if not st.session_state.get(OPEN, True) and not st.session_state.get(SEEN):
+        svg, chart = store.get(key), False  # the visit's first run in a tab without plotly.js
+        st.session_state[PREVIEWED] = key if svg is not None else None
+    elif st.session_state.get(PREVIEWED) is not None:  # the run after the preview's report
+        svg = store.get(key) if st.session_state[PREVIEWED] == key else None
+        st.session_state[PREVIEWED] = None
     if svg is None:
         store.request(str(st.session_state.get(VISIT)), key, spec, height)
         return None, True
@@ -172,8 +168,11 @@ def preview_for(fig) -> tuple[str | None, bool]:
 
 @st.cache_resource
 def preview_store() -> figure_preview.PreviewStore:
-    """The app process' previews, shared by every session."""
-    return figure_preview.PreviewStore()
+    """The app process' previews, shared by every session. The export Chromium starts now, in the background:
+    started cold by the first render instead, it took the CPU in the middle of a tab's first seconds."""
+    store = figure_preview.PreviewStore()
+    threading.Thread(target=figure_preview.warm_up, name="figure-previews-warm-up", daemon=True).start()
+    return store
 
 
 def after_figure() -> None:
@@ -181,8 +180,9 @@ def after_figure() -> None:
     (the reporter's rerun draws the whole page); otherwise nothing."""
     if not st.session_state.get(ENABLED) or st.session_state.get(OPEN, True):
         return
-    # the run after a preview's report has a reporter of its own: the first one has reported and is done
-    key = "first-paint-report-chart" if st.session_state.get(PREVIEWED) and st.session_state.get(SEEN) else (
-        "first-paint-report")
-    _reporter()(key=key, on_painted_change=_opened)
+    # A fresh reporter for every gated run: Streamlit keeps an element with the same key from one run to the
+    # next, and an instance that has reported never reports again (a run gated again, after a click or after
+    # a preview's report, then waited for a report that never came).
+    n = st.session_state[REPORTS] = st.session_state.get(REPORTS, 0) + 1
+    _reporter()(key=f"first-paint-report-{n}", on_painted_change=_opened)
     st.stop()

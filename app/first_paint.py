@@ -181,8 +181,8 @@ def after_figure() -> None:
     if not st.session_state.get(ENABLED) or st.session_state.get(OPEN, True):
         return
     # A fresh reporter for every gated run: Streamlit keeps an element with the same key from one run to the
-    # next, and an instance that has reported never reports again (a run gated again, after a click or after
-    # a preview's report, then waited for a report that never came).
+    # next, and an instance that has reported never reports again, so a run gated a second time (a click
+    # before the first report's rerun) could wait for a report that never came.
     n = st.session_state[REPORTS] = st.session_state.get(REPORTS, 0) + 1
     _reporter()(key=f"first-paint-report-{n}", on_painted_change=_opened)
     st.stop()

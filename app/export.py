@@ -99,6 +99,15 @@ def _start_kaleido() -> Any:
     return kaleido
 
 
+def preview_svg(spec: str, height: int) -> str:
+    """A figure's static preview (app/figure_preview.py): its SVG at the preview width, from its JSON."""
+    from app.figure_preview import WIDTH
+
+    if not static_export_available():
+        raise ExportError("previews are drawn in Chromium, which was not found")
+    return figure_bytes(json.loads(spec), "svg", width=WIDTH, height=height).decode()
+
+
 def start_export_browser() -> None:
     """Start kaleido's Chromium now (once per process), so that a later render is a warm one."""
     with _lock:
@@ -388,7 +397,8 @@ def show_figure(fig: Any, data: Any, name: str, provenance: dict[str, Any] | Non
     if fig is None:
         data = plain(data)
         fig = build_figure(figure or name, data)
-    preview, chart = first_paint.preview_for(fig)  # a new tab's first figure, before plotly.js has loaded
+    # a new tab's first figure, before plotly.js has loaded
+    preview, chart = first_paint.preview_for(fig, render=preview_svg, warm_up=start_export_browser)
     if preview is not None:
         st.html(preview)
     if chart:

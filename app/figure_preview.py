@@ -79,8 +79,8 @@ class PreviewStore:
     (at most `MAX_PREVIEWS` and `MAX_BYTES`). A request replaces the one still waiting in its slot (a page):
     a slider moved ten times in a row renders the last figure only."""
 
-    def __init__(self, render: Any = None, delay_s: float = DELAY_S, idle_s: float = 30.0):
-        self._render = render or _render_svg
+    def __init__(self, render: Any, delay_s: float = DELAY_S, idle_s: float = 30.0):
+        self._render = render  # (figure JSON, height) -> SVG text: app.export.preview_svg
         self.delay_s, self.idle_s = delay_s, idle_s
         self._svgs: OrderedDict[str, str] = OrderedDict()
         self._waiting: dict[str, tuple[str, str, int]] = {}  # slot -> (key, figure JSON, height)
@@ -136,24 +136,3 @@ class PreviewStore:
                     while len(self._svgs) > MAX_PREVIEWS or sum(map(len, self._svgs.values())) > MAX_BYTES:
                         self._svgs.popitem(last=False)
                 self._cond.notify_all()
-
-
-def warm_up() -> None:
-    """Start the export Chromium (kaleido) if there is one; previews then cost a warm render only."""
-    from app.export import start_export_browser, static_export_available
-
-    if static_export_available():
-        try:
-            start_export_browser()
-        except Exception as err:  # the first render reports it again; nothing to show here
-            log.info("the export Chromium did not start: %s", err)
-
-
-def _render_svg(spec: str, height: int) -> str:
-    import json
-
-    from app.export import figure_bytes, static_export_available
-
-    if not static_export_available():
-        raise RuntimeError("no Chromium for previews")
-    return figure_bytes(json.loads(spec), "svg", width=WIDTH, height=height).decode()

@@ -140,19 +140,20 @@ def _opened() -> None:
     after_report(st.session_state)
 
 
-def preview_for(fig) -> tuple[str | None, bool]:
+def preview_for(fig: Any, render: Any, warm_up: Any = None) -> tuple[str | None, bool]:
     """For a figure about to be drawn: (its static preview's HTML or None, whether to draw the chart too).
 
     Only the running page's first figure in a session with a browser (`enable`) has a preview: in the
     visit's first run in a tab that has not loaded plotly.js, alone; in the run its report starts, above the
     chart, which hides it once drawn (app/figure_preview.py says why). A figure without a preview yet gets
-    one made in the background for the next new tab."""
+    one made in the background for the next new tab by `render` (figure JSON, height) -> SVG; `warm_up`
+    starts what it renders with, once per process (both from app.export, which draws the figures)."""
     if not st.session_state.get(ENABLED) or not st.session_state.get(FIRST) or not figure_preview.enabled():
         return None, True
     st.session_state[FIRST] = False
     spec = fig.to_json()
     key, height = figure_preview.figure_key(spec), figure_preview.figure_height(fig)
-    store = preview_store()
+    store = preview_store(render, warm_up)
     svg, chart = None, True
     if not st.session_state.get(OPEN, True) and not st.session_state.get(SEEN):
         svg, chart = store.get(key), False  # the visit's first run in a tab without plotly.js
@@ -167,11 +168,12 @@ def preview_for(fig) -> tuple[str | None, bool]:
 
 
 @st.cache_resource
-def preview_store() -> figure_preview.PreviewStore:
-    """The app process' previews, shared by every session. The export Chromium starts now, in the background:
+def preview_store(_render: Any, _warm_up: Any = None) -> figure_preview.PreviewStore:
+    """The app process' previews, shared by every session. What renders them starts now, in the background:
     started cold by the first render instead, it took the CPU in the middle of a tab's first seconds."""
-    store = figure_preview.PreviewStore()
-    threading.Thread(target=figure_preview.warm_up, name="figure-previews-warm-up", daemon=True).start()
+    store = figure_preview.PreviewStore(render=_render)
+    if _warm_up is not None:
+        threading.Thread(target=_warm_up, name="figure-previews-warm-up", daemon=True).start()
     return store
 
 

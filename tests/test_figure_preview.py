@@ -140,7 +140,7 @@ def _reporter_ids(at) -> list[str]:
 def previews(monkeypatch):
     monkeypatch.setenv("THOUGHTSCOPE_FIGURE_PREVIEWS", "1")  # opt-in (app/figure_preview.py says why)
     store = PreviewStore(render=Renders(), delay_s=0.0)
-    monkeypatch.setattr(first_paint, "preview_store", lambda: store)
+    monkeypatch.setattr(first_paint, "preview_store", lambda *args: store)
     return store
 
 

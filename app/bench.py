@@ -298,7 +298,7 @@ def page_opening_times(page: Any, url: str, switches: int = 2) -> dict[str, Any]
     nav = page.locator('[data-testid="stSidebarNav"] a')
     for _ in range(switches):
         # the page has finished opening (no first-paint reporter left: app/first_paint.py) before the user
-        # leaves it; a click in the same frame as a report could otherwise race the report's rerun
+        # leaves it, so the switch times one page's opening, not two runs interleaved
         page.wait_for_function("!document.querySelector('[class*=\"st-key-first-paint-report\"]')")
         nav.filter(has_text="Home").click()
         page.locator('[data-testid="stMetric"]').first.wait_for()

@@ -58,13 +58,31 @@ PREVIEW = figure_preview.CLASS
 # task queued from it after: the same clock as app.bench.PAINT_PROBE).
 _JS = """
 const CHUNK = %s;
+const NAV = 'a[data-testid="stSidebarNavLink"], a[data-testid="stTopNavLink"], [data-testid="stPageLink"] a';
+const pageOf = (href) => new URL(href, location.href).pathname.replace(/[/]+$/, "").split("/").pop();
+// The page the user last asked for in this tab (a link to a page clicked, the browser's Back): recorded once
+// per tab, from the first reporter on, for every reporter after it.
+if (!window.__tsAskedFor) {
+  window.__tsAskedFor = {page: null};
+  document.addEventListener("click", (e) => {
+    const a = e.target.closest && e.target.closest(NAV);
+    if (a && a.href) window.__tsAskedFor.page = pageOf(a.href);
+  }, true);
+  window.addEventListener("popstate", () => { window.__tsAskedFor.page = pageOf(location.href); });
+}
 export default function(component) {
   const { setTriggerValue, parentElement } = component;
   let sent = false;
+  // A report reruns the page this tab shows, so one sent after the user asked for another page would take
+  // them back here: Streamlit folds the two reruns into one, for the page of the later request. A reporter
+  // whose page (the tab's address when it mounted: Streamlit updates it as a page's run starts) is not the
+  // one last asked for stays silent; that page's own run opens its gate.
+  const here = pageOf(location.href);
+  const left = () => window.__tsAskedFor.page !== null && window.__tsAskedFor.page !== here;
   const report = (why) => {
-    if (sent) return;
+    if (sent || left()) return;
     sent = true;
-    requestAnimationFrame(() => setTimeout(() => setTriggerValue("painted", why), 0));
+    requestAnimationFrame(() => setTimeout(() => { if (!left()) setTriggerValue("painted", why); }, 0));
   };
   const figureAbove = () => {
     const box = parentElement.closest('[data-testid="stElementContainer"]');

@@ -209,3 +209,41 @@ def test_a_new_tab_paints_the_first_figure_alone_then_every_figure(browser, tiny
         assert page.locator('[class*="st-key-first-paint-report"]').count() == 0  # the reporter is gone after its rerun
     finally:
         context.close()
+
+
+REPORTER_PAGE = """<!doctype html><html><body>
+<nav><a data-testid="stSidebarNavLink" href="/">Home</a>
+     <a data-testid="stSidebarNavLink" href="/trace_explorer">Trace explorer</a></nav>
+<div data-testid="stElementContainer"><div data-testid="stPlotlyChart"><svg class="main-svg"></svg></div></div>
+<div data-testid="stElementContainer"><div id="host"></div></div>
+</body></html>"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("clicked, reports", [(None, True), ("Home", False), ("Trace explorer", True)])
+def test_a_reporter_stays_silent_once_the_user_asked_for_another_page(browser, clicked, reports):
+    """The reporter's own code in Chromium, on a page shaped like Streamlit's (a drawn figure, the reporter's
+    element below it, the sidebar's page links), at /trace_explorer: it reports the painted figure, unless a
+    link to another page was clicked first. Its report reruns the page the tab shows, and Streamlit folds a
+    rerun asked for after a page link's into one for the page of the later request: the report of a page being
+    left took the user back to it (the lost clicks of the browser tier on a loaded machine)."""
+    from app.first_paint import FALLBACK_MS, PREVIEW, _JS
+
+    code = (_JS % ("null", PREVIEW, PREVIEW, FALLBACK_MS)).replace("export default function", "window.__reporter = function")
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.route("http://ts.test/**", lambda route: route.fulfill(content_type="text/html", body=REPORTER_PAGE))
+        page.goto("http://ts.test/trace_explorer")
+        page.evaluate("(e) => e.addEventListener('click', (ev) => ev.preventDefault())", page.locator("nav").element_handle())
+        page.add_script_tag(content=code, type="module")
+        page.wait_for_function("typeof window.__reporter === 'function'")
+        if clicked:  # the user leaves (or reopens this page) before the first figure's report is sent
+            page.locator("nav a", has_text=clicked).click()
+        page.evaluate("""() => { window.__sent = [];
+            window.__reporter({setTriggerValue: (k, v) => window.__sent.push([k, v]),
+                               parentElement: document.getElementById('host')}); }""")
+        page.wait_for_timeout(500)  # a report is sent one frame after the figure is found: long since due
+        assert page.evaluate("window.__sent") == ([["painted", "painted"]] if reports else [])
+    finally:
+        context.close()

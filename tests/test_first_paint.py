@@ -186,9 +186,11 @@ def test_a_first_run_without_a_figure_opens_the_visit_so_a_later_figure_never_st
 
 @pytest.mark.browser
 def test_a_new_tab_paints_the_first_figure_alone_then_every_figure(browser, tiny_app_url):
-    """In Chromium, on a generation the app holds: when the first figure's plot enters the page, no other
-    figure is there yet; then the reporter's rerun draws all four with their export rows."""
+    """In Chromium, on a generation the app holds: when the first figure enters the page (its plot, or its static
+    preview's image once the app has made one: app/figure_preview.py), no other figure is there yet; then the
+    reporter's rerun draws all four charts with their export rows."""
     from app.bench import generate_in_a_tab
+    from app.first_paint import PREVIEW
     from tests.test_browser import SLOW
 
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
@@ -197,9 +199,10 @@ def test_a_new_tab_paints_the_first_figure_alone_then_every_figure(browser, tiny
         page = context.new_page()
         page.set_default_timeout(SLOW)
         page.add_init_script("""(() => { window.__charts = null; new MutationObserver(() => {
-            if (window.__charts === null && document.querySelector('[data-testid="stPlotlyChart"] .main-svg'))
-              window.__charts = document.querySelectorAll('[data-testid="stPlotlyChart"]').length;
-          }).observe(document, {subtree: true, childList: true}); })();""")
+            const drawn = '[data-testid="stPlotlyChart"] .main-svg, .PREVIEW img';
+            if (window.__charts === null && document.querySelector(drawn))
+              window.__charts = document.querySelectorAll('[data-testid="stPlotlyChart"], .PREVIEW').length;
+          }).observe(document, {subtree: true, childList: true}); })();""".replace("PREVIEW", PREVIEW))
         page.goto(f"{tiny_app_url}/trace_explorer")
         charts = page.locator('[data-testid="stPlotlyChart"]')
         charts.nth(3).locator(".main-svg").first.wait_for()

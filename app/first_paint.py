@@ -60,25 +60,39 @@ _JS = """
 const CHUNK = %s;
 const NAV = 'a[data-testid="stSidebarNavLink"], a[data-testid="stTopNavLink"], [data-testid="stPageLink"] a';
 const pageOf = (href) => new URL(href, location.href).pathname.replace(/[/]+$/, "").split("/").pop();
-// The page the user last asked for in this tab (a link to a page clicked, the browser's Back): recorded once
-// per tab, from the first reporter on, for every reporter after it.
+// The page the user last asked for in this tab and the page they asked from (a link to a page clicked: the
+// tab's address then; the browser's Back: the page of the last reporter mounted), recorded once per tab from
+// the first reporter on, for every reporter after it.
 if (!window.__tsAskedFor) {
-  window.__tsAskedFor = {page: null};
+  const asked = window.__tsAskedFor = {page: null, from: null, shown: null};
   document.addEventListener("click", (e) => {
     const a = e.target.closest && e.target.closest(NAV);
-    if (a && a.href) window.__tsAskedFor.page = pageOf(a.href);
+    if (a && a.href) Object.assign(asked, {page: pageOf(a.href), from: pageOf(location.href)});
   }, true);
-  window.addEventListener("popstate", () => { window.__tsAskedFor.page = pageOf(location.href); });
+  window.addEventListener("popstate", () => Object.assign(asked, {page: pageOf(location.href), from: asked.shown}));
+  // Streamlit writes the page a run is for into the address bar as the run starts: once it shows the page
+  // asked for, that request is served, and no later reporter is silenced by it (the server may move on).
+  for (const name of ["pushState", "replaceState"]) {
+    const write = history[name].bind(history);
+    history[name] = (...args) => {
+      const out = write(...args);
+      if (asked.page !== null && pageOf(location.href) === asked.page) asked.page = null;
+      return out;
+    };
+  }
 }
 export default function(component) {
   const { setTriggerValue, parentElement } = component;
   let sent = false;
   // A report reruns the page this tab shows, so one sent after the user asked for another page would take
   // them back here: Streamlit folds the two reruns into one, for the page of the later request. A reporter
-  // whose page (the tab's address when it mounted: Streamlit updates it as a page's run starts) is not the
-  // one last asked for stays silent; that page's own run opens its gate.
+  // mounted on the page the user last asked to leave (its page: the tab's address when it mounted, which
+  // Streamlit updates as a page's run starts) stays silent; the page asked for opens its own gate. A page the
+  // server moved to after the click (st.switch_page) is not the one left, so its reporter still reports.
   const here = pageOf(location.href);
-  const left = () => window.__tsAskedFor.page !== null && window.__tsAskedFor.page !== here;
+  const asked = window.__tsAskedFor;
+  asked.shown = here;
+  const left = () => asked.page !== null && asked.page !== here && asked.from === here;
   const report = (why) => {
     if (sent || left()) return;
     sent = true;

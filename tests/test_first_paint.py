@@ -223,11 +223,17 @@ REPORTER_PAGE = """<!doctype html><html><body>
 
 
 @pytest.mark.browser
-@pytest.mark.parametrize("clicked, reports", [(None, True), ("Home", False), ("Trace explorer", True)])
-def test_a_reporter_stays_silent_once_the_user_asked_for_another_page(browser, clicked, reports):
+@pytest.mark.parametrize("opened, clicked, moved_to, reports", [
+    ("/trace_explorer", None, None, True),
+    ("/trace_explorer", "Home", None, False),  # the page is being left
+    ("/trace_explorer", "Trace explorer", None, True),  # the same page asked for again
+    ("/", "Trace explorer", ["/steering"], True),  # the server moved on after the click (st.switch_page)
+    ("/trace_explorer", "Home", ["/", "/trace_explorer"], True),  # Home shown, then the server came back here
+])
+def test_a_reporter_stays_silent_once_the_user_asked_for_another_page(browser, opened, clicked, moved_to, reports):
     """The reporter's own code in Chromium, on a page shaped like Streamlit's (a drawn figure, the reporter's
-    element below it, the sidebar's page links), at /trace_explorer: it reports the painted figure, unless a
-    link to another page was clicked first. Its report reruns the page the tab shows, and Streamlit folds a
+    element below it, the sidebar's page links): it reports the painted figure, unless a link to another page
+    was clicked on its page first. Its report reruns the page the tab shows, and Streamlit folds a
     rerun asked for after a page link's into one for the page of the later request: the report of a page being
     left took the user back to it (the lost clicks of the browser tier on a loaded machine)."""
     from app.first_paint import FALLBACK_MS, PREVIEW, _JS
@@ -237,12 +243,14 @@ def test_a_reporter_stays_silent_once_the_user_asked_for_another_page(browser, c
     try:
         page = context.new_page()
         page.route("http://ts.test/**", lambda route: route.fulfill(content_type="text/html", body=REPORTER_PAGE))
-        page.goto("http://ts.test/trace_explorer")
+        page.goto(f"http://ts.test{opened}")
         page.evaluate("(e) => e.addEventListener('click', (ev) => ev.preventDefault())", page.locator("nav").element_handle())
         page.add_script_tag(content=code, type="module")
         page.wait_for_function("typeof window.__reporter === 'function'")
         if clicked:  # the user leaves (or reopens this page) before the first figure's report is sent
             page.locator("nav a", has_text=clicked).click()
+        for path in moved_to or []:  # Streamlit shows the page a run is for in the address bar as the run starts
+            page.evaluate("(path) => history.pushState({}, '', path)", path)
         page.evaluate("""() => { window.__sent = [];
             window.__reporter({setTriggerValue: (k, v) => window.__sent.push([k, v]),
                                parentElement: document.getElementById('host')}); }""")

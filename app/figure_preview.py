@@ -16,13 +16,16 @@ exists; the first-paint gate's rerun (app/first_paint.py) then draws the whole p
 kept above the interactive chart, and CSS hides the preview once the chart is drawn. Without a preview
 (the figure not seen before, no Chromium) the chart is drawn as before.
 
-On by default; `THOUGHTSCOPE_FIGURE_PREVIEWS=0` in the app's environment turns them off (every figure a
-chart from the first run, and no export Chromium in the app process). They were opt-in for a day: with them
-on, a page-link click right after a new tab had opened was sometimes lost (5 of 23 runs of
-tests/test_browser.py's new-tab test). The cause was the first-paint reporter, previews or not: a report sent
-after the click reran the page being left (app/first_paint.py says how, and how it is kept from it now); a
-preview only made the window wider, as its report comes sooner. Reproduced on a loaded machine in 3 of 6
-runs without previews and gone after the fix (0 of 8 without, 0 of 8 with previews).
+Off unless `THOUGHTSCOPE_FIGURE_PREVIEWS=1` is in the app's environment. They were opt-in first because a
+page-link click right after a new tab had opened was sometimes lost with them on (5 of 23 runs of
+tests/test_browser.py's new-tab test); the cause was the first-paint reporter, previews or not (a report sent
+after the click reran the page being left; app/first_paint.py says how it is kept from it now), reproduced in
+3 of 6 loaded runs without previews and gone after the fix. They stay opt-in for their cost on a small
+machine: every page visit's first figure is rendered again in the export Chromium, which shares the CPU with
+the page being drawn. Measured on the 2-core machine (2026-12-04, SmolLM2, load 3.3-3.5): a new tab paints its
+first figure at 1.67 s with previews against 3.45 s without, but its interactive chart comes at 5.39 s
+against 3.45 s; the browser test tier took 9:05 in a fresh clone here against 5:32 in the last CI run. Running the export Chromium at idle
+priority (SCHED_IDLE) made the tier slower still (11:09, a test timing out) and exports slow under load.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ MAX_BYTES = 48 * 2**20
 
 
 def enabled() -> bool:
-    return os.environ.get(SWITCH, "1") != "0"
+    return os.environ.get(SWITCH, "0") == "1"
 
 
 def figure_key(spec: str) -> str:

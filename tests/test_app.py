@@ -482,3 +482,41 @@ def test_steering_from_a_saved_sae_feature(engine, tmp_path, monkeypatch):
     assert len(choice.options) == 2 and site in choice.value  # the saved one, then "another folder"
     assert not at.text_input  # no folder to type
     assert at.text[1].value == manual  # the same SAE, the same feature 0: the same steered text
+
+
+class _Kaleido:
+    """kaleido's sync API as app.export uses it, failing the first `fails` renders with `error`."""
+
+    def __init__(self, fails: int, error: str):
+        self.fails, self.error, self.calls = fails, error, 0
+
+    def calc_fig_sync(self, fig_dict, opts):
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise RuntimeError(self.error)
+        return b"<svg><g/></svg>"
+
+
+NOT_LOADED = "JavascriptError: ReferenceError: kaleido_scopes is not defined"
+
+
+def test_a_render_asked_before_kaleidos_tab_ran_its_scripts_is_asked_again(monkeypatch):
+    import plotly.graph_objects as go
+
+    from app import export
+
+    monkeypatch.setattr(export, "NOT_LOADED_RETRIES_S", (0.0, 0.0, 0.0))
+    fig = go.Figure(go.Scatter(y=[1, 2]))
+    late = _Kaleido(fails=2, error=NOT_LOADED)
+    monkeypatch.setattr(export, "_start_kaleido", lambda: late)
+    assert export.figure_bytes(fig, "svg") == b"<svg><g/></svg>" and late.calls == 3
+    never = _Kaleido(fails=10, error=NOT_LOADED)  # still failing after every retry: the error, not a hang
+    monkeypatch.setattr(export, "_start_kaleido", lambda: never)
+    with pytest.raises(export.ExportError, match="kaleido_scopes"):
+        export.figure_bytes(fig, "svg")
+    assert never.calls == 4
+    broken = _Kaleido(fails=1, error="Target closed")  # any other failure is reported at once
+    monkeypatch.setattr(export, "_start_kaleido", lambda: broken)
+    with pytest.raises(export.ExportError, match="Target closed"):
+        export.figure_bytes(fig, "png")
+    assert broken.calls == 1

@@ -138,7 +138,7 @@ def _reporter_ids(at) -> list[str]:
 
 @pytest.fixture
 def previews(monkeypatch):
-    monkeypatch.delenv("THOUGHTSCOPE_FIGURE_PREVIEWS", raising=False)  # the default: on
+    monkeypatch.setenv("THOUGHTSCOPE_FIGURE_PREVIEWS", "1")  # opt-in (app/figure_preview.py says why)
     store = PreviewStore(render=Renders(), delay_s=0.0)
     monkeypatch.setattr(first_paint, "preview_store", lambda *args: store)
     return store
@@ -176,7 +176,7 @@ def test_without_a_browser_or_with_previews_off_nothing_is_previewed_or_rendered
 
     at = AppTest.from_string(SCRIPT, default_timeout=60).run()  # AppTest alone: no browser, no gate
     assert _drawn(at) == ["chart:[0, 2, 1]", "chart:[1, 1]"]
-    monkeypatch.setenv("THOUGHTSCOPE_FIGURE_PREVIEWS", "0")  # turned off
+    monkeypatch.delenv("THOUGHTSCOPE_FIGURE_PREVIEWS")  # the default: off
     off = AppTest.from_string(SCRIPT, default_timeout=60)
     off.session_state[first_paint.ENABLED] = True
     off.run()
@@ -213,7 +213,7 @@ def test_a_new_tab_paints_the_figures_preview_before_plotly_then_the_chart_in_it
     (hidden the moment the chart is drawn), and the whole page follows."""
     from tests.test_browser import SLOW, serve
 
-    monkeypatch.delenv("THOUGHTSCOPE_FIGURE_PREVIEWS", raising=False)  # an app of its own, previews on (the default)
+    monkeypatch.setenv("THOUGHTSCOPE_FIGURE_PREVIEWS", "1")  # an app of its own, with previews (opt-in)
     with serve("tiny-random:llama") as tiny_app_url:
         _new_tab_with_a_preview(browser, tiny_app_url, SLOW)
 

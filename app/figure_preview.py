@@ -24,8 +24,8 @@ after the click reran the page being left; app/first_paint.py says how it is kep
 machine: every page visit's first figure is rendered again in the export Chromium, which shares the CPU with
 the page being drawn. Measured on the 2-core machine (2026-12-04, SmolLM2, load 3.3-3.5): a new tab paints its
 first figure at 1.67 s with previews against 3.45 s without, but its interactive chart comes at 5.39 s
-against 3.45 s; the browser test tier took 9:05 in a fresh clone here against 5:32 in the last CI run. Running the export Chromium at idle
-priority (SCHED_IDLE) made the tier slower still (11:09, a test timing out) and exports slow under load.
+against 3.45 s. Running the export Chromium at idle priority (SCHED_IDLE) made the browser test tier slower
+(11:09 against 8:26-9:05, a test timing out) and exports slow under load.
 """
 
 from __future__ import annotations

@@ -412,10 +412,9 @@ def show_figure(fig: Any, data: Any, name: str, provenance: dict[str, Any] | Non
         data = plain(data)
         fig = build_figure(figure or name, data)
     # a new tab's first figure, before plotly.js has loaded
-    preview, chart = first_paint.preview_for(fig, render=preview_svg, warm_up=start_export_browser)
+    preview = first_paint.preview_for(fig, render=preview_svg, warm_up=start_export_browser)
     if preview is not None:
         st.html(preview)
-    if chart:
-        st.plotly_chart(fig, theme=None, key=f"figure-{name}", config={"displaylogo": False})
+    st.plotly_chart(fig, theme=None, key=f"figure-{name}", config={"displaylogo": False})
     first_paint.after_figure()  # a new visit's first figure: the rest of the page once it is painted
     export_buttons(fig, data, name, provenance, figure)

@@ -11,21 +11,26 @@ export Chromium (`app.export.figure_bytes`, kaleido), made in the background a f
 run drew the figure (by then the page that drew it has painted), and kept in this app process, keyed
 by the figure's JSON, so a preview is always of exactly the figure that would be drawn. In the first run
 of a visit in a tab that has not loaded plotly.js yet (the session's first report of a painted figure
-has not come: a new tab, a reload), `show_figure` draws the preview instead of the chart when one
-exists; the first-paint gate's rerun (app/first_paint.py) then draws the whole page with the preview
-kept above the interactive chart, and CSS hides the preview once the chart is drawn. Without a preview
-(the figure not seen before, no Chromium) the chart is drawn as before.
+has not come: a new tab, a reload), `show_figure` draws the preview just above the chart when one exists:
+the preview is painted with the page's text while the tab loads plotly.js for the chart, and CSS hides
+the preview once the chart is drawn; the first-paint gate (app/first_paint.py) then draws the rest of the
+page. Without a preview (the figure not seen before, no Chromium) the chart is drawn as before.
 
-Off unless `THOUGHTSCOPE_FIGURE_PREVIEWS=1` is in the app's environment. They were opt-in first because a
-page-link click right after a new tab had opened was sometimes lost with them on (5 of 23 runs of
+On by default; `THOUGHTSCOPE_FIGURE_PREVIEWS=0` in the app's environment turns them off. Measured on the
+2-core machine (2026-12-04, SmolLM2, `app.bench.bench_page_first_figure`, on and off in one process, 5 new
+tabs each, load 2.8-3.6): a new tab paints the trace explorer's first figure at 1.35 s with previews against
+2.52 s without, and its interactive chart comes at 2.59 s against 2.52 s. Two earlier designs cost more:
+the preview drawn alone, its report then starting the run that drew the chart (interactive at 5.39 s
+against 3.45 s at load 3.5, as that run drew every figure of the page together), and the export Chromium at
+idle priority (SCHED_IDLE; the browser test tier took 11:09 against 8:26-9:05, a test timing out). The cost
+that remains: the export Chromium runs in the app process from the first page view (about 200 MB), and a
+page's first figure, each time it is new, is rendered once in it in the background (a slider moved ten
+times renders the last figure only).
+
+A page-link click right after a new tab had opened was sometimes lost with previews on (5 of 23 runs of
 tests/test_browser.py's new-tab test); the cause was the first-paint reporter, previews or not (a report sent
 after the click reran the page being left; app/first_paint.py says how it is kept from it now), reproduced in
-3 of 6 loaded runs without previews and gone after the fix. They stay opt-in for their cost on a small
-machine: every page visit's first figure is rendered again in the export Chromium, which shares the CPU with
-the page being drawn. Measured on the 2-core machine (2026-12-04, SmolLM2, load 3.3-3.5): a new tab paints its
-first figure at 1.67 s with previews against 3.45 s without, but its interactive chart comes at 5.39 s
-against 3.45 s. Running the export Chromium at idle priority (SCHED_IDLE) made the browser test tier slower
-(11:09 against 8:26-9:05, a test timing out) and exports slow under load.
+3 of 6 loaded runs without previews and gone after the fix.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ MAX_BYTES = 48 * 2**20
 
 
 def enabled() -> bool:
-    return os.environ.get(SWITCH, "0") == "1"
+    return os.environ.get(SWITCH, "1") != "0"
 
 
 def figure_key(spec: str) -> str:

@@ -100,10 +100,9 @@ def test_the_preview_element_is_the_svg_as_an_image_in_a_box_of_the_figures_heig
 
 
 def test_a_report_opens_the_gate_and_the_tab_draws_charts_from_then_on():
-    state = {first_paint.OPEN: False, first_paint.PREVIEWED: "k"}
-    first_paint.after_report(state)  # the preview (or a chart) painted
+    state = {first_paint.OPEN: False}
+    first_paint.after_report(state)  # the first chart painted (with its preview above it, or not)
     assert state[first_paint.OPEN] is True and state[first_paint.SEEN] is True
-    assert state[first_paint.PREVIEWED] == "k"  # the next run draws the preview above the chart once more
 
 
 SCRIPT = """
@@ -138,13 +137,13 @@ def _reporter_ids(at) -> list[str]:
 
 @pytest.fixture
 def previews(monkeypatch):
-    monkeypatch.setenv("THOUGHTSCOPE_FIGURE_PREVIEWS", "1")  # opt-in (app/figure_preview.py says why)
+    monkeypatch.delenv("THOUGHTSCOPE_FIGURE_PREVIEWS", raising=False)  # the default: on
     store = PreviewStore(render=Renders(), delay_s=0.0)
     monkeypatch.setattr(first_paint, "preview_store", lambda *args: store)
     return store
 
 
-def test_a_new_tab_draws_the_preview_alone_then_the_page_with_the_preview_above_the_chart(previews):
+def test_a_new_tab_draws_the_preview_above_the_first_chart_then_the_page(previews):
     from streamlit.testing.v1 import AppTest
 
     at = AppTest.from_string(SCRIPT, default_timeout=60)
@@ -158,14 +157,14 @@ def test_a_new_tab_draws_the_preview_alone_then_the_page_with_the_preview_above_
 
     tab = AppTest.from_string(SCRIPT, default_timeout=60)  # a new tab: a new session, plotly.js not loaded
     tab.session_state[first_paint.ENABLED] = True
-    tab.run()
-    assert _drawn(tab) == ["preview", "reporter"]
+    tab.run()  # the preview above the first chart (CSS hides it once the chart is drawn), the rest after its report
+    assert _drawn(tab) == ["preview", "chart:[0, 2, 1]", "reporter"]
     first = _reporter_ids(tab)
     tab.run()  # a run gated again (a click before the report): a fresh reporter, the first may have reported
-    assert _drawn(tab) == ["preview", "reporter"] and _reporter_ids(tab) != first
-    first_paint.after_report(tab.session_state)  # the preview painted
-    tab.run()  # the whole page, the preview kept above the chart (CSS hides it once the chart is drawn)
-    assert _drawn(tab) == ["preview", "chart:[0, 2, 1]", "chart:[1, 1]"]
+    assert _drawn(tab) == ["preview", "chart:[0, 2, 1]", "reporter"] and _reporter_ids(tab) != first
+    first_paint.after_report(tab.session_state)  # the chart painted: the visit opens
+    tab.run()  # the whole page, without the preview
+    assert _drawn(tab) == ["chart:[0, 2, 1]", "chart:[1, 1]"]
     tab.run()  # any later run: charts only
     assert _drawn(tab) == ["chart:[0, 2, 1]", "chart:[1, 1]"]
     assert previews.rendered == 1  # the first figure only, once
@@ -176,7 +175,7 @@ def test_without_a_browser_or_with_previews_off_nothing_is_previewed_or_rendered
 
     at = AppTest.from_string(SCRIPT, default_timeout=60).run()  # AppTest alone: no browser, no gate
     assert _drawn(at) == ["chart:[0, 2, 1]", "chart:[1, 1]"]
-    monkeypatch.delenv("THOUGHTSCOPE_FIGURE_PREVIEWS")  # the default: off
+    monkeypatch.setenv("THOUGHTSCOPE_FIGURE_PREVIEWS", "0")  # turned off
     off = AppTest.from_string(SCRIPT, default_timeout=60)
     off.session_state[first_paint.ENABLED] = True
     off.run()
@@ -189,9 +188,12 @@ ORDER_PROBE = """(() => {
   const o = window.__order = {preview: null, chart: null, chartsAtPreview: null, previewShownWithChart: null};
   new MutationObserver(() => {
     const img = document.querySelector('.%s img');
-    if (o.preview === null && img && img.complete) {
-      o.preview = performance.now();
-      o.chartsAtPreview = document.querySelectorAll('[data-testid="stPlotlyChart"] .main-svg').length;
+    if (img && !img.__watched) {  // decoded: painted in the next frame
+      img.__watched = true;
+      img.decode().catch(() => {}).then(() => { if (o.preview === null) {
+        o.preview = performance.now();
+        o.chartsAtPreview = document.querySelectorAll('[data-testid="stPlotlyChart"] .main-svg').length;
+      } });
     }
     // the chart of the same figure: the element right after the preview's (the first chart without one)
     const box = img ? img.closest('[data-testid="stElementContainer"]') : null;
@@ -213,7 +215,7 @@ def test_a_new_tab_paints_the_figures_preview_before_plotly_then_the_chart_in_it
     (hidden the moment the chart is drawn), and the whole page follows."""
     from tests.test_browser import SLOW, serve
 
-    monkeypatch.setenv("THOUGHTSCOPE_FIGURE_PREVIEWS", "1")  # an app of its own, with previews (opt-in)
+    monkeypatch.setenv("THOUGHTSCOPE_FIGURE_PREVIEWS", "1")  # an app of its own, with previews (the default)
     with serve("tiny-random:llama") as tiny_app_url:
         _new_tab_with_a_preview(browser, tiny_app_url, SLOW)
 
@@ -244,7 +246,7 @@ def _new_tab_with_a_preview(browser, tiny_app_url: str, SLOW: int) -> None:
         assert order["previewShownWithChart"] is False, order  # hidden at once: no blank, never both
         hidden = page.locator(f".{CLASS}").evaluate_all(
             "els => els.map(e => getComputedStyle(e.closest('[data-testid=\"stElementContainer\"]')).display)")
-        assert hidden in ([], ["none"])  # the whole page keeps it above the chart, hidden
+        assert hidden in ([], ["none"])  # hidden, or gone once the whole page is drawn
         page.locator('[data-testid="stDownloadButton"]').nth(19).wait_for()  # PNG..JSON under every figure
         assert page.locator('[class*="st-key-first-paint-report"]').count() == 0  # the reporter is gone
         page.close()

@@ -63,8 +63,11 @@ test-model:
 	$(PYTEST) -q $(XDIST) -m "model and not browser and not slow and not alone" tests
 	$(call ALONE,model and not browser and not slow)
 
+# Files in the order collected, not by their number of tests (xdist's default): that default put the two
+# longest files (the first five minutes, 215 s; test_browser.py, 203 s) on one worker (tier 6:35 in a fresh
+# clone); in collection order they start on two, and the tier took 5:57 (2026-12-05, same machine).
 test-browser:
-	$(PYTEST) -q -n $(BROWSER_WORKERS) --dist loadfile -m "browser and not slow" tests
+	$(PYTEST) -q -n $(BROWSER_WORKERS) --dist loadfile --no-loadscope-reorder -m "browser and not slow" tests
 
 # Full-size toy models (trained once, cached) and their accuracy targets: longer than `make test` allows.
 test-slow: setup chromium

@@ -313,6 +313,8 @@ def test_no_page_load_asks_anything_of_another_host(browser, app_url, generated)
 
 
 def test_the_feature_browser_shows_top_contexts(page, app_url):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page.goto(f"{app_url}/feature_browser")
     page.locator(".st-key-fb_n input").fill("40")
     page.locator(".st-key-fb_n input").press("Enter")
@@ -321,10 +323,17 @@ def test_the_feature_browser_shows_top_contexts(page, app_url):
     rows = page.locator(".fb-row")
     rows.first.wait_for()
     assert rows.count() == 20 and page.locator(".fb-top").count() == 20
+    page.locator('[data-testid="stPlotlyChart"]').nth(2).locator(".main-svg").first.wait_for()  # the whole page
     token = rows.first.locator(".fb-tok:not(.fb-first)").first
-    token.hover()
-    token.locator(".fb-tip").wait_for(state="visible")
-    page.locator('[data-testid="stPlotlyChart"]').nth(2).locator(".main-svg").first.wait_for()
+    for _ in range(20):  # a rerun that redraws the rows after the hover (a fresh-clone run) leaves the new row
+        page.mouse.move(0, 0)  # unhovered until the mouse moves again, as a reader's would
+        token.hover()
+        try:
+            token.locator(".fb-tip").wait_for(state="visible", timeout=3000)
+            break
+        except PlaywrightTimeout:
+            continue
+    assert token.locator(".fb-tip").is_visible() and token.locator(".fb-tip").inner_text()  # the token's value
     page.screenshot(path=str(ARTIFACTS / "feature_browser.png"), full_page=True)
     prov = json.loads(download(page, "export-feature_contexts-json"))["provenance"]
     assert prov["data"] == "gsm8k-questions" and prov["split"] == "test" and prov["settings"]["direction"]["kind"] == "neuron"

@@ -943,15 +943,28 @@ class Engine:
             from probes.ndif import readout_rows
 
             shipped = readout_rows(self.handle, x.to(self.handle.dtype), norm).float()
-        with self.lock:
+        # A readout only reads two modules' weights, so it runs beside a generation instead of waiting for the
+        # model lock (a RISE page's feature words waited out a whole steering job, 8 s, in every new tab): the
+        # modules' own class forwards, called directly, run neither the hooks nor the replaced instance forwards
+        # another call may have installed on them. Weights an offload hook keeps on the meta device until a
+        # forward still go through the modules, under the lock.
+        direct = shipped is None and not any(p.is_meta for m in (head, final_norm) if m is not None
+                                             for p in m.parameters())
+        with contextlib.nullcontext() if direct or shipped is not None else self.lock:
             for lo in range(0, x.shape[0], 256):
                 if shipped is not None:
                     logits = shipped[lo:lo + 256]
                 else:
                     rows = x[lo:lo + 256].to(head.weight.device, head.weight.dtype)
-                    if final_norm is not None:
-                        rows = final_norm(rows)
-                    logits = head(rows).float()
+                    if direct:
+                        if final_norm is not None:  # on its own device (a sharded model's norm and head may differ)
+                            on = next(final_norm.parameters(), head.weight).device
+                            rows = type(final_norm).forward(final_norm, rows.to(on)).to(head.weight.device)
+                        logits = type(head).forward(head, rows).float()
+                    else:
+                        if final_norm is not None:
+                            rows = final_norm(rows)
+                        logits = head(rows).float()
                 probs = logits.softmax(-1)
                 tv, ti = logits.topk(top_k, dim=-1)
                 out["top_ids"].append(ti.cpu())

@@ -235,6 +235,56 @@ def test_concurrent_callers_do_not_see_each_others_hooks(llama):
     assert together == alone and alone["plain"] != alone["steered"]
 
 
+def test_a_readout_runs_beside_a_generation_without_its_hooks_and_equals_plain_hf(llama):
+    """A readout (the logit lens, an SAE column's words) reads the final norm's and the unembedding's weights
+    only: it does not wait for a generation in another thread (a RISE page's feature words waited out a whole
+    steering job, holding the model lock), runs none of the hooks that generation put on those modules, and
+    equals the plain Hugging Face modules. The holder keeps the model until the readout is done or 60 s pass,
+    and reports which came first: the readout's work is checked by order, not by its time."""
+    import threading
+
+    model = llama.handle.model
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    fired: list[str] = []
+    hooks = [model.lm_head.register_forward_hook(lambda *a: fired.append("lm_head")),
+             model.model.norm.register_forward_hook(lambda *a: fired.append("norm"))]
+    held, done, report = threading.Event(), threading.Event(), {}
+
+    def holder() -> None:
+        gen = iter(llama.generate("a generation holding the model", max_new_tokens=4))
+        next(gen)  # a generation between two records holds the model lock
+        held.set()
+        report["readout_first"] = done.wait(60)
+        gen.close()
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(60) and llama.lock.locked()
+        fired.clear()  # the generation's own forwards ran the hooks: only the readouts' count from here
+        lens = llama.readout(x, norm=True, top_k=5, bottom_k=3, token_ids=[1, 2, 3, 4, 5])
+        words = llama.readout(x, norm=False, top_k=5)
+        done.set()
+    finally:
+        done.set()
+        t.join(60)
+        for h in hooks:
+            h.remove()
+    assert report == {"readout_first": True} and fired == []
+    with torch.no_grad():
+        plain_lens = model.lm_head(model.model.norm(x)).float()
+        plain_words = model.lm_head(x).float()
+    assert torch.equal(lens.top_ids, plain_lens.topk(5, dim=-1).indices)
+    assert torch.allclose(lens.top_logits, plain_lens.topk(5, dim=-1).values, atol=1e-6)
+    assert torch.equal(lens.bottom_ids, (-plain_lens).topk(3, dim=-1).indices)
+    assert torch.allclose(lens.token_probs, plain_lens.softmax(-1)[torch.arange(5), torch.tensor([1, 2, 3, 4, 5])],
+                          atol=1e-6)
+    assert torch.equal(words.top_ids, plain_words.topk(5, dim=-1).indices)
+    assert torch.allclose(words.top_logits, plain_words.topk(5, dim=-1).values, atol=1e-6)
+    # the norm was applied (a fresh RMSNorm only rescales each row: the same ranking, other logits)
+    assert not torch.allclose(lens.top_logits, words.top_logits, atol=1e-3)
+
+
 def test_capture_batch_with_a_shared_prefix_equals_single_traces(llama):
     prefix_ids = llama.encode("A shared one-shot example that every sequence starts with,")
     tails = [" then one tail", " and a second, longer tail with more tokens", " third"]

@@ -100,13 +100,13 @@ def _start_kaleido() -> Any:
     return kaleido
 
 
-def preview_svg(spec: str, height: int) -> str:
-    """A figure's static preview (app/figure_preview.py): its SVG at the preview width, from its JSON."""
-    from app.figure_preview import WIDTH
+def preview_png(spec: str, height: int) -> bytes:
+    """A figure's static preview (app/figure_preview.py): a PNG at the preview width, from its JSON."""
+    from app.figure_preview import SCALE, WIDTH
 
     if not static_export_available():
         raise ExportError("previews are drawn in Chromium, which was not found")
-    return figure_bytes(json.loads(spec), "svg", width=WIDTH, height=height).decode()
+    return figure_bytes(json.loads(spec), "png", width=WIDTH, height=height, scale=SCALE)
 
 
 def start_export_browser() -> None:
@@ -412,7 +412,7 @@ def show_figure(fig: Any, data: Any, name: str, provenance: dict[str, Any] | Non
         data = plain(data)
         fig = build_figure(figure or name, data)
     # a new tab's first figure, before plotly.js has loaded
-    preview = first_paint.preview_for(fig, render=preview_svg, warm_up=start_export_browser)
+    preview = first_paint.preview_for(fig, render=preview_png, warm_up=start_export_browser)
     if preview is not None:
         st.html(preview)
     st.plotly_chart(fig, theme=None, key=f"figure-{name}", config={"displaylogo": False})

@@ -1,13 +1,14 @@
-"""Static previews: a new tab paints its first figure as an SVG before plotly.js has loaded.
+"""Static previews: a new tab paints its first figure as an image before plotly.js has loaded.
 
 Why (issue 28, a new tab to its first figure <= 2 s; measured in Chromium on the 2-core development CPU):
 a new tab cannot draw any plotly figure before it has evaluated Streamlit's lazily loaded plotly.js chunk
 (4.7 MB), one task of 0.7-0.75 s on the main thread that starts only once the first figure's element
 arrives; a bare Streamlit app with one 3-point figure paints it at 1.6-1.7 s, the trace explorer at
-2.0-2.7 s. The same figure as an inline SVG needs no plotly.js: it is painted with the page's text.
+2.0-2.7 s. The same figure as an image needs no plotly.js: it is painted with the page's text.
 
-So each page's first figure gets a preview: the SVG that plotly.js itself draws for that figure in the
-export Chromium (`app.export.figure_bytes`, kaleido), made in the background a few seconds after a
+So each page's first figure gets a preview: the PNG that plotly.js itself draws for that figure in the
+export Chromium (`app.export.figure_bytes`, kaleido; at twice the CSS size, sharp on a high-density
+screen: 60-70 kB for a heat map or a line chart), made in the background a few seconds after a
 run drew the figure (by then the page that drew it has painted), and kept in this app process, keyed
 by the figure's JSON, so a preview is always of exactly the figure that would be drawn. In the first run
 of a visit in a tab that has not loaded plotly.js yet (the session's first report of a painted figure
@@ -15,6 +16,12 @@ has not come: a new tab, a reload), `show_figure` draws the preview just above t
 the preview is painted with the page's text while the tab loads plotly.js for the chart, and CSS hides
 the preview once the chart is drawn; the first-paint gate (app/first_paint.py) then draws the rest of the
 page. Without a preview (the figure not seen before, no Chromium) the chart is drawn as before.
+
+A PNG, not the SVG plotly.js draws (2026-12-05): Chromium lays out and draws an SVG image on the page's main
+thread, and a tab's main thread is what plotly.js' evaluation holds; of 8 new tabs of the visual attribution
+and RLKV pages, 2 painted their SVG preview 0.8 and 1.06 s after it had arrived, while a PNG preview was
+complete when it arrived in 12 of 12. The tab also loads the code of the preview's element (`st.html`) before
+the preview arrives (`app.first_paint.load_preview_renderer` says why).
 
 On by default; `THOUGHTSCOPE_FIGURE_PREVIEWS=0` in the app's environment turns them off. Measured on the
 2-core machine (2026-12-04, SmolLM2, `app.bench.bench_page_first_figure`, on and off in one process, 5 new
@@ -49,6 +56,7 @@ log = logging.getLogger(__name__)
 SWITCH = "THOUGHTSCOPE_FIGURE_PREVIEWS"
 CLASS = "ts-figure-preview"  # the element a preview is drawn in (the reporter and the benchmarks look for it)
 WIDTH = 1000  # px: about the main column of the wide layout; narrower columns scale the drawing down
+SCALE = 2  # device pixels per CSS pixel: sharp on a high-density screen, scaled down on others
 DEFAULT_HEIGHT = 450  # plotly.js' height for a figure without one
 DELAY_S = 2.5  # after the run that drew a figure: that page's own drawing goes first on a small machine
 MAX_PREVIEWS = 64
@@ -67,13 +75,12 @@ def figure_height(fig: Any) -> int:
     return int(fig.layout.height or DEFAULT_HEIGHT)
 
 
-def preview_html(svg: str, height: int) -> str:
-    """The preview element: the SVG as an image (st.html's sanitiser keeps no inline SVG) filling a box of
-    the figure's height (no jump when the chart takes its place), scaled down in a narrower column, never
-    stretched."""
-    data = base64.b64encode(svg.encode()).decode()
+def preview_html(png: bytes, height: int) -> str:
+    """The preview element: the PNG as an image filling a box of the figure's height (no jump when the chart
+    takes its place), scaled down in a narrower column, never stretched."""
+    data = base64.b64encode(png).decode()
     return (f'<style>{HIDE_WHEN_DRAWN}</style><div class="{CLASS}" style="height:{height}px;max-width:{WIDTH}px">'
-            f'<img src="data:image/svg+xml;base64,{data}" alt="the figure (a static preview: the interactive '
+            f'<img src="data:image/png;base64,{data}" alt="the figure (a static preview: the interactive '
             f'figure takes its place in a moment)" style="width:100%;height:100%;object-fit:contain;'
             f'object-position:left top"></div>')
 
@@ -85,31 +92,31 @@ HIDE_WHEN_DRAWN = (f'[data-testid="stElementContainer"]:has(.{CLASS}):has(+ [dat
 
 
 class PreviewStore:
-    """SVG previews of figures by key, made in one background thread, least recently used dropped first
+    """PNG previews of figures by key, made in one background thread, least recently used dropped first
     (at most `MAX_PREVIEWS` and `MAX_BYTES`). A request replaces the one still waiting in its slot (a page):
     a slider moved ten times in a row renders the last figure only."""
 
     def __init__(self, render: Any, delay_s: float = DELAY_S, idle_s: float = 30.0):
-        self._render = render  # (figure JSON, height) -> SVG text: app.export.preview_svg
+        self._render = render  # (figure JSON, height) -> PNG bytes: app.export.preview_png
         self.delay_s, self.idle_s = delay_s, idle_s
-        self._svgs: OrderedDict[str, str] = OrderedDict()
+        self._images: OrderedDict[str, bytes] = OrderedDict()
         self._waiting: dict[str, tuple[str, str, int]] = {}  # slot -> (key, figure JSON, height)
         self._cond = threading.Condition()
         self._busy = False
         self._thread: threading.Thread | None = None
         self.rendered = 0  # previews made (tests count the work)
 
-    def get(self, key: str) -> str | None:
+    def get(self, key: str) -> bytes | None:
         with self._cond:
-            svg = self._svgs.get(key)
-            if svg is not None:
-                self._svgs.move_to_end(key)
-            return svg
+            image = self._images.get(key)
+            if image is not None:
+                self._images.move_to_end(key)
+            return image
 
     def request(self, slot: str, key: str, spec: str, height: int) -> None:
         """Make the preview of the figure `spec` (its JSON) in the background, unless it exists."""
         with self._cond:
-            if key in self._svgs:
+            if key in self._images:
                 return
             self._waiting[slot] = (key, spec, height)
             if self._thread is None:
@@ -134,15 +141,15 @@ class PreviewStore:
                 key, spec, height = self._waiting.pop(slot)
                 self._busy = True
             try:
-                svg: str | None = self._render(spec, height)
+                image: bytes | None = self._render(spec, height)
             except Exception as err:  # no Chromium, a figure kaleido cannot draw: the chart as before
                 log.info("no preview for a figure: %s", err)
-                svg = None
+                image = None
             with self._cond:
                 self._busy = False
-                if svg is not None:
-                    self._svgs[key] = svg
+                if image is not None:
+                    self._images[key] = image
                     self.rendered += 1
-                    while len(self._svgs) > MAX_PREVIEWS or sum(map(len, self._svgs.values())) > MAX_BYTES:
-                        self._svgs.popitem(last=False)
+                    while len(self._images) > MAX_PREVIEWS or sum(map(len, self._images.values())) > MAX_BYTES:
+                        self._images.popitem(last=False)
                 self._cond.notify_all()

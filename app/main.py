@@ -109,6 +109,7 @@ def main(only: str | None = None) -> None:
     if sys.argv and Path(sys.argv[0]).resolve() == Path(__file__).resolve():
         apply_launch_args(sys.argv[1:])
         first_paint.enable()  # served by `streamlit run`: a browser reports each visit's first figure painted
+        first_paint.load_preview_renderer()  # a new tab: the preview's element loads while the page draws
     # Every widget keeps the user's value on every navigation path (app/persist.py says why it would not).
     restored = hold_widgets(skip=SIDEBAR_KEYS)
     frame = Frame()

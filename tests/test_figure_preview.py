@@ -19,17 +19,17 @@ def _spec(y: list[float]) -> str:
 
 
 class Renders:
-    """A stand-in for the Chromium render: records what it was asked, answers an SVG naming the figure."""
+    """A stand-in for the Chromium render: records what it was asked, answers bytes naming the figure."""
 
     def __init__(self, fail: bool = False):
         self.asked: list[str] = []
         self.fail = fail
 
-    def __call__(self, spec: str, height: int) -> str:
+    def __call__(self, spec: str, height: int) -> bytes:
         self.asked.append(spec)
         if self.fail:
             raise RuntimeError("no Chromium")
-        return f'<svg class="main-svg" width="1000" height="{height}"><text>{figure_key(spec)}</text></svg>'
+        return f"PNG of {figure_key(spec)} at height {height}".encode()
 
 
 def test_a_request_is_rendered_once_in_the_background_and_found_by_the_figures_json():
@@ -88,13 +88,13 @@ def test_the_worker_thread_ends_when_idle_and_a_later_request_starts_another():
     assert store.wait_idle(10) and store.get(figure_key(later)) is not None
 
 
-def test_the_preview_element_is_the_svg_as_an_image_in_a_box_of_the_figures_height():
-    svg = '<svg class="main-svg" width="1000" height="360"><text>x</text></svg>'
-    html = preview_html(svg, 360)
+def test_the_preview_element_is_the_png_as_an_image_in_a_box_of_the_figures_height():
+    png = b"\x89PNG\r\n\x1a\n the image plotly.js drew"
+    html = preview_html(png, 360)
     assert f'class="{CLASS}" style="height:360px;max-width:1000px"' in html
-    data = html.split("data:image/svg+xml;base64,")[1].split('"')[0]
-    assert base64.b64decode(data).decode() == svg  # the SVG plotly.js drew, unchanged
-    assert "<svg" not in html.replace(data, "")  # an image: nothing a selector reads as a drawn chart's SVG
+    data = html.split("data:image/png;base64,")[1].split('"')[0]
+    assert base64.b64decode(data) == png  # the PNG plotly.js drew, unchanged
+    assert "<svg" not in html  # an image: nothing a selector reads as a drawn chart's SVG
     assert f"<style>{HIDE_WHEN_DRAWN}</style>" in html  # hidden once the chart after it is drawn
     assert figure_height(go.Figure().update_layout(height=360)) == 360 and figure_height(go.Figure()) == 450
 
@@ -103,6 +103,34 @@ def test_a_report_opens_the_gate_and_the_tab_draws_charts_from_then_on():
     state = {first_paint.OPEN: False}
     first_paint.after_report(state)  # the first chart painted (with its preview above it, or not)
     assert state[first_paint.OPEN] is True and state[first_paint.SEEN] is True
+
+
+def _styles(at) -> list[str]:
+    """The bodies of the style-only `st.html` elements of a run (Streamlit sends them to its event container)."""
+    return [node.proto.body for node in at.get("html") if node.proto.body.startswith("<style>")]
+
+
+def test_a_new_tab_loads_the_previews_element_first_and_a_tab_that_draws_charts_does_not(monkeypatch):
+    """The first runs of a tab that may be shown a preview start with a style-only `st.html`: the browser
+    loads the HTML element's code while the page draws, before the preview (an `st.html`) arrives."""
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.delenv("THOUGHTSCOPE_FIGURE_PREVIEWS", raising=False)
+    script = "from app import first_paint\nfirst_paint.load_preview_renderer()\n"
+    at = AppTest.from_string(script, default_timeout=60)
+    at.session_state[first_paint.ENABLED] = True  # served by `streamlit run`, no figure painted yet
+    at.run()
+    assert _styles(at) == [f"<style>{HIDE_WHEN_DRAWN}</style>"]
+    first_paint.after_report(at.session_state)  # the tab painted a chart: it has plotly.js, no more previews
+    at.run()
+    assert _styles(at) == []
+    bare = AppTest.from_string(script, default_timeout=60).run()  # no browser (AppTest alone): nothing
+    assert _styles(bare) == []
+    monkeypatch.setenv("THOUGHTSCOPE_FIGURE_PREVIEWS", "0")  # previews off: nothing to load
+    off = AppTest.from_string(script, default_timeout=60)
+    off.session_state[first_paint.ENABLED] = True
+    off.run()
+    assert _styles(off) == []
 
 
 SCRIPT = """

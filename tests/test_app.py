@@ -68,6 +68,13 @@ def test_home_names_the_model_in_full_and_links_the_docs():
     pages = " ".join(m.value for m in at.markdown)
     assert "METHODS.md" not in pages  # a file outside the repository
     assert "docs/app.md" in [e.label for e in at.expander]
+    # a document is drawn when its expander is opened (all of them drawn hidden held a new tab's Home)
+    heading = "### A new tab's first figure: the static preview"
+    assert not any(heading in m.value for m in at.markdown)
+    at.session_state["home-doc-app"] = True  # the user opens docs/app.md
+    at.run()
+    assert_clean(at)
+    assert [e.label for e in at.expander if any(heading in m.value for m in e.markdown)] == ["docs/app.md"]
 
 
 def test_trace_explorer_streams_tokens_then_draws_every_figure():

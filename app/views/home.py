@@ -73,7 +73,11 @@ def render(ctx) -> None:
     st.subheader("Documentation")
     st.caption("The repository's docs/ folder, readable here without a network.")
     for path in sorted(DOCS.glob("*.md")):
-        with st.expander(f"docs/{path.name}"):
+        # A document is drawn when its expander is opened: drawn hidden in all of them (280 kB of markdown),
+        # it held a new tab's Home for about a second before its first element showed (app.bench,
+        # `page_first_result_s`' Home row).
+        box = st.expander(f"docs/{path.name}", key=f"home-doc-{path.stem}", on_change="rerun")
+        if box.open:
             # images are relative files the app does not serve: their alt text stands in
             text = re.sub(r"!\[([^\]]*)\]\([^)]*\)", r"*(figure: \1)*", without_outside_references(path.read_text()))
-            st.markdown(text)
+            box.markdown(text)

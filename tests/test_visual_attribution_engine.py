@@ -362,6 +362,18 @@ def test_the_k16_speedup_bench_runs_on_toy_vlms_architecture_with_16_visual_toke
     assert 0 < row["amortized_in_stream_s_per_span"] < row["amortized_s_per_span"]
 
 
+def test_the_wide_rows_regions_are_blocks_of_visual_tokens_covering_the_image_once():
+    """vis_attr_speedup_k16_wide cuts a larger token grid into region_grid x region_grid blocks: here the K = 16
+    architecture's 4 x 4 tokens into 2 x 2 blocks of 4 tokens, every token in exactly one region."""
+    from analyses.visual_attribution.bench import _scene, random_toy_vlm
+    from probes.toys import vlm
+
+    engine = random_toy_vlm(4)
+    _, _, _, regions = _scene(engine, vlm.examples("eval", 1)[0], 4, region_grid=2)
+    assert [r.cells for r in regions] == [(0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15)]
+    assert len(_scene(engine, vlm.examples("eval", 1)[0], 4)[3]) == 16  # one region per token by default
+
+
 def test_the_amortized_pass_on_the_k16_architecture_counts_its_work_and_equals_hf_attention_weights():
     """The bench's amortized side (`attention_features` without a trace) on toy-vlm's K = 16 architecture:
     the text is tokenised once, the model runs one forward with one vision-tower pass, every decoder layer

@@ -8,6 +8,11 @@ exhaustive ablation cost / amortized cost per span, and streaming attribution / 
 - `vis_attr_speedup_k36` (reported): the same architecture with a 96-pixel input, 36 visual tokens and
   regions: how the ratio grows with K (the exhaustive side runs K + 1 rows, the amortized side one).
 - `vis_attr_speedup_toy_k9` (reported): the trained toy-vlm at its 9 cells.
+- `vis_attr_speedup_k16_wide` (reported): K = 16 regions again, on a wider random model where the forward's
+  own compute dominates: toy-vlm's architecture at SmolLM2-135M's text width (576, 4 layers, 9 heads; vision
+  tower 2 layers of 256) with a 256-pixel input, so 256 visual tokens cut into 4 x 4 blocks of 16 tokens.
+  It shows what bounds the K = 16 row: the fixed cost of a small model's forward, not the method (measured
+  2026-12-05: 25.6 here, against 5.7 at toy width; the exhaustive side's batch no longer gains here, 0.83).
 
 Exhaustive ablation is batched over regions (`exhaustive_effects`: K masked rows + the unmasked row in
 one forward); its unbatched cost (K + 1 sequential passes) is reported beside it. The amortized cost
@@ -50,13 +55,16 @@ from probes.vision import spec_of
 from probes.zoo import ModelHandle, arch_from_config
 
 
-def _scene(backend: Backend, example: Any, grid: int) -> tuple[str, Any, list[tuple[int, int]], list[Any]]:
-    """(text, image, description spans, grid regions) of a toy example on a model with grid x grid tokens."""
+def _scene(backend: Backend, example: Any, grid: int,
+           region_grid: int | None = None) -> tuple[str, Any, list[tuple[int, int]], list[Any]]:
+    """(text, image, description spans, regions) of a toy example on a model with grid x grid tokens: one
+    region per token, or `region_grid` x `region_grid` blocks of tokens."""
     text = f"{vlm.prompt_text(example.question)} {example.trace} <eos>"
     shift = grid * grid - vlm.N_IMAGE_TOKENS  # the spans move with the extra image tokens
     spans = [(example.input_positions(s).start + shift, example.input_positions(s).stop + shift)
              for s in example.spans]
-    return text, example.image, spans, grid_regions(spec_of(backend), grid, grid)
+    blocks = region_grid or grid
+    return text, example.image, spans, grid_regions(spec_of(backend), blocks, blocks)
 
 
 def _fit(backend: Backend, scenes: list[tuple], seed: int) -> Any:
@@ -69,12 +77,12 @@ def _fit(backend: Backend, scenes: list[tuple], seed: int) -> Any:
 
 
 def bench_speedup(backend: Backend, grid: int, n_scenes: int = 6, seed: int = 0, name: str = "vis_attr_speedup",
-                  note: str = "", target: float | None = 10.0) -> dict[str, Any]:
+                  note: str = "", target: float | None = 10.0, region_grid: int | None = None) -> dict[str, Any]:
     """Seconds per span of exhaustive ablation (batched over regions, and unbatched) / of the amortized
-    estimate, over `n_scenes` toy eval scenes on a model with grid x grid visual tokens (`target` None:
-    a reported row)."""
-    est = _fit(backend, [_scene(backend, ex, grid) for ex in vlm.examples("train", 2, seed=seed)], seed)
-    scenes = [_scene(backend, ex, grid) for ex in vlm.examples("eval", n_scenes, seed=seed)]
+    estimate, over `n_scenes` toy eval scenes on a model with grid x grid visual tokens, one region per token
+    or `region_grid` x `region_grid` blocks (`target` None: a reported row)."""
+    est = _fit(backend, [_scene(backend, ex, grid, region_grid) for ex in vlm.examples("train", 2, seed=seed)], seed)
+    scenes = [_scene(backend, ex, grid, region_grid) for ex in vlm.examples("eval", n_scenes, seed=seed)]
     text, image, spans, regions = scenes[0]
     for batch_size in (32, 1):  # warm-up of every side
         exhaustive_effects(backend, text, image, spans, regions, batch_size=batch_size)
@@ -117,15 +125,16 @@ def bench_speedup(backend: Backend, grid: int, n_scenes: int = 6, seed: int = 0,
             "cpu_ratio": cpu["exhaustive"] / cpu["amortized"],
             "cpu_unbatched_ratio": cpu["exhaustive_unbatched"] / cpu["amortized"],
             "load": [round(load, 2), round(os.getloadavg()[0], 2)],  # 1-minute load average at start and end
-            "regions": grid * grid, "scenes": n_scenes, "spans": n_spans, "model": backend.info()["model_id"],
+            "regions": len(regions), "visual_tokens": grid * grid, "scenes": n_scenes, "spans": n_spans, "model": backend.info()["model_id"],
             "note": note}
 
 
-def random_toy_vlm(grid: int = 4) -> Any:
-    """An engine over toy-vlm's full architecture with grid x grid visual tokens, random weights (seeded)."""
+def random_toy_vlm(grid: int = 4, config: Any = None, label: str = "toy-vlm-architecture") -> Any:
+    """An engine over toy-vlm's full architecture (or `config`'s) with grid x grid visual tokens, random weights
+    (seeded)."""
     tok = vlm.make_tokenizer()
-    model = vlm.build_model(vlm.CONFIGS["full"], tok, grid=grid).eval()
-    return Engine(ModelHandle(f"toy-vlm-architecture:random-{grid}x{grid}", model, tok,
+    model = vlm.build_model(config or vlm.CONFIGS["full"], tok, grid=grid).eval()
+    return Engine(ModelHandle(f"{label}:random-{grid}x{grid}", model, tok,
                               arch_from_config(model.config), "random", torch.device("cpu"), torch.float32))
 
 
@@ -163,6 +172,10 @@ def bench_stream_overhead(backend: Backend, n_scenes: int = 4, repeats: int = 3,
             "tokens": totals["plain"][1], "scenes": n_scenes, "repeats": repeats, "model": backend.info()["model_id"]}
 
 
+# vis_attr_speedup_k16_wide's model: toy-vlm's architecture at SmolLM2-135M's text width (random weights)
+WIDE = vlm.ToyVLMConfig(vision_layers=2, vision_width=256, vision_heads=4, text_layers=4, text_width=576, text_heads=9)
+
+
 def run_vis_attr(model_id: str = "toy-vlm") -> list[dict[str, Any]]:
     engine = Engine.from_id(model_id, device="cpu")
     return [bench_speedup(random_toy_vlm(4), 4, note="K = 16: toy-vlm's architecture with 16 visual tokens, random "
@@ -171,6 +184,10 @@ def run_vis_attr(model_id: str = "toy-vlm") -> list[dict[str, Any]]:
                           note="K = 36: the same architecture with 36 visual tokens (how the ratio grows with K)"),
             bench_speedup(engine, vlm.GRID, name="vis_attr_speedup_toy_k9", note=f"trained {model_id}, its 9 cells",
                           target=None),
+            bench_speedup(random_toy_vlm(16, WIDE, label="toy-vlm-wide"), 16, n_scenes=4, region_grid=4,
+                          name="vis_attr_speedup_k16_wide", target=None,
+                          note="K = 16 regions of 4 x 4 visual tokens (256) on a random model of SmolLM2-135M's "
+                               "text width: where the forward's compute, not its fixed cost, dominates"),
             bench_stream_overhead(engine)]
 
 

@@ -12,7 +12,8 @@ exhaustive ablation cost / amortized cost per span, and streaming attribution / 
   own compute dominates: toy-vlm's architecture at SmolLM2-135M's text width (576, 4 layers, 9 heads; vision
   tower 2 layers of 256) with a 256-pixel input, so 256 visual tokens cut into 4 x 4 blocks of 16 tokens.
   It shows what bounds the K = 16 row: the fixed cost of a small model's forward, not the method (measured
-  2026-12-05: 25.6 here, against 5.7 at toy width; the exhaustive side's batch no longer gains here, 0.83).
+  2026-12-05, two runs: 25.6 and 20.1 here, against 5.35-5.7 at toy width; batching the exhaustive side no
+  longer pays here, 0.83-1.02x).
 
 Exhaustive ablation is batched over regions (`exhaustive_effects`: K masked rows + the unmasked row in
 one forward); its unbatched cost (K + 1 sequential passes) is reported beside it. The amortized cost

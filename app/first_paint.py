@@ -142,7 +142,7 @@ def load_preview_renderer() -> None:
     painted 0.12-1.1 s (median 0.26 s) after the page's first text. With this element first, the code had loaded
     before the page's first text in 16 of 16 tabs and the preview painted 0.11-0.62 s (median 0.18 s) after it,
     always before plotly.js' evaluation."""
-    if (st.session_state.get(ENABLED) and not st.session_state.get(SEEN) and figure_preview.enabled()):
+    if st.session_state.get(ENABLED) and not st.session_state.get(SEEN) and figure_preview.enabled():
         st.html(f"<style>{figure_preview.HIDE_WHEN_DRAWN}</style>")
 
 

@@ -76,7 +76,10 @@ def harvest_section(ctx) -> tuple[dict[str, Any] | None, HarvestSettings | None,
     if run_now and not layers:
         st.error("Choose at least one layer.")
         return None, None, task, int(n)
-    stored, note, damaged = shipped_run(ctx, options)
+    # the first visit in an app process reads the stored run's files (3-6 s through a model server, measured
+    # 2026-12-05): said while it lasts, instead of a form with nothing under it
+    with st.spinner("Reading the stored RISE run (once per app process)..."):
+        stored, note, damaged = shipped_run(ctx, options)
     if damaged:
         st.warning(f"{note} Press **Harvest + train** to rebuild it here.", icon=":material/broken_image:")
     found = None

@@ -331,9 +331,12 @@ def fingerprint(model_id: str, model: Any) -> str:
 
     The same weights give the same fingerprint wherever they were loaded from: the config's
     `_name_or_path` (the folder, e.g. a user-cache path or a clone's docs/shipped/models) is left out,
-    so shipped results keyed by fingerprint match in any clone and any user cache."""
+    so shipped results keyed by fingerprint match in any clone and any user cache. Nor is the
+    `transformers_version` the JSON carries (the running library's, at any depth): the same weights loaded
+    under transformers 5.24 and 5.25 are the same model (their configs differed in that key alone, checked
+    on every shipped model 2026-12-05), so a shipped result stays valid across transformers releases."""
     h = hashlib.sha256(model_id.encode())
-    config = json.loads(model.config.to_json_string(use_diff=False))
+    config = _without_versions(json.loads(model.config.to_json_string(use_diff=False)))
     config.pop("_name_or_path", None)
     h.update(json.dumps(config, sort_keys=True).encode())
     for name, p in model.named_parameters():
@@ -343,6 +346,15 @@ def fingerprint(model_id: str, model: Any) -> str:
             continue
         h.update(p.detach().flatten()[:64].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _without_versions(config: Any) -> Any:
+    """A config's JSON without the `transformers_version` keys (the top one and any sub-config's)."""
+    if isinstance(config, dict):
+        return {k: _without_versions(v) for k, v in config.items() if k != "transformers_version"}
+    if isinstance(config, list):
+        return [_without_versions(v) for v in config]
+    return config
 
 
 def smollm2_gguf_path() -> Path:

@@ -87,6 +87,26 @@ def test_the_fingerprint_does_not_depend_on_the_folder_weights_were_loaded_from(
             first.view(-1)[0] -= 1.0
 
 
+def test_the_fingerprint_does_not_depend_on_the_transformers_release(monkeypatch):
+    """A config's JSON carries the running transformers' version (top level and in each sub-config); 5.24 and
+    5.25 gave every shipped model another fingerprint through that key alone, and the pages stopped showing
+    their stored results. The version is left out; a real config change still changes the fingerprint."""
+    import transformers.configuration_utils as configuration_utils
+
+    from probes.zoo import fingerprint, load_model
+
+    for model_id in ("tiny-random:llama", "tiny-random:llava"):  # llava: text and vision sub-configs
+        model = load_model(model_id).model
+        before = fingerprint(model_id, model)
+        monkeypatch.setattr(configuration_utils, "__version__", "99.0.0")
+        assert '"transformers_version": "99.0.0"' in model.config.to_json_string(use_diff=False)
+        assert fingerprint(model_id, model) == before
+        monkeypatch.undo()
+        text = model.config.get_text_config()
+        text.rms_norm_eps = text.rms_norm_eps * 2
+        assert fingerprint(model_id, model) != before
+
+
 def test_the_zoo_lists_every_toy_with_its_small_variant():
     from probes.zoo import toy_model_ids
 

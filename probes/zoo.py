@@ -336,7 +336,7 @@ def fingerprint(model_id: str, model: Any) -> str:
     under transformers 5.24 and 5.25 are the same model (their configs differed in that key alone, checked
     on every shipped model 2026-12-05), so a shipped result stays valid across transformers releases."""
     h = hashlib.sha256(model_id.encode())
-    config = _without_versions(json.loads(model.config.to_json_string(use_diff=False)))
+    config = config_without_versions(json.loads(model.config.to_json_string(use_diff=False)))
     config.pop("_name_or_path", None)
     h.update(json.dumps(config, sort_keys=True).encode())
     for name, p in model.named_parameters():
@@ -348,12 +348,12 @@ def fingerprint(model_id: str, model: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def _without_versions(config: Any) -> Any:
+def config_without_versions(config: Any) -> Any:
     """A config's JSON without the `transformers_version` keys (the top one and any sub-config's)."""
     if isinstance(config, dict):
-        return {k: _without_versions(v) for k, v in config.items() if k != "transformers_version"}
+        return {k: config_without_versions(v) for k, v in config.items() if k != "transformers_version"}
     if isinstance(config, list):
-        return [_without_versions(v) for v in config]
+        return [config_without_versions(v) for v in config]
     return config
 
 

@@ -6,7 +6,8 @@
 | cache | probes, analyses, app, saes (only the leaves thoughtscope.errors and thoughtscope.checks) |
 | saes | app |
 | analyses | app, streamlit |
-| thoughtscope.errors, thoughtscope.provenance | anything of the project (leaf modules) |
+| thoughtscope.errors, thoughtscope.omp | anything of the project (leaf modules) |
+| thoughtscope.provenance | probes, analyses, app, saes, cache, benchmarks, thoughtscope.cli |
 | thoughtscope.checks | anything of the project but thoughtscope.errors (a leaf beside it) |
 | everything but tests | thoughtscope.cli (the entry point sits above every package) |
 
@@ -31,6 +32,7 @@ RULES = {
     "analyses": ("app", "streamlit", "thoughtscope.cli"),
     "app": ("thoughtscope.cli",),
     "thoughtscope/errors.py": PROJECT,
+    "thoughtscope/omp.py": PROJECT,
     "thoughtscope/checks.py": ("thoughtscope.cli", "thoughtscope.provenance", "thoughtscope.shipped", "probes",
                                "analyses", "app", "saes", "cache", "benchmarks"),
     "thoughtscope/provenance.py": ("probes", "analyses", "app", "saes", "cache", "benchmarks", "thoughtscope.cli"),

@@ -28,9 +28,10 @@ from rich.console import Console
 
 import analyses
 from thoughtscope.errors import BadInputError, ThoughtscopeError
+from thoughtscope.omp import spin_between_regions
 
 CORE_COMMANDS = ("probes.cli", "probes.validate_cli", "probes.server_cli", "app.cli")
-CORE_BENCHMARKS = ("probes.bench", "probes.steer_bench", "app.bench", "benchmarks.curves")
+CORE_BENCHMARKS = ("probes.bench", "probes.steer_bench", "probes.omp_bench", "app.bench", "benchmarks.curves")
 
 console = Console(stderr=True)
 
@@ -136,6 +137,7 @@ def build() -> typer.Typer:
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    spin_between_regions()  # before `build()` imports the packages, and torch with them: see thoughtscope/omp.py
     app = build()
     try:
         app()

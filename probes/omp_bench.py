@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -47,8 +48,17 @@ def _child(model_id: str, spin: bool, rows: int, new_tokens: int) -> subprocess.
     env["HF_HUB_OFFLINE"] = "1"
     if spin:
         env.update(SPIN)
-    return subprocess.Popen([sys.executable, "-c", CHILD, model_id, str(rows), str(new_tokens)], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, model_id, str(rows), str(new_tokens)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def _died(proc: subprocess.Popen, what: str) -> RuntimeError:
+    proc.log.seek(0)  # type: ignore[attr-defined]
+    tail = proc.log.read().decode(errors="replace")[-1500:]  # type: ignore[attr-defined]
+    return RuntimeError(f"the benchmark child exited with code {proc.wait()} {what}: {tail}")
 
 
 def _ask(proc: subprocess.Popen, what: str) -> dict[str, Any]:
@@ -57,7 +67,7 @@ def _ask(proc: subprocess.Popen, what: str) -> dict[str, Any]:
     proc.stdin.flush()
     line = proc.stdout.readline()
     if not line:
-        raise RuntimeError(f"the benchmark child exited with code {proc.wait()}")
+        raise _died(proc, f"on {what!r}")
     return json.loads(line)
 
 
@@ -71,7 +81,7 @@ def bench_omp_worker(model_id: str, rows: int = 8, new_tokens: int = 24, rounds:
             assert proc.stdout is not None
             line = proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"the {name} benchmark child exited with code {proc.wait()} before it was ready")
+                raise _died(proc, f"({name}) before it was ready")
             threads[name] = json.loads(line)["threads"]
         times: dict[str, list[float]] = {f"{n}_{where}": [] for n in sides for where in ("worker", "main")}
         for name, proc in sides.items():  # warm-up
@@ -84,7 +94,12 @@ def bench_omp_worker(model_id: str, rows: int = 8, new_tokens: int = 24, rounds:
         for proc in sides.values():
             if proc.stdin is not None:
                 proc.stdin.close()
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.log.close()  # type: ignore[attr-defined]
     med = {k: float(np.median(v)) for k, v in times.items()}
     return {"bench": "omp_worker_speedup", "ratio": round(med["default_worker"] / med["spin_worker"], 3),
             **{f"{k}_s": round(v, 4) for k, v in med.items()},

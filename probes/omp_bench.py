@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from probes.server_bench import server_log
 from thoughtscope.omp import SPIN
 
 CHILD = r"""
@@ -56,9 +57,7 @@ def _child(model_id: str, spin: bool, rows: int, new_tokens: int) -> subprocess.
 
 
 def _died(proc: subprocess.Popen, what: str) -> RuntimeError:
-    proc.log.seek(0)  # type: ignore[attr-defined]
-    tail = proc.log.read().decode(errors="replace")[-1500:]  # type: ignore[attr-defined]
-    return RuntimeError(f"the benchmark child exited with code {proc.wait()} {what}: {tail}")
+    return RuntimeError(f"the benchmark child exited with code {proc.wait()} {what}: {server_log(proc)[-1500:]}")
 
 
 def _ask(proc: subprocess.Popen, what: str) -> dict[str, Any]:

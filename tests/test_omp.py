@@ -1,5 +1,6 @@
 """OpenMP's wait between parallel regions (thoughtscope/omp.py): set by the `thoughtscope` command before
-torch loads, never over a user's own choice, and inherited by the processes it starts."""
+torch loads and never over a user's own choice (the processes it starts inherit `os.environ`; that the
+Streamlit child has it was checked by hand in /proc, not here)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ held-out prompts are then measured the same way and reported beside it. The slid
 fine (`FINE_STEP`) from 0 up to the first scale where the chosen pair fails the guard on the
 development set, and coarse beyond.
 
-Run (one thread, about ten minutes on a 2-core machine; writes docs/steering_default.json):
+Run (one thread, about 14 minutes on a 2-core machine; writes docs/steering_default.json):
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python -m analyses.steering_defaults --out docs/steering_default.json
 """
 

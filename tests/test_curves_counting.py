@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks.curves import shape_ratio
+from probes.hooks import StepBlocks
 
 
 @contextlib.contextmanager
@@ -44,9 +45,63 @@ def test_a_stream_feeds_one_token_per_step_and_keeps_one_position_per_record(lla
     n = len(records)
     assert widths == [40] + [1] * (n - 1)  # the prompt once, then one token per step
     d = llama.arch().d_model
+    held = storages_held(records)
     for rec in records:  # each record holds its own position, never a copy of the sequence so far
         for v in rec.activations.values():
-            assert v.shape == (d,) and v.untyped_storage().nbytes() == d * v.element_size()
+            assert v.shape == (d,) and v.dtype == torch.float32
+    # the 12 positions of each site share the site's first block of StepBlocks.FIRST slots
+    assert {name: list(sizes.values()) for name, sizes in held.items()} == {
+        name: [StepBlocks.FIRST * d * 4] for name in ("resid_post.0", "resid_post.1")}
+
+
+def storages_held(records):
+    """{site: {storage address: bytes}} of the activation tensors a stream's records hold."""
+    held = {}
+    for rec in records:
+        for name, v in rec.activations.items():
+            storage = v.untyped_storage()
+            held.setdefault(name, {})[storage.data_ptr()] = storage.nbytes()
+    return held
+
+
+def test_a_long_stream_keeps_its_captures_in_a_few_growing_blocks_not_one_tensor_per_step(llama):
+    """A stream's captured steps go into blocks that double (16, 32, 64, ... slots): 100 positions take 3
+    blocks per site, not 100 small tensors (which fragmented glibc's heap: a long stream's peak memory grew
+    faster than its data, docs/curves.md), and the bytes held stay within twice the data. The values are the
+    ones a capture of the whole sequence reads at each position."""
+    prompt = list(range(5, 25))
+    sites = ["resid_post.0", "resid_post.1"]
+    records = list(llama.generate(prompt, max_new_tokens=100, capture=sites, stop=[]))
+    n, d = len(records), llama.arch().d_model
+    held = storages_held(records)
+    blocks = 0
+    while StepBlocks.FIRST * (2 ** blocks - 1) < n:  # 16 + 32 + 64 = 112 slots hold 100 positions
+        blocks += 1
+    for name in sites:
+        assert len(held[name]) == blocks
+        assert n * d * 4 <= sum(held[name].values()) <= 2 * n * d * 4 + StepBlocks.FIRST * d * 4
+    # each record's value is its own position's (fed token = the record's input position)
+    tokens = prompt + [r.token_id for r in records]
+    full = llama.capture(tokens[:-1], sites)
+    for name in sites:
+        streamed = torch.stack([r.activations[name] for r in records])
+        torch.testing.assert_close(streamed, full[name][len(prompt) - 1:], rtol=1e-4, atol=1e-5)
+
+
+def test_a_site_whose_shape_grows_each_step_is_copied_on_its_own():
+    """Attention patterns gain a key each step: such a site leaves the blocks after its first step."""
+    blocks = StepBlocks()
+    first = blocks.keep(torch.ones(1, 1, 2, 3))
+    second = blocks.keep(torch.full((1, 1, 2, 4), 2.0))
+    third = blocks.keep(torch.full((1, 1, 2, 5), 3.0))
+    assert blocks.varying and first.shape == (1, 1, 2, 3) and second.shape == (1, 1, 2, 4)
+    assert second.untyped_storage().nbytes() == 8 * 4 and third.untyped_storage().nbytes() == 10 * 4
+    assert float(first.sum()) == 6.0 and float(second.sum()) == 16.0 and float(third.sum()) == 30.0
+    # a block of the same shape fills slot after slot, each written once
+    same = StepBlocks()
+    kept = [same.keep(torch.full((2, 1, 3), float(i))) for i in range(20)]
+    assert [float(k.mean()) for k in kept] == [float(i) for i in range(20)]
+    assert len({k.untyped_storage().data_ptr() for k in kept}) == 2  # 16 slots, then a block of 32
 
 
 def test_a_fork_computes_the_suffix_and_its_new_tokens_never_the_prefix(llama):

@@ -93,11 +93,9 @@ class StepBlocks:
         if self.varying:
             return value.clone()
         block = self.block
-        if block is not None and block.shape[1:] != value.shape:
-            if self.used:  # the shape changed between steps: this site is not for blocks
-                self.varying, self.block = True, None
-                return value.clone()
-            block = None
+        if block is not None and block.shape[1:] != value.shape:  # the shape changed between steps
+            self.varying, self.block = True, None
+            return value.clone()
         if block is None or self.used == block.shape[0] or block.dtype != value.dtype or block.device != value.device:
             slot_bytes = max(1, value.numel() * value.element_size())
             cap = max(1, min(self.MOST, self.BLOCK_BYTES // slot_bytes))
@@ -207,10 +205,10 @@ class HookRunner:
 
         One position per row (a decode step) goes into the next slot of a block of `StepBlocks`; the records of
         a stream keep views of it. Why not one small tensor per site and step: a stream keeps thousands of them,
-        and glibc placed each among the holes its step's large transients (the logits, their log-softmax) had
-        just left, so freed heap stayed pinned: a 2,048-token stream capturing all 30 sites of SmolLM2 peaked at
-        673 MB for 240 MB of captures and KV cache, growing faster than linearly (docs/curves.md, the issue's
-        sizes). Longer captures (a prompt, a trace) are one tensor each, as before."""
+        and freed heap stayed resident around them (glibc fragmentation, most likely among the holes each step's
+        large transients leave; `malloc_trim` handed it back): a 2,048-token stream capturing all 30 sites of
+        SmolLM2 peaked at 673-850 MB for 240 MB of captures and KV cache, faster than linear; with blocks, 324 MB
+        (docs/curves.md, the issue's sizes). Longer captures (a prompt, a trace) are one tensor each, as before."""
         if kept.shape[1] != 1:
             return kept.clone()
         blocks = self._blocks.get(name)

@@ -89,6 +89,22 @@ class StepBlocks:
         self.size = 0
         self.varying = False
 
+    @classmethod
+    def next_size(cls, size: int, slot_bytes: int) -> int:
+        """Slots of the block after one of `size` slots (0: the first block), for values of `slot_bytes`."""
+        cap = max(1, min(cls.MOST, cls.BLOCK_BYTES // max(1, slot_bytes)))
+        return min(cap, max(cls.FIRST, 2 * size))
+
+    @classmethod
+    def slots_for(cls, steps: int, slot_bytes: int) -> int:
+        """Slots allocated once `steps` values of `slot_bytes` each are kept (what a stream's memory estimate
+        counts: the last block's unused slots are held too)."""
+        total = size = 0
+        while total < steps:
+            size = cls.next_size(size, slot_bytes)
+            total += size
+        return total
+
     def keep(self, value: torch.Tensor) -> torch.Tensor:
         if self.varying:
             return value.clone()
@@ -97,9 +113,7 @@ class StepBlocks:
             self.varying, self.block = True, None
             return value.clone()
         if block is None or self.used == block.shape[0] or block.dtype != value.dtype or block.device != value.device:
-            slot_bytes = max(1, value.numel() * value.element_size())
-            cap = max(1, min(self.MOST, self.BLOCK_BYTES // slot_bytes))
-            self.size = min(cap, max(self.FIRST, 2 * self.size))
+            self.size = self.next_size(self.size, value.numel() * value.element_size())
             block = self.block = torch.empty((self.size, *value.shape), dtype=value.dtype, device=value.device)
             self.used = 0
         slot = block[self.used]

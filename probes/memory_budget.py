@@ -18,6 +18,11 @@ What is counted (bytes of the model's dtype unless said otherwise; B rows, T tok
 - the KV cache of a generation, a prefill or a fork: 2 x layers x kv_heads x head_dim x B x (T + N);
 - a stream's token records: B x N x 2 KiB of Python objects (top-k texts, lists, dicts: measured with
   tracemalloc on 400-token streams, 1.96-2.15 KB per record with top-5);
+- a stream's captured values as objects: each record holds one tensor per captured site, a view into the
+  site's block (`probes.hooks.StepBlocks`), B x N x sites x 640 bytes (the tensor object and its dict entry:
+  566-806 bytes per value measured as resident memory over 4,000 records of 1, 3 and 30 sites, torch 2.13;
+  tracemalloc does not see them), and the slots of each site's last block not yet written
+  (`StepBlocks.slots_for`: blocks of 16, 32, ... up to 256 slots or 1 MiB);
 - a gradient's saved activations: layers x B x T x (6 d_model + 3 d_mlp) float32 (and the eager
   attention of every layer, when patterns are read).
 
@@ -40,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from probes.hooks import StepBlocks
 from thoughtscope.errors import BadInputError, MemoryBudgetError
 
 ENV_VAR = "THOUGHTSCOPE_MEMORY_BUDGET"
@@ -48,6 +54,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _TEACHER_FORCED = ("trace", "capture", "capture_batch", "gradient")
 _KEEPS_KV = ("generate", "fork", "prefill")
 RECORD_BYTES = 2048  # Python objects of one TokenRecord with top-5 (measured, module docstring)
+VALUE_OBJECT_BYTES = 640  # one captured value held by a record: its tensor object and dict entry (measured)
 
 
 @dataclass(frozen=True)
@@ -136,7 +143,7 @@ def estimate(arch: Any, dtype_bytes: int, *, mode: str, lengths: Sequence[int], 
     streamed = mode in ("generate", "fork")  # one position captured per step
     eager = eager or "attn_pattern" in kinds
     s = dtype_bytes
-    captured = patterns = 0
+    captured = patterns = unwritten = 0
     for kind in kinds:
         if kind == "attn_pattern":
             if streamed:
@@ -146,7 +153,13 @@ def estimate(arch: Any, dtype_bytes: int, *, mode: str, lengths: Sequence[int], 
             continue
         width, size = _site_width(kind, arch)
         captured += batch * (new if streamed else seq) * width * (size or s)
+        if streamed and new:  # a step's value [B, 1, width] is one slot of the site's blocks
+            slot = batch * width * (size or s)
+            unwritten += (StepBlocks.slots_for(new, slot) - new) * slot
     parts = {"captured activations": captured, "attention patterns": patterns}
+    if streamed:
+        parts["unwritten capture slots"] = unwritten
+        parts["captured value objects"] = batch * new * len(kinds) * VALUE_OBJECT_BYTES
     if mode == "trace":
         parts["logits"] = batch * seq * arch.vocab_size * (s + 3 * 4)
     elif mode == "gradient":

@@ -80,6 +80,8 @@ def test_a_long_stream_keeps_its_captures_in_a_few_growing_blocks_not_one_tensor
     for name in sites:
         assert len(held[name]) == blocks
         assert n * d * 4 <= sum(held[name].values()) <= 2 * n * d * 4 + StepBlocks.FIRST * d * 4
+        # what the memory budget counts for a stream (the last block's unused slots too) is what was allocated
+        assert sum(held[name].values()) == StepBlocks.slots_for(n, d * 4) * d * 4 == 112 * d * 4
     # each record's value is its own position's (fed token = the record's input position)
     tokens = prompt + [r.token_id for r in records]
     full = llama.capture(tokens[:-1], sites)

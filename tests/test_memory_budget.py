@@ -49,6 +49,12 @@ def test_the_estimate_counts_sites_patterns_logits_and_the_kv_cache_by_hand():
     assert gen.parts["attention patterns"] == 2 * 4 * 6 * (10 + 3) * 4
     assert gen.parts["kv cache"] == 2 * 2 * 2 * 16 * 2 * (10 + 6) * 4
     assert gen.parts["token records"] == 2 * 6 * 2048  # Python objects of each record
+    # the residual site's steps go into a first block of 16 slots of [2 rows, 64]: 10 slots stay unwritten;
+    # every record holds one tensor object per captured site
+    assert gen.parts["unwritten capture slots"] == (16 - 6) * 2 * 64 * 4
+    assert gen.parts["captured value objects"] == 2 * 6 * 2 * 640
+    long = estimate(ARCH, 4, mode="generate", lengths=[10], sites=["resid_post.0"], max_new_tokens=300)
+    assert long.parts["unwritten capture slots"] == (16 + 32 + 64 + 128 + 256 - 300) * 64 * 4
     # mask rows multiply a teacher-forced pass
     assert estimate(ARCH, 4, mode="trace", lengths=[50], rows=3, sites=["q.0"]).parts["captured activations"] \
         == 3 * 50 * 4 * 16 * 4

@@ -464,6 +464,8 @@ class SiteProgram:
             x = view.reshape(x.shape)
         if h.capture:
             kept = view[:, -1:] if self.ctx.last_only else view
+            # a copy per step, not a slot of `probes.hooks.StepBlocks` as in the engine's hooks: each step's
+            # values travel back serialised, and a view would carry its whole block's storage with it
             self.captured[h.site.name] = kept.detach().clone()
         return x
 

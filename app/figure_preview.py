@@ -23,6 +23,12 @@ and RLKV pages, 2 painted their SVG preview 0.8 and 1.06 s after it had arrived,
 complete when it arrived in 12 of 12. The tab also loads the code of the preview's element (`st.html`) before
 the preview arrives (`app.first_paint.load_preview_renderer` says why).
 
+Previews are also kept on disk (`folder()`: the cache folder's `figure-previews`, by plotly version and
+drawing size; at most `MAX_PREVIEWS` files, the oldest dropped first), so the first new tab after the app
+restarts paints the preview of a figure an earlier run of the app drew: the method pages open on stored
+results, whose figures are the same from one run to the next (a figure drawn in this process goes first,
+then one on disk; a file that is not a PNG is ignored and made again).
+
 On by default; `THOUGHTSCOPE_FIGURE_PREVIEWS=0` in the app's environment turns them off. Measured on the
 2-core machine (2026-12-04, SmolLM2, `app.bench.bench_page_first_figure`, on and off in one process, 5 new
 tabs each, load 2.8-3.6): a new tab paints the trace explorer's first figure at 1.35 s with previews against
@@ -46,9 +52,11 @@ import base64
 import hashlib
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -63,8 +71,21 @@ MAX_PREVIEWS = 64
 MAX_BYTES = 48 * 2**20
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
 def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
+
+
+def folder() -> Path:
+    """Where previews outlive the app process: one folder per plotly version and drawing size (a preview is
+    of exactly the figure its JSON names, drawn by that plotly.js at that size)."""
+    import plotly
+
+    from probes.paths import user_cache_dir
+
+    return user_cache_dir() / "figure-previews" / f"plotly-{plotly.__version__}-{WIDTH}px-x{SCALE}"
 
 
 def figure_key(spec: str) -> str:
@@ -96,9 +117,12 @@ class PreviewStore:
     (at most `MAX_PREVIEWS` and `MAX_BYTES`). A request replaces the one still waiting in its slot (a page):
     a slider moved ten times in a row renders the last figure only."""
 
-    def __init__(self, render: Any, delay_s: float = DELAY_S, idle_s: float = 30.0):
+    def __init__(self, render: Any, delay_s: float = DELAY_S, idle_s: float = 30.0, disk: Path | None = None,
+                 warm_up: Any = None):
         self._render = render  # (figure JSON, height) -> PNG bytes: app.export.preview_png
+        self._warm_up = warm_up  # starts what `render` uses (app.export's Chromium), with the first preview to make
         self.delay_s, self.idle_s = delay_s, idle_s
+        self.disk = disk  # previews kept across app processes (`folder()`), or None: this process only
         self._images: OrderedDict[str, bytes] = OrderedDict()
         self._waiting: dict[str, tuple[str, str, int]] = {}  # slot -> (key, figure JSON, height)
         self._cond = threading.Condition()
@@ -111,14 +135,24 @@ class PreviewStore:
             image = self._images.get(key)
             if image is not None:
                 self._images.move_to_end(key)
-            return image
+                return image
+        image = self._read(key)
+        if image is not None:
+            with self._cond:
+                self._keep(key, image)
+        return image
 
     def request(self, slot: str, key: str, spec: str, height: int) -> None:
         """Make the preview of the figure `spec` (its JSON) in the background, unless it exists."""
+        if self.get(key) is not None:
+            return
         with self._cond:
             if key in self._images:
                 return
             self._waiting[slot] = (key, spec, height)
+            if self._warm_up is not None:
+                threading.Thread(target=self._warm_up, name="figure-previews-warm-up", daemon=True).start()
+                self._warm_up = None
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="figure-previews", daemon=True)
                 self._thread.start()
@@ -145,11 +179,55 @@ class PreviewStore:
             except Exception as err:  # no Chromium, a figure kaleido cannot draw: the chart as before
                 log.info("no preview for a figure: %s", err)
                 image = None
+            if image is not None:
+                self._write(key, image)
             with self._cond:
                 self._busy = False
                 if image is not None:
-                    self._images[key] = image
+                    self._keep(key, image)
                     self.rendered += 1
-                    while len(self._images) > MAX_PREVIEWS or sum(map(len, self._images.values())) > MAX_BYTES:
-                        self._images.popitem(last=False)
                 self._cond.notify_all()
+
+    def _keep(self, key: str, image: bytes) -> None:
+        self._images[key] = image
+        self._images.move_to_end(key)
+        while len(self._images) > MAX_PREVIEWS or sum(map(len, self._images.values())) > MAX_BYTES:
+            self._images.popitem(last=False)
+
+    def _read(self, key: str) -> bytes | None:
+        if self.disk is None:
+            return None
+        path = self.disk / f"{key}.png"
+        try:
+            image = path.read_bytes()
+        except OSError:
+            return None
+        if not image.startswith(PNG_SIGNATURE) or len(image) > MAX_BYTES:
+            return None
+        try:
+            os.utime(path)  # used now: the files dropped first are the ones no tab has asked for longest
+        except OSError:
+            pass
+        return image
+
+    def _write(self, key: str, image: bytes) -> None:
+        """The preview to disk (whole or not at all: written aside, then renamed), the oldest files beyond
+        `MAX_PREVIEWS` removed; a disk that refuses is logged and the preview kept in memory only."""
+        if self.disk is None or not image.startswith(PNG_SIGNATURE):
+            return
+        tmp = None
+        try:
+            self.disk.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.disk, suffix=".part")
+            with os.fdopen(fd, "wb") as f:
+                f.write(image)
+            os.replace(tmp, self.disk / f"{key}.png")
+            tmp = None
+            files = sorted(self.disk.glob("*.png"), key=lambda f: f.stat().st_mtime)
+            for old in files[:-MAX_PREVIEWS]:
+                old.unlink(missing_ok=True)
+        except OSError as err:
+            log.info("a figure preview was not kept on disk: %s", err)
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)

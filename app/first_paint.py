@@ -33,7 +33,6 @@ one run. `THOUGHTSCOPE_FIRST_FIGURE_FIRST=0` in the app's environment draws ever
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import streamlit as st
@@ -199,12 +198,10 @@ def preview_for(fig: Any, render: Any, warm_up: Any = None) -> str | None:
 
 @st.cache_resource
 def preview_store(_render: Any, _warm_up: Any = None) -> figure_preview.PreviewStore:
-    """The app process' previews, shared by every session. What renders them starts now, in the background:
-    started cold by the first render instead, it took the CPU in the middle of a tab's first seconds."""
-    store = figure_preview.PreviewStore(render=_render)
-    if _warm_up is not None:
-        threading.Thread(target=_warm_up, name="figure-previews-warm-up", daemon=True).start()
-    return store
+    """The app process' previews, shared by every session. What renders them starts in the background with
+    the first preview to make (started cold by the first render instead, it took the CPU in the middle of a
+    tab's first seconds); a tab whose previews are all on disk starts nothing."""
+    return figure_preview.PreviewStore(render=_render, disk=figure_preview.folder(), warm_up=_warm_up)
 
 
 def after_figure() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import threading
 
 import plotly.graph_objects as go
@@ -74,6 +75,66 @@ def test_the_least_recently_used_preview_goes_first(monkeypatch):
         if i == 1:
             assert store.get(figure_key(specs[0])) is not None  # used: the oldest is now specs[1]
     assert [store.get(figure_key(s)) is not None for s in specs] == [True, False, True]
+
+
+class PngRenders(Renders):
+    """Renders answering bytes with the PNG signature (what the disk layer keeps), naming the figure."""
+
+    def __call__(self, spec: str, height: int) -> bytes:
+        return b"\x89PNG\r\n\x1a\n" + super().__call__(spec, height)
+
+
+def test_a_preview_outlives_the_app_process_on_disk_and_is_not_rendered_again(tmp_path):
+    """The first new tab after a restart finds the preview an earlier app process made (read from disk,
+    nothing rendered); a file that is not a PNG is ignored and made again."""
+    spec, other = _spec([3, 1, 2]), _spec([9])
+    first = PreviewStore(render=PngRenders(), delay_s=0.0, disk=tmp_path)
+    first.request("p", figure_key(spec), spec, 300)
+    assert first.wait_idle(10) and first.rendered == 1
+    made = first.get(figure_key(spec))
+    assert (tmp_path / f"{figure_key(spec)}.png").read_bytes() == made
+    assert list(tmp_path.glob("*.part")) == []  # written aside, then renamed: no partial file left
+
+    renders = PngRenders()
+    later = PreviewStore(render=renders, delay_s=0.0, disk=tmp_path)  # a new app process
+    assert later.get(figure_key(spec)) == made and renders.asked == []
+    later.request("p", figure_key(spec), spec, 300)
+    assert later.wait_idle(10) and renders.asked == [] and later.rendered == 0
+
+    (tmp_path / f"{figure_key(other)}.png").write_bytes(b"<html>not an image</html>")
+    assert later.get(figure_key(other)) is None
+    later.request("p", figure_key(other), other, 450)
+    assert later.wait_idle(10) and renders.asked == [other]
+    assert (tmp_path / f"{figure_key(other)}.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_renderer_is_warmed_up_with_the_first_preview_to_make_not_for_previews_on_disk(tmp_path):
+    spec, other = _spec([5, 4]), _spec([6])
+    earlier = PreviewStore(render=PngRenders(), delay_s=0.0, disk=tmp_path)  # an earlier app process
+    earlier.request("p", figure_key(spec), spec, 300)
+    assert earlier.wait_idle(10)
+    started = threading.Event()
+    store = PreviewStore(render=PngRenders(), delay_s=0.0, disk=tmp_path, warm_up=started.set)
+    store.request("p", figure_key(spec), spec, 300)
+    assert store.get(figure_key(spec)) is not None and not started.wait(0.3)  # all on disk: nothing started
+    store.request("p", figure_key(other), other, 300)
+    assert started.wait(10) and store.wait_idle(10) and store.rendered == 1
+
+
+def test_previews_on_disk_are_bounded_oldest_first_and_a_refusing_disk_costs_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr("app.figure_preview.MAX_PREVIEWS", 2)
+    store = PreviewStore(render=PngRenders(), delay_s=0.0, disk=tmp_path)
+    specs = [_spec([k, k]) for k in range(3)]
+    for i, spec in enumerate(specs):
+        store.request("p", figure_key(spec), spec, 450)
+        assert store.wait_idle(10)
+        os.utime(tmp_path / f"{figure_key(spec)}.png", (1e9 + i, 1e9 + i))  # distinct ages, oldest first
+    assert sorted(f.stem for f in tmp_path.glob("*.png")) == sorted(figure_key(s) for s in specs[1:])
+    blocked = tmp_path / "a-file-where-the-folder-should-be"
+    blocked.write_text("")
+    refused = PreviewStore(render=PngRenders(), delay_s=0.0, disk=blocked)
+    refused.request("p", figure_key(specs[0]), specs[0], 450)
+    assert refused.wait_idle(10) and refused.get(figure_key(specs[0])) is not None  # kept in memory
 
 
 def test_the_worker_thread_ends_when_idle_and_a_later_request_starts_another():

@@ -27,7 +27,11 @@ Previews are also kept on disk (`folder()`: the cache folder's `figure-previews`
 drawing size; at most `MAX_PREVIEWS` files, the oldest dropped first), so the first new tab after the app
 restarts paints the preview of a figure an earlier run of the app drew: the method pages open on stored
 results, whose figures are the same from one run to the next (a figure drawn in this process goes first,
-then one on disk; a file that is not a PNG is ignored and made again).
+then one on disk; a file that is not a PNG is ignored and made again). Measured 2026-12-06
+(`app.bench.bench_first_tab_after_restart`, SmolLM2, 2-core machine, load 0.5 before): the first tab of each
+method page in a restarted app painted its preview from disk at 1.16-2.50 s (RISE the slowest: its first visit
+imported SAELens, now done in the background by app/warm.py: 1.11-1.83 s), against 2.55-4.10 s for a page the
+app had never drawn.
 
 On by default; `THOUGHTSCOPE_FIGURE_PREVIEWS=0` in the app's environment turns them off. Measured on the
 2-core machine (2026-12-04, SmolLM2, `app.bench.bench_page_first_figure`, on and off in one process, 5 new

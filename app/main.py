@@ -19,7 +19,7 @@ if str(ROOT) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the 
 
 import streamlit as st  # noqa: E402
 
-from app import first_paint, outage  # noqa: E402
+from app import first_paint, outage, warm  # noqa: E402
 from app.context import PageContext  # noqa: E402
 from app.export import page_provenance  # noqa: E402
 from app.persist import forget, hold_widgets  # noqa: E402
@@ -106,7 +106,8 @@ def _render_page(module, ctx: PageContext | None) -> None:
 def main(only: str | None = None) -> None:
     """Draw the app; `only` restricts the navigation to one page module (used by the tests)."""
     st.set_page_config(page_title="thoughtscope", page_icon=page_icon(), layout="wide")
-    if sys.argv and Path(sys.argv[0]).resolve() == Path(__file__).resolve():
+    served = bool(sys.argv) and Path(sys.argv[0]).resolve() == Path(__file__).resolve()  # by `streamlit run`
+    if served:
         apply_launch_args(sys.argv[1:])
         first_paint.enable()  # served by `streamlit run`: a browser reports each visit's first figure painted
         first_paint.load_preview_renderer()  # a new tab: the preview's element loads while the page draws
@@ -127,6 +128,8 @@ def main(only: str | None = None) -> None:
     frame.ctx = sidebar_context()
     try:
         page.run()
+        if served:  # a browser's session: the libraries later pages load lazily, imported once per process now
+            warm.start()
     except StreamlitAPIException:
         if not restored:
             raise

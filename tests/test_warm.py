@@ -1,0 +1,55 @@
+"""app.warm: the libraries method pages load lazily are imported once per process, in the background."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from app import warm
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A process state where the warm-up has not run, and a package on the path that counts its imports."""
+    monkeypatch.setattr(warm, "_thread", None)
+    monkeypatch.setattr(warm, "loaded", {})
+    pkg = tmp_path / "ts_warm_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import builtins\nbuiltins.TS_WARM_RUNS = getattr(builtins, 'TS_WARM_RUNS', 0) + 1\n")
+    (pkg / "heavy.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield pkg
+    for name in ("ts_warm_probe", "ts_warm_probe.heavy"):
+        sys.modules.pop(name, None)
+    import builtins
+
+    if hasattr(builtins, "TS_WARM_RUNS"):
+        del builtins.TS_WARM_RUNS
+
+
+def test_imports_in_the_background_once_per_process(fresh):
+    import builtins
+
+    thread = warm.start(["ts_warm_probe.heavy"])
+    assert thread is not None and thread.daemon
+    thread.join(30)
+    assert sys.modules["ts_warm_probe.heavy"].VALUE == 42
+    assert list(warm.loaded) == ["ts_warm_probe.heavy"]
+    assert warm.start(["ts_warm_probe.heavy"]) is None  # a second session's run starts nothing
+    import ts_warm_probe.heavy  # noqa: F401 - what a page would do next: no second execution
+
+    assert builtins.TS_WARM_RUNS == 1
+
+
+def test_a_missing_library_is_skipped_and_the_rest_imported(fresh):
+    thread = warm.start(["ts_warm_probe_absent", "ts_warm_probe.heavy"])
+    thread.join(30)
+    assert list(warm.loaded) == ["ts_warm_probe.heavy"]
+
+
+def test_the_list_names_importable_libraries_of_this_environment():
+    import importlib.util
+
+    missing = [m for m in warm.MODULES if importlib.util.find_spec(m.split(".")[0]) is None]
+    assert missing == []

@@ -756,10 +756,12 @@ def bench_streamlit_floor(rounds: int = 5) -> list[dict[str, Any]]:
 def bench_first_tab_after_restart(model_id: str = "smollm2-135m", restarts: int = 2,
                                   pages: tuple[str, ...] = FIRST_RESULT_PAGES) -> list[dict[str, Any]]:
     """`first_tab_after_restart_s`: the first new tab of each method page in a fresh app process, with no
-    figure previews on disk (a new cache folder: the app has never drawn the page) and then after each of
-    `restarts` restarts of the app on the same cache folder, where the previews the earlier process made
-    wait on disk (app/figure_preview.py). Each process: Home in a warm-up tab (the model's load is not a
-    page's), then each page once in a new tab of one browser profile; times by the page's own clock."""
+    figure previews on disk (a new cache folder, the repository's shipped previews switched off: the app has
+    never drawn the page) and then after each of `restarts` restarts of the app on the same cache folder, where
+    the previews the earlier process made wait on disk (app/figure_preview.py); last, as a fresh clone opens
+    it: a new cache folder with the shipped previews (`fresh_clone_s`, app/ship_previews.py). Each process:
+    Home in a warm-up tab (the model's load is not a page's), then each page once in a new tab of one browser
+    profile; times by the page's own clock."""
     browser_path = _browser_path()
     if browser_path is None:
         return [{"bench": "first_tab_after_restart_s", "ratio": float("nan"), "skipped": "needs Chromium and playwright"}]
@@ -770,11 +772,13 @@ def bench_first_tab_after_restart(model_id: str = "smollm2-135m", restarts: int 
 
     load_before = _load()
     runs: list[dict[str, tuple[float, float, float, bool]]] = []
-    with tempfile.TemporaryDirectory() as cache, sync_playwright() as pw:
-        env = {"THOUGHTSCOPE_CACHE_DIR": cache}
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as clone_cache, \
+            sync_playwright() as pw:
+        own_only = {"THOUGHTSCOPE_CACHE_DIR": cache, figure_preview.SHIPPED_SWITCH: "0"}
+        fresh_clone = {"THOUGHTSCOPE_CACHE_DIR": clone_cache, figure_preview.SHIPPED_SWITCH: "1"}
         browser = pw.chromium.launch(executable_path=browser_path, headless=True,
                                      args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        for _ in range(restarts + 1):
+        for env in [own_only] * (restarts + 1) + [fresh_clone]:
             with _app(model_id, env) as url:
                 context = browser.new_context(viewport={"width": 1400, "height": 1000})
                 warm = context.new_page()
@@ -784,15 +788,15 @@ def bench_first_tab_after_restart(model_id: str = "smollm2-135m", restarts: int 
                 warm.close()
                 runs.append({name: page_first_result_times(context, url, name) for name in pages})
                 # the previews of this process' first figures, made in its background, on disk before it stops
-                kept = Path(cache) / figure_preview.folder().relative_to(user_cache_dir())
-                deadline = time.time() + 120
+                kept = Path(env["THOUGHTSCOPE_CACHE_DIR"]) / figure_preview.folder().relative_to(user_cache_dir())
+                deadline = time.time() + (120 if env is own_only else 0)  # the fresh clone's come from the repository
                 while len(list(kept.glob("*.png"))) < len(pages) and time.time() < deadline:
                     time.sleep(1.0)
                 context.close()
         browser.close()
     rows = []
     for name in pages:
-        cold, *later = (run[name] for run in runs)
+        cold, *later, clone = (run[name] for run in runs)
         after = statistics.median(t for t, *_ in later)
         rows.append({"bench": "first_tab_after_restart_s", "page": name, "model": model_id,
                      "never_drawn_s": round(cold[0], 3), "never_drawn_interactive_s": round(cold[2], 3),
@@ -800,6 +804,8 @@ def bench_first_tab_after_restart(model_id: str = "smollm2-135m", restarts: int 
                      "after_restart_runs_s": [round(t, 3) for t, *_ in later],
                      "after_restart_previews": [p for *_, p in later],
                      "after_restart_interactive_s": round(statistics.median(c for _, _, c, _ in later), 3),
+                     "fresh_clone_s": round(clone[0], 3), "fresh_clone_preview": clone[3],
+                     "fresh_clone_interactive_s": round(clone[2], 3),
                      "ratio": round(after / GOALS["page_first_result"], 3), "target": 1.0,
                      "goal_s": GOALS["page_first_result"], "load_avg_1m_before": load_before, "load_avg_1m": _load(),
                      "clock": "the page's own: navigation start of the first new tab of a page in an app process "

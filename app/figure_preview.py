@@ -31,7 +31,9 @@ then one on disk; a file that is not a PNG is ignored and made again). Measured 
 (`app.bench.bench_first_tab_after_restart`, SmolLM2, 2-core machine, load 0.5 before): the first tab of each
 method page in a restarted app painted its preview from disk at 1.16-2.50 s (RISE the slowest: its first visit
 imported SAELens, now done in the background by app/warm.py: 1.11-1.83 s), against 2.55-4.10 s for a page the
-app had never drawn.
+app had never drawn. The previews of the method pages' first figures on the embedded model also ship in the
+repository (`shipped_folder()`, read after the user's folder, never written; app/ship_previews.py rebuilds
+them), so a fresh clone's first tab paints one too: 1.02-1.83 s on the seven method pages (2026-12-06).
 
 On by default; `THOUGHTSCOPE_FIGURE_PREVIEWS=0` in the app's environment turns them off. Measured on the
 2-core machine (2026-12-04, SmolLM2, `app.bench.bench_page_first_figure`, on and off in one process, 5 new
@@ -82,14 +84,30 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
+SHIPPED_SWITCH = "THOUGHTSCOPE_SHIPPED_PREVIEWS"  # "0": ignore the previews the repository ships (their rebuild)
+SHIPPED_ROOT = Path(__file__).resolve().parents[1] / "docs" / "shipped" / "figure-previews"
+
+
 def folder() -> Path:
     """Where previews outlive the app process: one folder per plotly version and drawing size (a preview is
     of exactly the figure its JSON names, drawn by that plotly.js at that size)."""
-    import plotly
-
     from probes.paths import user_cache_dir
 
-    return user_cache_dir() / "figure-previews" / f"plotly-{plotly.__version__}-{WIDTH}px-x{SCALE}"
+    return user_cache_dir() / "figure-previews" / _subfolder()
+
+
+def shipped_folder() -> Path | None:
+    """The previews the repository ships for the pages' first figures on the embedded model (made by
+    `python -m app.ship_previews`, read only), for this plotly version and drawing size; None when switched off.
+    A preview is found by its figure's JSON, so one whose figure differs here (another plotly, another result)
+    is simply never used."""
+    return None if os.environ.get(SHIPPED_SWITCH, "1") == "0" else SHIPPED_ROOT / _subfolder()
+
+
+def _subfolder() -> str:
+    import plotly
+
+    return f"plotly-{plotly.__version__}-{WIDTH}px-x{SCALE}"
 
 
 def figure_key(spec: str) -> str:
@@ -122,11 +140,12 @@ class PreviewStore:
     a slider moved ten times in a row renders the last figure only."""
 
     def __init__(self, render: Any, delay_s: float = DELAY_S, idle_s: float = 30.0, disk: Path | None = None,
-                 warm_up: Any = None):
+                 warm_up: Any = None, shipped: Path | None = None):
         self._render = render  # (figure JSON, height) -> PNG bytes: app.export.preview_png
         self._warm_up = warm_up  # starts what `render` uses (app.export's Chromium), with the first preview to make
         self.delay_s, self.idle_s = delay_s, idle_s
         self.disk = disk  # previews kept across app processes (`folder()`), or None: this process only
+        self.shipped = shipped  # previews the repository ships (`shipped_folder()`), read after `disk`, never written
         self._images: OrderedDict[str, bytes] = OrderedDict()
         self._waiting: dict[str, tuple[str, str, int]] = {}  # slot -> (key, figure JSON, height)
         self._cond = threading.Condition()
@@ -199,20 +218,23 @@ class PreviewStore:
             self._images.popitem(last=False)
 
     def _read(self, key: str) -> bytes | None:
-        if self.disk is None:
-            return None
-        path = self.disk / f"{key}.png"
-        try:
-            image = path.read_bytes()
-        except OSError:
-            return None
-        if not image.startswith(PNG_SIGNATURE) or len(image) > MAX_BYTES:
-            return None
-        try:
-            os.utime(path)  # used now: the files dropped first are the ones no tab has asked for longest
-        except OSError:
-            pass
-        return image
+        for folder in (self.disk, self.shipped):
+            if folder is None:
+                continue
+            path = folder / f"{key}.png"
+            try:
+                image = path.read_bytes()
+            except OSError:
+                continue
+            if not image.startswith(PNG_SIGNATURE) or len(image) > MAX_BYTES:
+                continue
+            if folder == self.disk:
+                try:
+                    os.utime(path)  # used now: the files dropped first are the ones no tab has asked for longest
+                except OSError:
+                    pass
+            return image
+        return None
 
     def _write(self, key: str, image: bytes) -> None:
         """The preview to disk (whole or not at all: written aside, then renamed), the oldest files beyond

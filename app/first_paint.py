@@ -201,7 +201,8 @@ def preview_store(_render: Any, _warm_up: Any = None) -> figure_preview.PreviewS
     """The app process' previews, shared by every session. What renders them starts in the background with
     the first preview to make (started cold by the first render instead, it took the CPU in the middle of a
     tab's first seconds); a tab whose previews are all on disk starts nothing."""
-    return figure_preview.PreviewStore(render=_render, disk=figure_preview.folder(), warm_up=_warm_up)
+    return figure_preview.PreviewStore(render=_render, disk=figure_preview.folder(), warm_up=_warm_up,
+                                       shipped=figure_preview.shipped_folder())
 
 
 def after_figure() -> None:

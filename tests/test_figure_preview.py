@@ -11,7 +11,7 @@ import threading
 import plotly.graph_objects as go
 import pytest
 
-from app import first_paint
+from app import figure_preview, first_paint
 from app.figure_preview import CLASS, HIDE_WHEN_DRAWN, PreviewStore, figure_height, figure_key, preview_html
 
 
@@ -347,3 +347,47 @@ def _new_tab_with_a_preview(browser, tiny_app_url: str, SLOW: int) -> None:
         page.close()
     finally:
         context.close()
+
+
+def test_a_shipped_preview_is_read_after_the_users_and_never_written(tmp_path):
+    """The previews the repository ships (app/ship_previews.py) serve a fresh clone's first tab; the user's
+    own folder goes first, a shipped file that is not a PNG is ignored, and nothing is written there."""
+    disk, ship = tmp_path / "user", tmp_path / "shipped"
+    ship.mkdir()
+    shipped_png = figure_preview.PNG_SIGNATURE + b"shipped"
+    (ship / "a.png").write_bytes(shipped_png)
+    (ship / "b.png").write_bytes(b"<svg/>")
+    store = figure_preview.PreviewStore(render=lambda spec, h: figure_preview.PNG_SIGNATURE + b"made", disk=disk,
+                                        shipped=ship, delay_s=0.0)
+    assert store.get("a") == shipped_png
+    assert store.get("b") is None
+    disk.mkdir()
+    (disk / "c.png").write_bytes(figure_preview.PNG_SIGNATURE + b"user")
+    (ship / "c.png").write_bytes(shipped_png)
+    assert store.get("c") == figure_preview.PNG_SIGNATURE + b"user"
+    store.request("page", "b", "{}", 100)
+    assert store.wait_idle(30)
+    assert store.get("b") == figure_preview.PNG_SIGNATURE + b"made"
+    assert (disk / "b.png").read_bytes() == figure_preview.PNG_SIGNATURE + b"made"
+    assert (ship / "b.png").read_bytes() == b"<svg/>"  # the shipped folder is never written
+
+
+def test_the_shipped_previews_are_what_their_record_says(monkeypatch):
+    """Every shipped preview is a PNG whose sha256 its record lists, made by the rebuild command; with
+    THOUGHTSCOPE_SHIPPED_PREVIEWS=0 (the rebuild's own setting) the app reads none."""
+    import hashlib
+    import json
+
+    from app import ship_previews
+
+    folders = [p for p in figure_preview.SHIPPED_ROOT.iterdir() if p.is_dir()]
+    assert len(folders) == 1, folders  # one plotly version and size at a time
+    record = json.loads((folders[0] / ship_previews.MANIFEST).read_text())
+    pngs = sorted(folders[0].glob("*.png"))
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in pngs} == record["files"]
+    assert all(p.read_bytes().startswith(figure_preview.PNG_SIGNATURE) for p in pngs)
+    assert len(pngs) == len(record["pages"]) and record["command"].startswith(ship_previews.COMMAND)
+    monkeypatch.setenv(figure_preview.SHIPPED_SWITCH, "0")
+    assert figure_preview.shipped_folder() is None
+    monkeypatch.delenv(figure_preview.SHIPPED_SWITCH)
+    assert figure_preview.shipped_folder().parent == figure_preview.SHIPPED_ROOT

@@ -984,10 +984,13 @@ class Engine:
     # ----- plumbing -----
 
     def _new_cache(self) -> Any:
-        """A plain transformers cache (a KV policy brings its own through the call: `Call.new_cache`)."""
+        """A transformers cache whose full-attention layers grow in place (probes.kv_growth says why; a KV
+        policy brings its own cache through the call: `Call.new_cache`)."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config)
+        from probes.kv_growth import growing
+
+        return growing(DynamicCache(config=self.model.config))
 
     def _forward(self, input_ids, mask, positions, cache, extra: dict[str, Any] | None = None) -> torch.Tensor:
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
@@ -1064,7 +1067,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def _cache_view(cache: Any, length: int) -> Any | None:
     """A cache holding the first `length` positions of `cache` that can grow without changing it.
 
-    Cache layers grow by concatenation into new tensors, so a shallow copy whose layers hold
+    Cache layers grow by concatenation into new tensors, or in place only into a buffer the layer object
+    made itself (probes.kv_growth: a copy of a layer starts its own), so a shallow copy whose layers hold
     slices of the original tensors is enough: `cache` never sees what the view appends. A
     sliding-window layer may already have dropped old positions and cannot be cut back: then the
     view is a deep copy when `length` is the whole cache, and None otherwise (recompute).

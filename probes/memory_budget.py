@@ -15,7 +15,8 @@ What is counted (bytes of the model's dtype unless said otherwise; B rows, T tok
   softmax, 2 x B x heads x T x T, alive while the layer runs;
 - logits: a trace keeps B x T x vocab in the model's dtype plus three float32 copies (log-softmax,
   its exponent, their product for the entropies); a capture or a stream keeps the last position only;
-- the KV cache of a generation, a prefill or a fork: 2 x layers x kv_heads x head_dim x B x (T + N);
+- the KV cache of a generation, a prefill or a fork: 2 x layers x kv_heads x head_dim x B x the positions its
+  buffers hold after T + N (`probes.kv_growth.capacity_after`: rounded to 64, grown by half when full);
 - a stream's token records: B x N x 2 KiB of Python objects (top-k texts, lists, dicts: measured with
   tracemalloc on 400-token streams, 1.96-2.15 KB per record with top-5);
 - a stream's captured values as objects: each record holds one tensor per captured site, a view into the
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from probes.hooks import StepBlocks
+from probes.kv_growth import capacity_after
 from thoughtscope.errors import BadInputError, MemoryBudgetError
 
 ENV_VAR = "THOUGHTSCOPE_MEMORY_BUDGET"
@@ -169,7 +171,8 @@ def estimate(arch: Any, dtype_bytes: int, *, mode: str, lengths: Sequence[int], 
     if streamed:
         parts["token records"] = batch * new * RECORD_BYTES
     if mode in _KEEPS_KV:
-        parts["kv cache"] = 2 * arch.n_layers * arch.n_kv_heads * arch.head_dim * batch * (seq + new) * s
+        parts["kv cache"] = (2 * arch.n_layers * arch.n_kv_heads * arch.head_dim * batch
+                             * capacity_after(seq, seq + new) * s)
     if mode == "gradient":
         parts["saved for backward"] = arch.n_layers * batch * seq * (6 * arch.d_model + 3 * arch.d_mlp) * 4 + (
             arch.n_layers * 2 * batch * arch.n_heads * seq * seq * 4 if eager else 0)

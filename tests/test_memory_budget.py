@@ -47,7 +47,11 @@ def test_the_estimate_counts_sites_patterns_logits_and_the_kv_cache_by_hand():
                    max_new_tokens=6)
     assert gen.parts["captured activations"] == 2 * 6 * 64 * 4
     assert gen.parts["attention patterns"] == 2 * 4 * 6 * (10 + 3) * 4
-    assert gen.parts["kv cache"] == 2 * 2 * 2 * 16 * 2 * (10 + 6) * 4
+    # the KV buffers: the 10-position prompt rounded up to 64 positions holds the 6 new tokens too
+    assert gen.parts["kv cache"] == 2 * 2 * 2 * 16 * 2 * 64 * 4
+    # 10 + 300: 64 -> 128 -> 192 -> 320 positions (grown by half when full, rounded up to 64)
+    assert estimate(ARCH, 4, mode="generate", lengths=[10], max_new_tokens=300).parts["kv cache"] \
+        == 2 * 2 * 2 * 16 * 1 * 320 * 4
     assert gen.parts["token records"] == 2 * 6 * 2048  # Python objects of each record
     # the residual site's steps go into a first block of 16 slots of [2 rows, 64]: 10 slots stay unwritten;
     # every record holds one tensor object per captured site

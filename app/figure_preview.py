@@ -93,7 +93,7 @@ def folder() -> Path:
     of exactly the figure its JSON names, drawn by that plotly.js at that size)."""
     from probes.paths import user_cache_dir
 
-    return user_cache_dir() / "figure-previews" / _subfolder()
+    return user_cache_dir() / "figure-previews" / subfolder()
 
 
 def shipped_folder() -> Path | None:
@@ -101,10 +101,10 @@ def shipped_folder() -> Path | None:
     `python -m app.ship_previews`, read only), for this plotly version and drawing size; None when switched off.
     A preview is found by its figure's JSON, so one whose figure differs here (another plotly, another result)
     is simply never used."""
-    return None if os.environ.get(SHIPPED_SWITCH, "1") == "0" else SHIPPED_ROOT / _subfolder()
+    return None if os.environ.get(SHIPPED_SWITCH, "1") == "0" else SHIPPED_ROOT / subfolder()
 
 
-def _subfolder() -> str:
+def subfolder() -> str:
     import plotly
 
     return f"plotly-{plotly.__version__}-{WIDTH}px-x{SCALE}"

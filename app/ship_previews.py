@@ -40,13 +40,14 @@ def build(model_id: str = "smollm2-135m", out_root: Path = figure_preview.SHIPPE
     from playwright.sync_api import sync_playwright
 
     from app import bench
+    from probes.paths import user_cache_dir
 
     browser_path = bench._browser_path()
     if browser_path is None:
         raise SystemExit("needs Chromium and playwright (`make chromium`)")
     pages = bench.FIRST_RESULT_PAGES
     with tempfile.TemporaryDirectory() as cache, sync_playwright() as pw:
-        made = Path(cache) / "figure-previews" / figure_preview._subfolder()
+        made = Path(cache) / figure_preview.folder().relative_to(user_cache_dir())  # where the app writes them
         env = {"THOUGHTSCOPE_CACHE_DIR": cache, figure_preview.SHIPPED_SWITCH: "0", figure_preview.SWITCH: "1"}
         browser = pw.chromium.launch(executable_path=browser_path, headless=True,
                                      args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
@@ -68,7 +69,7 @@ def build(model_id: str = "smollm2-135m", out_root: Path = figure_preview.SHIPPE
         files = sorted(made.glob("*.png"))
         if len(files) < len(pages):
             raise SystemExit(f"only {len(files)} previews were made for {len(pages)} pages in {wait_s:.0f} s")
-        out = out_root / figure_preview._subfolder()
+        out = out_root / figure_preview.subfolder()
         if out_root.exists():
             shutil.rmtree(out_root)  # previews of another plotly version are dead weight in the repository
         out.mkdir(parents=True)

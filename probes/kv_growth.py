@@ -14,11 +14,17 @@ A long stream reallocates each layer about log1.5(n) times instead of n (and cop
 
 Only a buffer the layer made itself is written in place: a layer whose keys were replaced (a fork's view of a
 prefix state, crop, a batch reordered, a copy of the layer) starts a new buffer of exactly what it holds plus
-the new positions, rounded to `CHUNK`, so a state's cache that forks share is never written by them.
+the new positions, rounded to `CHUNK`, so a state's cache that forks share is never written by them. The maker
+is known by a weak reference to it, not by `id()`: a copy made after its original was freed often gets the
+original's address (CPython reuses it at once), and with an `id()` check such a copy wrote into the shared
+buffer over positions a later copy of the original still showed (200 of 200 trials in
+`tests/test_kv_growth.py`). The engine's paths keep the maker alive (a state taken from a live stream holds
+the stream's cache itself; a fork's copies write into buffers of their own), so none of them reached it.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -57,7 +63,7 @@ class GrowingLayer(DynamicLayer):
 
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     _view: torch.Tensor | None = None  # the keys this layer last handed out: still its own while `keys` is it
-    _owner: int | None = None  # id() of the layer that made the buffers (a copy of the layer is not it)
+    _owner: weakref.ref | None = None  # the layer that made the buffers (a copy of the layer is not it)
     allocations = 0  # buffers made by this layer (tests count the work)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -66,7 +72,8 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         held = self.keys.shape[-2] if self.keys.numel() else 0
         adding = key_states.shape[-2]
-        own = self._buffers is not None and self._owner == id(self) and self.keys is self._view
+        own = (self._buffers is not None and self._owner is not None and self._owner() is self
+               and self.keys is self._view)
         capacity = self._buffers[0].shape[-2] if own else None
         size = next_capacity(held, adding, capacity)
         if size != capacity:
@@ -76,7 +83,7 @@ class GrowingLayer(DynamicLayer):
             if held:
                 keys[..., :held, :] = self.keys
                 values[..., :held, :] = self.values
-            self._buffers, self._owner = (keys, values), id(self)
+            self._buffers, self._owner = (keys, values), weakref.ref(self)
             self.allocations += 1
         assert self._buffers is not None
         keys, values = self._buffers
@@ -85,6 +92,12 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys[..., :held + adding, :], values[..., :held + adding, :]
         self._view = self.keys
         return self.keys, self.values
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled layer (a weak reference does not pickle) leaves its maker behind: it is a copy."""
+        state = dict(self.__dict__)
+        state.pop("_owner", None)
+        return state
 
 
 def growing(cache: Any) -> Any:

@@ -80,3 +80,24 @@ def test_a_copied_layer_starts_its_own_buffer():
     assert torch.equal(layer.keys[..., 3, :], torch.ones(1, 2, 4))
     assert torch.equal(twin.keys[..., :3, :], k) and torch.equal(layer.keys[..., :3, :], k)
     assert layer.allocations == 1 and twin.allocations == 2
+
+
+def test_a_copy_made_after_its_original_was_freed_does_not_write_into_the_originals_buffer():
+    """CPython hands a freed object's address to the next object of its size, so a copy made after the layer
+    that made a buffer was freed had that layer's id(); while ownership was checked by id() such a copy wrote
+    in place over positions another copy of the freed layer still showed (every one of 200 trials). The
+    engine's own paths kept the maker alive (a state from a live stream holds the stream's cache itself), so
+    this is the layer's contract, checked where it lives."""
+    for _ in range(20):
+        layer = GrowingLayer()
+        layer.update(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4))
+        early = copy.copy(layer)  # a state at 10 positions
+        layer.update(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+        late = copy.copy(layer)  # a state at 15: positions 10..14 live in the same buffer
+        shown = late.keys.clone()
+        del layer  # the stream that made the buffer ends
+        fork = copy.copy(early)
+        fork.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
+        assert torch.equal(late.keys, shown)
+        assert torch.equal(fork.keys[..., 10, :], torch.ones(1, 2, 4))
+        assert fork.allocations == 2  # its own buffer (the copied count was 1)

@@ -269,3 +269,129 @@ def test_the_command_line_contrasts_and_exports_with_provenance(tmp_path):
     bad = CliRunner().invoke(cli, ["contrast", "run", "--model", "toy-reasoner:small", "--organism", "8",
                                    "--rule", "kind:nothing"])
     assert bad.exit_code != 0 and "set A is empty" in str(bad.exception)
+
+
+GENERATED_COSINE = 0.7  # own greedy traces (below), seed 0: measured 0.79 and 0.82; 50 label-permuted contrasts reach at most 0.57
+
+
+def _planted(reference) -> torch.Tensor:
+    return _dom(reference.acts["resid_post.1"], np.array(reference.kind) == "reflection")
+
+
+def _permuted_cosines(steps, in_a: np.ndarray, planted: torch.Tensor, n: int = 50) -> list[float]:
+    return [float(torch.cosine_similarity(_dom(steps.acts["resid_post.1"], np.random.default_rng(i).permutation(in_a)),
+                                          planted, 0)) for i in range(n)]
+
+
+@pytest.mark.model
+def test_two_prompt_files_contrast_end_to_end_on_the_command_line(tmp_path, reasoner, reference):
+    """The CLI's two-prompt-file route: the organism answers the questions of each file greedily, its steps are
+    cut and labelled by its own judge, read at their closing tokens and contrasted. Two halves of the dev
+    questions are exchangeable, so `source` finds nothing; `kind:reflection` over the same generated steps
+    exports a direction aligned with the planted reflection direction of the reference traces (train split),
+    above every label-permuted contrast of the same steps."""
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from analyses.contrast.cli import register
+    from analyses.contrast.steps import prompt_file_steps
+    from analyses.organism import organism_problems
+    from probes.interventions import load_vector
+
+    dev = organism_problems(60, split="dev", size="small")
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("\n".join(p.question for p in dev[0::2]) + "\n")
+    b.write_text("\n\n".join(f"  {p.question} " for p in dev[1::2]))  # blank lines and spaces are skipped
+    cli = typer.Typer()
+    register(cli)
+
+    def run(*args: str) -> dict:
+        result = CliRunner().invoke(cli, ["contrast", "run", "--model", "toy-reasoner:small", "--prompts-a", str(a),
+                                          "--prompts-b", str(b), "--site", "direction:resid_post.1",
+                                          "--resamples", "200", "--json", *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    null = run("--rule", "source")
+    assert null["rule"]["rule"] == "source:a.txt/b.txt" and null["steps"]["n_traces"] == 60
+    assert null["steps"]["sources"] == ["a.txt", "b.txt"]
+    n = null["n"]
+    assert n["dev_a"] + n["dev_b"] + n["heldout_a"] + n["heldout_b"] == null["steps"]["n_steps"]  # each in A or B
+    assert n["dev_traces"] + n["heldout_traces"] == 60  # held out by whole traces
+    assert null["n_significant"] == 0  # exchangeable halves of one question set
+    print(f"\nsource null: smallest q {min(r['q'] for r in null['top']):.3f}")
+    assert null["provenance"]["data"] == f"{a} | {b}"
+
+    out_file = tmp_path / "reflection.safetensors"
+    found = run("--rule", "kind:reflection", "--export", str(out_file))
+    assert found["rule"]["rule"] == "kind:reflection" and found["steps"]["kinds"]["reflection"] >= 20
+    assert found["n_significant"] >= 1 and found["top"][0]["heldout_auroc"]["low"] > 0.9
+    planted = _planted(reference)
+    cosine = float(torch.cosine_similarity(load_vector(out_file), planted, 0))
+    steps = StepSet.concat(prompt_file_steps(reasoner, str(a), ["resid_post.1"]),
+                           prompt_file_steps(reasoner, str(b), ["resid_post.1"]))
+    assert len(steps) == found["steps"]["n_steps"]
+    nulls = _permuted_cosines(steps, np.array(steps.kind) == "reflection", planted)
+    print(f"\nprompt files: cosine with the planted direction {cosine:.3f}; permuted at most {max(nulls):.3f}")
+    assert cosine >= GENERATED_COSINE > max(nulls)
+
+
+@pytest.mark.model
+def test_a_rise_harvest_is_a_step_source_with_the_same_rows_as_its_traces(reasoner, reference):
+    """`harvest_steps`: a RISE harvest's closed steps are the rows `traces_steps` reads from the same traces
+    (RISE's own reader, equal values), with the judge's labels; the harvest's unclosed answer pieces stay out;
+    a reflection contrast on them finds the planted direction."""
+    from analyses.contrast import harvest_steps
+    from analyses.contrast.steps import traces_steps
+    from analyses.organism import organism_problems
+    from analyses.rise.harvest import HarvestSettings, harvest
+
+    got = harvest(reasoner, organism_problems(60, split="dev", size="small"), HarvestSettings(layers=(1,), prompt="auto"))
+    unclosed = [r for r in range(len(got.step_rows)) if not got.step(r).closed]
+    assert unclosed  # the organism ends every trace with "So the answer is N ." after its last delimiter
+    steps = harvest_steps(got)
+    same = traces_steps(reasoner, got.traces, ["resid_post.1"], "dev")
+    assert len(steps) == len(got.step_rows) - len(unclosed) == len(same)
+    assert torch.allclose(steps.acts["resid_post.1"], same.acts["resid_post.1"], atol=1e-5)
+    assert steps.kind == same.kind and steps.text == same.text and steps.trace.tolist() == same.trace.tolist()
+    assert steps.step.tolist() == same.step.tolist() and all(t.endswith(";") for t in steps.text)
+    in_a, in_b, rule = select(steps, "kind:reflection")
+    result = contrast(steps.acts, steps.trace, in_a, in_b, [ContrastSite("direction", "resid_post.1")],
+                      ContrastSettings(n_resamples=100), rule=rule)
+    planted = _planted(reference)
+    cosine = float(torch.cosine_similarity(result.directions["resid_post.1"], planted, 0))
+    nulls = _permuted_cosines(steps, in_a, planted)
+    print(f"\nharvest: cosine with the planted direction {cosine:.3f}; permuted at most {max(nulls):.3f}")
+    assert result.n_significant >= 1 and cosine >= GENERATED_COSINE > max(nulls)
+    got.step_rows = [(t, s) for t, s in got.step_rows if not got.traces[t].steps[s].closed]
+    with pytest.raises(BadInputError, match="no closed step"):
+        harvest_steps(got)
+
+
+@pytest.mark.model
+def test_the_pages_two_question_boxes_contrast_the_same_through_the_server(reasoner):
+    """The page's A and B text boxes (lists of questions): greedy traces, steps and contrast through a server
+    equal the in-process ones."""
+    from analyses.contrast.run import run_contrast
+    from analyses.organism import organism_problems
+    from probes.client import RemoteBackend
+    from probes.server import create_app
+    from probes.server_bench import serving_in_thread
+
+    dev = organism_problems(24, split="dev", size="small")
+    box_a, box_b = [p.question for p in dev[:12]], [p.question for p in dev[12:]] + ["", "   "]
+    settings = ContrastSettings(n_resamples=50)
+    here, here_steps, _ = run_contrast(reasoner, ["direction:resid_post.1"], "kind:reflection", settings,
+                                       prompts_a=box_a, prompts_b=box_b)
+    with serving_in_thread(create_app(reasoner)) as url, RemoteBackend(url, timeout=30) as remote:
+        there, steps, _ = run_contrast(remote, ["direction:resid_post.1"], "kind:reflection", settings,
+                                       prompts_a=box_a, prompts_b=box_b)
+    assert steps.describe()["n_traces"] == 24 and steps.describe()["sources"] == ["A", "B"]
+    assert steps.text == here_steps.text and steps.kind == here_steps.kind
+    assert torch.allclose(steps.acts["resid_post.1"], here_steps.acts["resid_post.1"], atol=1e-5)
+    assert [r["smd"] for r in there.top] == pytest.approx([r["smd"] for r in here.top], abs=1e-4)
+    assert there.n_significant == here.n_significant >= 1
+    with pytest.raises(BadInputError, match="B holds no question"):
+        run_contrast(reasoner, ["direction:resid_post.1"], "source", settings, prompts_a=box_a, prompts_b=["  "])

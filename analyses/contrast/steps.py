@@ -4,7 +4,7 @@ the rules split on (its kind, its trace's correctness, its index, its source, th
 - `organism_steps`: the `toy-reasoner` organism's planted traces, teacher-forced (ground truth known:
   every step's planted kind, and each trace is correct by construction unless a planted wrong
   step stays uncorrected);
-- `harvest_steps`: the step vectors of a RISE harvest (`analyses.rise.harvest.Harvest`: stored
+- `harvest_steps`: the closed steps of a RISE harvest (`analyses.rise.harvest.Harvest`: stored
   traces of any model, labelled by its judge, correct or wrong by the task's scorer);
 - `StepSet.concat`: two step sets as one (each row keeps its source: two prompt files).
 
@@ -164,15 +164,22 @@ def organism_steps(backend: Backend, problems: Sequence[Any], sites: Sequence[st
 
 
 def harvest_steps(harvest: Any) -> StepSet:
-    """A RISE harvest's step vectors (every layer it read) as a step set."""
-    rows = harvest.step_rows
+    """A RISE harvest's closed steps (every layer it read) as a step set: the same rows, at the same closing
+    tokens, as `traces_steps` reads from the harvest's traces (tested equal). A harvest also holds each
+    trace's unclosed last piece ("So the answer is 14 ."), which RISE's dictionary trains on; it is left out
+    here, as in every other step source: in `kind:reflection` it would join the "other" set and pull the
+    contrast towards answer tokens (on the organism the direction's cosine with the planted one fell from
+    0.80 to 0.35 with those rows in)."""
+    rows = [r for r, (t, s) in enumerate(harvest.step_rows) if harvest.step(r).closed and harvest.step(r).token >= 0]
     if not rows:
-        raise BadInputError("the harvest has no steps")
-    traces = np.array([t for t, _ in rows])
-    return StepSet(dict(harvest.acts), traces, np.array([s for _, s in rows]), list(harvest.labels),
-                   [harvest.step(r).text for r in range(len(rows))],
-                   np.array([harvest.traces[t].correct for t, _ in rows], dtype=bool),
-                   [harvest.traces[t].problem.source for t, _ in rows], model_id=harvest.model_id)
+        raise BadInputError("the harvest has no closed step: generate longer traces or pick another step delimiter")
+    at = [harvest.step_rows[r] for r in rows]
+    index = torch.tensor(rows, dtype=torch.long)
+    return StepSet({site: acts.index_select(0, index) for site, acts in harvest.acts.items()},
+                   np.array([t for t, _ in at]), np.array([harvest.step(r).index for r in rows]),
+                   [harvest.step(r).label for r in rows], [harvest.step(r).text for r in rows],
+                   np.array([harvest.traces[t].correct for t, _ in at], dtype=bool),
+                   [harvest.traces[t].problem.source for t, _ in at], model_id=harvest.model_id)
 
 
 def traces_steps(backend: Backend, traces: Sequence[Any], sites: Sequence[str], source: str, batch_size: int = 16,

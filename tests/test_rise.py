@@ -403,3 +403,46 @@ def test_rise_on_the_organism_separates_behaviours_and_steering_moves_the_reflec
     # the same 40 problems, paired: a significant move, its 95% interval clear of zero on one side
     assert up.p_value < 0.05 and (up.difference.low > 0 or up.difference.high < 0), up
     assert d["site"] == "resid_post.1" and d["provenance"]["command"] == "eval rise-organism"
+
+
+@pytest.mark.model
+def test_the_steer_command_on_the_organism_records_how_to_rebuild_it(tmp_path):
+    """`thoughtscope rise steer` end to end on toy-reasoner:small: the pipeline harvests the calibration split,
+    trains the SAE, steers on eval problems. At alpha 0 the steered generation is the plain one (the harvest's
+    own unsteered generator gives the same traces); the provenance keeps both problem counts under the
+    command's flags; a behaviour the harvest has too few steps of is a clear error."""
+    import typer
+    from typer.testing import CliRunner
+
+    from analyses.organism import organism_problems
+    from analyses.rise import cli as rise_cli
+    from analyses.rise.harvest import generate_traces, resolve_delimiter
+    from probes.engine import Engine
+
+    app = typer.Typer()
+    rise_cli.register(app)
+    app.callback()(lambda: None)
+    common = ["--model", "toy-reasoner:small", "--n-harvest", "60", "--n", "8", "--layers", "1", "--alpha", "0", "1",
+              "--store", str(tmp_path / "store"), "--saes", str(tmp_path / "saes"), "--quiet", "--json"]
+    out = CliRunner().invoke(app, ["rise", "steer", *common])
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.output.strip().splitlines()[-1])
+    settings = got["provenance"]["settings"]
+    assert (settings["n_harvest"], settings["n"], settings["alphas"], settings["mode"]) == (60, 8, [0.0, 1.0], "projection")
+    assert got["provenance"]["command"] == "rise steer" and sum(got["label_counts"].values()) >= 60
+    rows = got["steering"]["rows"]
+    assert [r["alpha"] for r in rows] == [0.0, 1.0] and all(r["n"] == 8 for r in rows)
+
+    engine = Engine.from_id("toy-reasoner:small")
+    eval_problems = organism_problems(8, split="eval", size="small")
+    assert got["steering"]["problem_ids"] == [p.id for p in eval_problems]
+    plain = generate_traces(engine, eval_problems, HarvestSettings(layers=(1,), max_new_tokens=64, prompt="auto",
+                                                                   labeller="auto").resolved("toy-reasoner:small"),
+                            resolve_delimiter("auto", "toy-reasoner:small"))
+    at_zero = rows[0]["per_trace"]
+    assert [t["tokens"] for t in at_zero] == [t.n_tokens for t in plain]
+    assert [t["correct"] for t in at_zero] == [t.correct for t in plain]
+    assert rows[0]["examples"][0] == plain[0].text
+
+    few = CliRunner().invoke(app, ["rise", "steer", "--behaviour", "backtracking", *common])
+    assert few.exit_code != 0 and "no backtracking vector" in str(few.exception)

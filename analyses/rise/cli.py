@@ -207,9 +207,13 @@ def steer_cmd(behaviour: str = typer.Option("reflection", "--behaviour"),
                               delimiter, prompt, augment, store, quiet, arch=arch, saes=saes, projection="pca")
     with progress:
         payload = run.steer(behaviour, alphas, n, mode, layer)
+    # the settings name the command's own flags: --n-harvest (the pipeline's n) and --n (held-out problems); the
+    # held-out count once overwrote the harvest's under one key "n", so the record could not rebuild the SAEs
+    options = run.options.to_dict()
+    settings = {**{k: v for k, v in options.items() if k != "n"}, "n_harvest": options["n"], "n": n,
+                "alphas": alphas, "mode": mode, "behaviour": behaviour, "layer": layer}
     payload["provenance"] = provenance(run.info, data=run.options.task, split=payload["steering"]["split"],
-                                       seed=run.options.seed, settings={**run.options.to_dict(), "alphas": alphas,
-                                                                        "mode": mode, "n": n}, command="rise steer")
+                                       seed=run.options.seed, settings=settings, command="rise steer")
     emit(payload, as_json)
 
 

@@ -31,13 +31,17 @@ def metric(at: AppTest, label: str) -> str:
 
 
 def finish_jobs(at: AppTest, timeout_s: float = 600) -> AppTest:
-    """Wait until no job of this process runs (`app.jobs`: a page's long work in a thread), then draw again."""
+    """Wait until no job of this process runs (`app.jobs`: a page's long work in a thread), then draw again.
+    Waiting stands for an open page: it marks the running jobs seen, as a page's reruns do, so a job longer
+    than the unwatched-job grace period (30 s) is not stopped as abandoned."""
     import time
 
     from app import jobs
 
     deadline = time.monotonic() + timeout_s
     while jobs.registry().running() and time.monotonic() < deadline:
+        for job in jobs.registry().running():
+            jobs.registry().seen(job)
         time.sleep(0.1)
     assert not jobs.registry().running(), "a job did not finish in time"
     return at.run()

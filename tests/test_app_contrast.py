@@ -47,6 +47,33 @@ def test_the_contrast_page_opens_on_the_stored_result_then_runs_its_own(monkeypa
 
 
 @pytest.mark.model
+def test_on_the_embedded_model_the_pages_default_question_sets_contrast_without_error(monkeypatch):
+    """A newcomer on SmolLM2 presses Contrast with the page's defaults: its two question boxes (16 seeded word
+    problems a set, adding against taking away) at the middle layer. The page's first defaults, two questions a
+    set, ended in "set B holds steps of a single trace" after generating for minutes."""
+    from analyses.contrast.steps import default_question_sets
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "smollm2-135m")
+    at = helpers.open_page("contrast", None)
+    helpers.assert_clean(at)
+    a, b = default_question_sets()
+    assert at.text_area(key="ct_set_a").value.splitlines() == a and at.text_area(key="ct_set_b").value.splitlines() == b
+    assert at.multiselect(key="ct_sites").value == ["direction:resid_post.15", "heads:15"]
+    at.select_slider(key="ct_resamples").set_value(200)
+    at.button(key="ct_run").click().run()
+    at = helpers.finish_jobs(at)
+    helpers.assert_clean(at)
+    assert at.metric, ([c.value for c in at.caption], [i.value for i in at.info])
+    dev_a, held_a = (int(x) for x in helpers.metric(at, "Set A steps (dev / held-out)").split(" / "))
+    dev_b, held_b = (int(x) for x in helpers.metric(at, "Set B steps (dev / held-out)").split(" / "))
+    caption = next(c.value for c in at.caption if c.value.endswith("traces."))
+    assert caption.endswith(" of 32 traces.")  # every question of both sets answered and cut into steps
+    assert f"{dev_a + held_a + dev_b + held_b:,} steps" in caption  # every step is in A or B
+    assert min(dev_a, held_a, dev_b, held_b) >= 2
+    assert any(c.value.startswith("A: A; B: B. Ranked by") for c in at.caption)  # the source rule, box by box
+
+
+@pytest.mark.model
 def test_trace_explorer_lists_the_latents_of_a_token_equal_to_a_direct_encode(monkeypatch, tmp_path):
     """An SAE saved for the model (as RISE saves them) appears on the trace explorer; the latents listed for
     the chosen token are the SAE's encode of that token's residual row in a plain capture of the trace."""

@@ -395,3 +395,37 @@ def test_the_pages_two_question_boxes_contrast_the_same_through_the_server(reaso
     assert there.n_significant == here.n_significant >= 1
     with pytest.raises(BadInputError, match="B holds no question"):
         run_contrast(reasoner, ["direction:resid_post.1"], "source", settings, prompts_a=box_a, prompts_b=["  "])
+
+
+def test_too_few_questions_are_refused_before_any_model_work(tmp_path, monkeypatch):
+    """Two questions a set can never be split into development and held-out traces: the page's first defaults
+    were two a set and failed after generating. Both sets are checked before the first generation."""
+    from analyses.contrast.run import run_contrast
+    from analyses.contrast.steps import MIN_QUESTIONS, default_question_sets
+    from probes import Engine
+
+    engine = Engine.from_id("tiny-random:llama")
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: pytest.fail("generated before checking the sets"))
+    a, b = default_question_sets()
+    with pytest.raises(BadInputError, match=f"set B holds 2 question\\(s\\).*at least {MIN_QUESTIONS}"):
+        run_contrast(engine, ["direction:resid_post.1"], "source", prompts_a=a, prompts_b=["q one?", "", " q two? "])
+    (tmp_path / "a.txt").write_text("\n".join(a))
+    (tmp_path / "b.txt").write_text("only one question?\n\n")
+    with pytest.raises(BadInputError, match="b.txt holds 1 question"):
+        run_contrast(engine, ["direction:resid_post.1"], "source", prompts_a=str(tmp_path / "a.txt"),
+                     prompts_b=str(tmp_path / "b.txt"))
+    with pytest.raises(BadInputError, match="does not exist"):
+        run_contrast(engine, ["direction:resid_post.1"], "source", prompts_a=str(tmp_path / "a.txt"),
+                     prompts_b=str(tmp_path / "missing.txt"))
+
+
+def test_the_default_question_sets_are_seeded_word_problems_adding_against_taking_away():
+    from analyses.contrast.steps import default_question_sets
+    from analyses.tasks import arithmetic_problems
+
+    a, b = default_question_sets()
+    assert len(a) == len(b) == 16 and (a, b) == default_question_sets()
+    plus, minus = arithmetic_problems(16, ops=("+",)), arithmetic_problems(16, ops=("-",))
+    assert a == [p.question for p in plus] and b == [p.question for p in minus]
+    assert {p.meta["ops"][0] for p in plus} == {"+"} and {p.meta["ops"][0] for p in minus} == {"-"}
+    assert a[0].split(". ")[0] == b[0].split(". ")[0] == "Anna has 17 shells"  # the same seed: the same start

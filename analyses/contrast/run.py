@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from analyses.contrast.core import ContrastResult, ContrastSettings, ContrastSite, contrast
-from analyses.contrast.steps import (StepSet, organism_alarms, organism_sampled_steps, organism_steps, prompt_file_steps,
-                                     prompt_lines_steps, select)
+from analyses.contrast.steps import (StepSet, organism_alarms, organism_sampled_steps, organism_steps, prompt_lines_steps,
+                                     questions_of, read_questions, select)
 from analyses.feature_browser.token_latents import check_sae
 from analyses.organism import is_organism, organism_problems, size_of
 from probes.backend import Backend
@@ -67,14 +67,16 @@ def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int 
     captured = sorted({s.site for s in sites})
     tick = (lambda done, total: on_progress("steps", done, total)) if on_progress else None
     if isinstance(prompts_a, list) or isinstance(prompts_b, list):  # the page's two text boxes
-        first = prompt_lines_steps(backend, prompts_a or [], "A", captured, max_new_tokens, on_progress=tick)
-        second = prompt_lines_steps(backend, prompts_b or [], "B", captured, max_new_tokens, on_progress=tick)
-        return StepSet.concat(first, second)
-    if prompts_a or prompts_b:
+        sets = [(questions_of(prompts_a, "set A"), "A"), (questions_of(prompts_b, "set B"), "B")]  # both, first
+    elif prompts_a or prompts_b:
         if not (prompts_a and prompts_b):
             raise BadInputError("give two prompt files (--prompts-a and --prompts-b) to contrast them")
-        first = prompt_file_steps(backend, prompts_a, captured, max_new_tokens, on_progress=tick)
-        second = prompt_file_steps(backend, prompts_b, captured, max_new_tokens, on_progress=tick)
+        sets = [read_questions(prompts_a), read_questions(prompts_b)]  # both checked before any model work
+    else:
+        sets = []
+    if sets:
+        first, second = [prompt_lines_steps(backend, questions, name, captured, max_new_tokens, on_progress=tick)
+                         for questions, name in sets]
         return StepSet.concat(first, second)
     if not is_organism(backend):
         raise BadInputError("planted traces come from the toy-reasoner organism; for another model give two "

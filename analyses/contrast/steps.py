@@ -204,13 +204,35 @@ def traces_steps(backend: Backend, traces: Sequence[Any], sites: Sequence[str], 
                    model_id=backend.info().get("model_id", ""))
 
 
+MIN_QUESTIONS = 4  # per set: its traces are split into development and held-out parts, two or more on each side
+
+
+def questions_of(lines: Sequence[str] | None, name: str) -> list[str]:
+    """The questions of a prompt file or text box (one a line, blank lines skipped), refused before any model
+    work when too few to contrast (each set's traces are split by trace into development and held-out parts)."""
+    questions = [q.strip() for q in (lines or []) if q and q.strip()]
+    if not questions:
+        raise BadInputError(f"{name} holds no question (one a line)")
+    if len(questions) < MIN_QUESTIONS:
+        raise BadInputError(f"{name} holds {len(questions)} question(s); a contrast splits each set's traces into "
+                            f"development and held-out parts, so give at least {MIN_QUESTIONS} a set (16 or more "
+                            "show more: a trace may close no step)")
+    return questions
+
+
+def read_questions(path: str) -> tuple[list[str], str]:
+    """(the questions of a prompt file, its name), checked as `questions_of` does."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise BadInputError(f"prompt file {path} does not exist (one question a line)")
+    return questions_of(file.read_text(encoding="utf-8", errors="replace").splitlines(), file.name), file.name
+
+
 def prompt_lines_steps(backend: Backend, lines: Sequence[str], name: str, sites: Sequence[str], max_new_tokens: int = 96,
                        on_progress: Callable[[int, int], None] | None = None) -> StepSet:
     """Generate a greedy trace for every question in `lines`, cut it into the model family's steps,
     label them with its judge and read the step rows; every row's `source` is `name`."""
-    questions = [q.strip() for q in lines if q and q.strip()]
-    if not questions:
-        raise BadInputError(f"{name} holds no question (one a line)")
+    questions = questions_of(lines, name)
     model_id = backend.info()["model_id"]
     settings = HarvestSettings(max_new_tokens=max_new_tokens, prompt="auto", labeller="auto").resolved(model_id)
     delimiter = resolve_delimiter("auto", model_id)
@@ -225,12 +247,21 @@ def prompt_lines_steps(backend: Backend, lines: Sequence[str], name: str, sites:
 
 def prompt_file_steps(backend: Backend, path: str, sites: Sequence[str], max_new_tokens: int = 96, n: int | None = None,
                       on_progress: Callable[[int, int], None] | None = None) -> StepSet:
-    """`prompt_lines_steps` over the lines of a prompt file (its name is the rows' source)."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise BadInputError(f"prompt file {path} does not exist (one question a line)")
-    lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
-    return prompt_lines_steps(backend, lines[:n] if n else lines, file.name, sites, max_new_tokens, on_progress)
+    """`prompt_lines_steps` over the questions of a prompt file (its name is the rows' source)."""
+    questions, name = read_questions(path)
+    return prompt_lines_steps(backend, questions[:n] if n else questions, name, sites, max_new_tokens, on_progress)
+
+
+def default_question_sets(n: int = 16, seed: int = 0) -> tuple[list[str], list[str]]:
+    """Two sets of `n` one-step word problems from the seeded arithmetic generator (`analyses.tasks`): set A adds
+    ("Anna has 17 shells. She wins 3 more."), set B takes away ("Anna has 17 shells. She trades away 3 shells.").
+    Same seed, so the sets begin with the same names and numbers; they drift apart where the generator redraws
+    a subtraction that would go below 1. What the contrast page offers on a model other than the organism
+    (16 a set: two questions a set could not be split into development and held-out traces)."""
+    from analyses.tasks import arithmetic_problems
+
+    return ([p.question for p in arithmetic_problems(n, seed=seed, ops=("+",))],
+            [p.question for p in arithmetic_problems(n, seed=seed, ops=("-",))])
 
 
 def forced_answer_probes(backend: Any, problems: Sequence[Any], batch_size: int = 64) -> list[tuple[list[float], list[str]]]:

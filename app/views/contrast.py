@@ -15,6 +15,7 @@ import streamlit as st
 from analyses.contrast import ContrastSettings, export_direction, save_direction
 from analyses.contrast import ship as contrast_ship
 from analyses.contrast.run import run_contrast
+from analyses.contrast.steps import default_question_sets
 from analyses.feature_browser import VectorDirection
 from analyses.organism import is_organism
 from analyses.rise import saved_saes
@@ -33,8 +34,9 @@ RULES = {"reflection steps vs the rest": "kind:reflection", "backtrack steps vs 
          "redundant steps vs compute steps": "kind:redundant/compute", "correct vs wrong traces": "correct",
          "steps after vs up to the CUSUM alarm": "alarm",
          "two random halves (the null)": "random"}
-SET_A = "Tom has 3 apples and buys 4 more. How many apples does he have?\nA box holds 6 pens. How many pens in 2 boxes?"
-SET_B = "Tom has 9 apples and gives away 4. How many are left?\nA rope of 12 m is cut in 3 equal parts. How long is each?"
+# a model other than the organism: 16 seeded word problems a set, adding against taking away (two questions a set,
+# the page's first default, could never be split into development and held-out traces)
+SET_A, SET_B = ("\n".join(questions) for questions in default_question_sets())
 
 
 def site_options(ctx) -> dict[str, str]:
@@ -51,7 +53,9 @@ def site_options(ctx) -> dict[str, str]:
 def controls(ctx, organism: bool) -> tuple[dict[str, Any], bool]:
     options = site_options(ctx)
     n_layers = ctx.backend.arch().n_layers
-    default = [f"direction:resid_post.{n_layers - 1}", f"heads:{n_layers - 1}"]
+    # the organism's last layer (its stored contrast's); elsewhere the middle layer, RISE's default on SmolLM2 (15 of 30)
+    layer = n_layers - 1 if organism else n_layers // 2
+    default = [f"direction:resid_post.{layer}", f"heads:{layer}"]
     sites = st.multiselect("Sites", list(options), default=default, format_func=options.get, key="ct_sites")
     cols = st.columns(3)
     if organism:

@@ -72,12 +72,18 @@ def show_badge(ctx: Any) -> None:
 
 
     summary = current_badge(ctx.backend)
-    pending = summary is None and in_process_engine(ctx.backend) is not None
+    engine = in_process_engine(ctx.backend)
+    pending = summary is None and engine is not None
 
     def draw() -> None:
         now = current_badge(ctx.backend, start=False)
-        engine = in_process_engine(ctx.backend)
         failed = background_error(engine) if engine is not None and now is None else None
+        if pending and now is not None:
+            # the validation is done: draw the page once more, so that the badge is drawn without the poll. A
+            # polling fragment redraws the badge every POLL_SECONDS for as long as the page stays open, and each
+            # redraw closed its hover tip within seconds (a browser test's tip never stayed open for 2 minutes).
+            # Not after a failure: the page's run starts the validation again, which would fail again, and so on
+            st.rerun()
         if now is not None:
             st.markdown(badge_markdown(now), help=badge_tooltip(now))
         elif failed:

@@ -14,12 +14,13 @@ The list is what those first runs imported; a library missing from the environme
 by `app.main` after a page of a session served by `streamlit run` has drawn (never under AppTest or in the
 model server), in a daemon thread, so a page that imports one of these while the thread runs waits for that
 module's import lock and then finds it loaded: the thread imports third-party packages only, never a module of
-ours, so it never waits on a lock a page's import holds.
+ours, so it never waits on a lock a page's import holds. It imports under `thoughtscope.imports.HEAVY_IMPORTS`,
+as the correctness badge's validation thread imports TransformerLens: two threads entering transformer_lens at
+once broke one of the imports (thoughtscope/imports.py).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -51,10 +52,12 @@ def start(modules: Sequence[str] = MODULES) -> threading.Thread | None:
 
 
 def _import_all(modules: tuple[str, ...]) -> None:
+    from thoughtscope.imports import import_module
+
     for name in modules:
         t = time.perf_counter()
         try:
-            importlib.import_module(name)
+            import_module(name)  # one at a time with the other background threads' (thoughtscope/imports.py)
         except Exception as err:  # noqa: BLE001 - an optional library that is absent or broken: the page says so itself
             log.info("warm-up: %s not imported (%s)", name, err)
             continue

@@ -609,7 +609,11 @@ def _no_package_installs():
 
 
 def _boot_bridge(handle: ModelHandle) -> Any:
-    from transformer_lens.model_bridge import TransformerBridge
+    from thoughtscope.imports import import_from
+
+    # under the lock the app's warm-up thread imports under: two threads importing transformer_lens at once broke
+    # one of them (thoughtscope/imports.py), and the correctness badge then said the bridge was skipped
+    TransformerBridge = import_from("transformer_lens.model_bridge", "TransformerBridge")
 
     if handle.remote:
         raise BadInputError("TransformerLens bridges need local weights; ndif: models have none here")

@@ -53,3 +53,35 @@ def test_the_list_names_importable_libraries_of_this_environment():
 
     missing = [m for m in warm.MODULES if importlib.util.find_spec(m.split(".")[0]) is None]
     assert missing == []
+
+
+def test_the_warm_up_and_the_bridge_import_take_turns(monkeypatch, tmp_path):
+    """The warm-up thread and another background thread's `thoughtscope.imports.import_from` (the correctness
+    badge's TransformerLens bridge) never import at the same time: two threads entering transformer_lens at once
+    broke one of them, and the badge said the bridge was skipped. Here each module's import sleeps and records
+    how many imports run at once."""
+    import threading
+    import time
+
+    from thoughtscope import imports
+
+    state = {"now": 0, "most": 0}
+    for name in ("ts_turn_a", "ts_turn_b", "ts_turn_c"):
+        (tmp_path / f"{name}.py").write_text(
+            "import builtins, time\nst = builtins.TS_TURNS\nst['now'] += 1\nst['most'] = max(st['most'], st['now'])\n"
+            "time.sleep(0.3)\nst['now'] -= 1\nVALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import builtins
+
+    monkeypatch.setattr(builtins, "TS_TURNS", state, raising=False)
+    try:
+        warm_thread = threading.Thread(target=warm._import_all, args=(("ts_turn_a", "ts_turn_b"),))
+        warm_thread.start()
+        time.sleep(0.1)  # the warm-up is inside its first import
+        assert imports.import_from("ts_turn_c", "VALUE") == 1
+        warm_thread.join(10)
+        assert state["most"] == 1 and state["now"] == 0
+        assert set(warm.loaded) >= {"ts_turn_a", "ts_turn_b"}
+    finally:
+        for name in ("ts_turn_a", "ts_turn_b", "ts_turn_c"):
+            sys.modules.pop(name, None)

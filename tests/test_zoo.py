@@ -113,3 +113,5 @@ def test_the_zoo_lists_every_toy_with_its_small_variant():
     ids = [r["id"] for r in list_models()]
     assert [i for i in ids if i.startswith("toy-")] == toy_model_ids()
     assert {"toy-reasoner:small", "toy-moe:small", "toy-vlm:small"} <= set(ids)
+
+

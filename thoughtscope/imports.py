@@ -1,0 +1,38 @@
+"""One lock for importing the heavy third-party packages from background threads (standard library only).
+
+Two threads that import a package with circular imports at once, each entering it through another module, can
+break each other's import. The app's warm-up thread imports sae_lens (and with it transformer_lens) while the
+correctness badge's validation thread imports `transformer_lens.model_bridge`. Python's import-deadlock
+avoidance then hands one of them a partially initialised module ("cannot import name 'TransformerBridge' from
+partially initialized module"), or a failed import removes a module the other is still reading (KeyError:
+'transformer_lens'). Each time, the badge said TransformerLens was skipped. Seen in 3 of 7 fresh-cache runs of
+a browser test, 2026-12-07.
+
+Each background thread takes `HEAVY_IMPORTS` around such an import (`app.warm` per module, the bridge in
+`probes.zoo`), so those imports run one at a time. A module already imported costs a dictionary lookup, and
+the lock is not taken again for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+from typing import Any
+
+HEAVY_IMPORTS = threading.RLock()
+
+
+def import_module(name: str) -> Any:
+    """`importlib.import_module(name)`, under `HEAVY_IMPORTS` unless the module is already loaded."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    if module is not None and not getattr(spec, "_initializing", False):
+        return module
+    with HEAVY_IMPORTS:
+        return importlib.import_module(name)
+
+
+def import_from(module: str, name: str) -> Any:
+    """`from module import name`, under `HEAVY_IMPORTS` (see the module docstring)."""
+    return getattr(import_module(module), name)

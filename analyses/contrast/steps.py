@@ -170,7 +170,7 @@ def harvest_steps(harvest: Any) -> StepSet:
     here, as in every other step source: in `kind:reflection` it would join the "other" set and pull the
     contrast towards answer tokens (on the organism the direction's cosine with the planted one fell from
     0.80 to 0.35 with those rows in)."""
-    rows = [r for r, (t, s) in enumerate(harvest.step_rows) if harvest.step(r).closed and harvest.step(r).token >= 0]
+    rows = [r for r in range(len(harvest.step_rows)) if harvest.step(r).closed and harvest.step(r).token >= 0]
     if not rows:
         raise BadInputError("the harvest has no closed step: generate longer traces or pick another step delimiter")
     at = [harvest.step_rows[r] for r in rows]

@@ -296,7 +296,7 @@ def test_two_prompt_files_contrast_end_to_end_on_the_command_line(tmp_path, reas
     from typer.testing import CliRunner
 
     from analyses.contrast.cli import register
-    from analyses.contrast.steps import prompt_file_steps
+    from analyses.contrast.steps import prompt_lines_steps, read_questions
     from analyses.organism import organism_problems
     from probes.interventions import load_vector
 
@@ -330,8 +330,8 @@ def test_two_prompt_files_contrast_end_to_end_on_the_command_line(tmp_path, reas
     assert found["n_significant"] >= 1 and found["top"][0]["heldout_auroc"]["low"] > 0.9
     planted = _planted(reference)
     cosine = float(torch.cosine_similarity(load_vector(out_file), planted, 0))
-    steps = StepSet.concat(prompt_file_steps(reasoner, str(a), ["resid_post.1"]),
-                           prompt_file_steps(reasoner, str(b), ["resid_post.1"]))
+    steps = StepSet.concat(prompt_lines_steps(reasoner, *read_questions(str(a)), ["resid_post.1"]),
+                           prompt_lines_steps(reasoner, *read_questions(str(b)), ["resid_post.1"]))
     assert len(steps) == found["steps"]["n_steps"]
     nulls = _permuted_cosines(steps, np.array(steps.kind) == "reflection", planted)
     print(f"\nprompt files: cosine with the planted direction {cosine:.3f}; permuted at most {max(nulls):.3f}")

@@ -245,13 +245,6 @@ def prompt_lines_steps(backend: Backend, lines: Sequence[str], name: str, sites:
     return traces_steps(backend, traces, sites, name, on_progress=on_progress)
 
 
-def prompt_file_steps(backend: Backend, path: str, sites: Sequence[str], max_new_tokens: int = 96, n: int | None = None,
-                      on_progress: Callable[[int, int], None] | None = None) -> StepSet:
-    """`prompt_lines_steps` over the questions of a prompt file (its name is the rows' source)."""
-    questions, name = read_questions(path)
-    return prompt_lines_steps(backend, questions[:n] if n else questions, name, sites, max_new_tokens, on_progress)
-
-
 def default_question_sets(n: int = 16, seed: int = 0) -> tuple[list[str], list[str]]:
     """Two sets of `n` one-step word problems from the seeded arithmetic generator (`analyses.tasks`): set A adds
     ("Anna has 17 shells. She wins 3 more."), set B takes away ("Anna has 17 shells. She trades away 3 shells.").

@@ -66,23 +66,33 @@ def current_badge(backend: Backend, start: bool = True) -> dict[str, Any] | None
     return summary
 
 
+def badge_state(backend: Backend) -> tuple[dict[str, Any] | None, bool, str | None]:
+    """(the cached badge or None, whether a background validation is pending, why it failed or None). An
+    in-process model without a badge starts validating in the background, once: after a failure it is not
+    started again on every page run (it would fail again, and the badge would poll for ever); the
+    Correctness page runs it again on request."""
+    engine = in_process_engine(backend)
+    failed = background_error(engine) if engine is not None else None
+    summary = current_badge(backend, start=failed is None)
+    return summary, summary is None and engine is not None and failed is None, failed
+
+
 def show_badge(ctx: Any) -> None:
     """Draw the badge (call it after the page's first figure): it polls while a background validation runs."""
     import streamlit as st
 
 
-    summary = current_badge(ctx.backend)
+    summary, pending, _ = badge_state(ctx.backend)
     engine = in_process_engine(ctx.backend)
-    pending = summary is None and engine is not None
 
     def draw() -> None:
         now = current_badge(ctx.backend, start=False)
         failed = background_error(engine) if engine is not None and now is None else None
-        if pending and now is not None:
-            # the validation is done: draw the page once more, so that the badge is drawn without the poll. A
-            # polling fragment redraws the badge every POLL_SECONDS for as long as the page stays open, and each
-            # redraw closed its hover tip within seconds (a browser test's tip never stayed open for 2 minutes).
-            # Not after a failure: the page's run starts the validation again, which would fail again, and so on
+        if pending and (now is not None or failed):
+            # the validation is done or has failed: draw the page once more, so that the badge is drawn without
+            # the poll. A polling fragment redraws the badge every POLL_SECONDS for as long as the page stays
+            # open, and each redraw closed its hover tip within seconds (a browser test's tip never stayed open
+            # for 2 minutes). After a failure the page's run does not start it again (`badge_state`)
             st.rerun()
         if now is not None:
             st.markdown(badge_markdown(now), help=badge_tooltip(now))

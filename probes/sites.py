@@ -183,6 +183,33 @@ def validate_site(name: str, arch: Any) -> Site:
     return site
 
 
+# what each word of a SiteKind's `shape` reads off an ArchInfo; kv_len grows with the sequence (no fixed width)
+_SHAPE_DIMS = {"d_model": "d_model", "heads": "n_heads", "kv_heads": "n_kv_heads", "head_dim": "head_dim",
+               "n_experts": "n_experts", "top_k": "experts_top_k", "vocab": "vocab_size"}
+
+
+def site_width(name: str, arch: Any) -> int | None:
+    """Values per position at a site, flattened (`resid_post.3` -> d_model, `q.3` -> heads * head_dim), read
+    off its shape in `SITE_KINDS`; None where the width grows with the sequence (`attn_pattern`). Checks the
+    site first (`validate_site`), so a caller can refuse a wrong width before any model work.
+
+    Example:
+        >>> from types import SimpleNamespace as A
+        >>> arch = A(model_type="llama", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_model=32,
+        ...          n_experts=0, experts_top_k=0, vocab_size=100, is_moe=False)
+        >>> site_width("resid_post.1", arch), site_width("k.0", arch), site_width("attn_pattern.0", arch)
+        (32, 16, None)
+    """
+    site = validate_site(name, arch)
+    width = 1
+    for word in site.spec.shape.strip("[]").split(","):
+        field = _SHAPE_DIMS.get(word.strip())
+        if field is None:
+            return None
+        width *= int(getattr(arch, field))
+    return width
+
+
 def list_sites(arch: Any) -> list[dict[str, Any]]:
     """Every site of a model, one row each: name, shape, TransformerLens hook, description."""
     rows = []

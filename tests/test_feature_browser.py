@@ -240,3 +240,31 @@ def test_the_command_line_browses_with_provenance(monkeypatch, tmp_path):
     assert out["provenance"]["model"] == MODEL and out["provenance"]["settings"]["direction"]["index"] == 3
     bad = CliRunner().invoke(cli, ["features", "top", "--model", MODEL, "--site", SITE, "--neuron", "1", "--sae", "x"])
     assert bad.exit_code != 0 and "exactly one direction" in str(bad.exception)
+
+
+def test_the_command_line_refuses_a_wrong_neuron_or_width_before_it_runs_the_corpus(monkeypatch, tmp_path):
+    import typer
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from analyses.feature_browser import cli as fb_cli
+    from probes import Engine
+
+    d_model = Engine.from_id(MODEL).arch().d_model
+    ran = []
+    monkeypatch.setattr(fb_cli, "build_index", lambda *a, **k: ran.append(a))  # the corpus pass, counted
+    monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path))
+    cli = typer.Typer()
+    fb_cli.register(cli)
+    vector = tmp_path / "v.safetensors"
+    save_file({"v": torch.ones(d_model + 1)}, str(vector))
+    base = ["features", "top", "--model", MODEL, "--site", SITE, "--corpus", "gsm8k-questions", "--n", "4"]
+    neuron = CliRunner().invoke(cli, [*base, "--neuron", str(d_model)])
+    assert isinstance(neuron.exception, BadInputError)
+    assert f"neuron {d_model} out of range" in str(neuron.exception) and f"0..{d_model - 1}" in str(neuron.exception)
+    wide = CliRunner().invoke(cli, [*base, "--vector", str(vector)])
+    assert isinstance(wide.exception, BadInputError)
+    assert f"width {d_model + 1} but {SITE} has width {d_model}" in str(wide.exception)
+    site = CliRunner().invoke(cli, [*base[:5], "resid_post.99", *base[6:], "--neuron", "0"])
+    assert "layer 99 is out of range" in str(site.exception)
+    assert ran == []  # all three refused before the corpus went through the model

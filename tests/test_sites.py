@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from thoughtscope.errors import UnknownSiteError
-from probes.sites import SITE_KINDS, Site, get_module, list_sites, parse_site, validate_site
+from probes.sites import SITE_KINDS, Site, get_module, list_sites, parse_site, site_width, validate_site
 from probes.zoo import arch_from_config
 
 
@@ -51,3 +51,19 @@ def test_validation_errors(llama):
 def test_arch_from_config_reads_gqa_and_moe(moe):
     arch = arch_from_config(moe.model.config)
     assert arch.is_moe and arch.n_kv_heads == 2 and arch.d_mlp == 32
+
+
+def test_site_width_is_the_width_a_capture_returns_at_every_site(llama, moe):
+    """What the feature browser's command line checks a neuron or a vector against before any model work."""
+    for engine in (llama, moe):
+        sites = [row["site"] for row in list_sites(engine.handle.arch)]
+        captured = engine.trace("Anna has 3 shells.", capture=sites).activations
+        for name in sites:
+            width = site_width(name, engine.handle.arch)
+            first = captured[name][0]  # the first position's values
+            if name.startswith("attn_pattern"):
+                assert width is None  # [heads, kv_len] grows with the sequence
+            else:
+                assert width == first.numel(), name
+    with pytest.raises(UnknownSiteError, match="no MoE router"):
+        site_width("router.0", llama.handle.arch)

@@ -174,6 +174,26 @@ def test_the_badge_is_computed_in_the_background_once_then_read_from_the_cache(l
     assert V.background_error(llama_bf16) == "BadInputError: no memory left"
 
 
+def test_a_page_does_not_restart_a_background_validation_that_failed(monkeypatch):
+    from app.badge import badge_state
+
+    engine = Engine.from_id("tiny-random:llama", device="cpu", dtype="float16")
+    calls = []
+
+    def broken(engine, **kwargs):
+        calls.append(engine)
+        raise BadInputError("no memory left")
+
+    monkeypatch.setattr(V, "validate", broken)
+    monkeypatch.setattr(V, "_FAILED", {})
+    assert badge_state(engine) == (None, True, None)  # the first page run starts it, the badge polls
+    V._RUNNING[str(V.cache_path(engine.handle))].join(timeout=60)
+    # every later run draws the failure without polling and without starting it again
+    for _ in range(3):
+        assert badge_state(engine) == (None, False, "BadInputError: no memory left")
+    assert len(calls) == 1 and not V.badge_running(engine)
+
+
 def test_badge_text_carries_the_numbers():
     from app.badge import badge_markdown, badge_tooltip
 

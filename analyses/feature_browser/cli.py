@@ -22,6 +22,7 @@ from analyses.feature_browser import (CORPORA, IndexSettings, Neuron, VectorDire
                                       file_corpus, load_corpus, sae_latent)
 from analyses.feature_browser.search_cli import register_search
 from probes.interventions import load_vector
+from probes.sites import site_width
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance, with_provenance
 
@@ -89,6 +90,9 @@ def register(cli: typer.Typer) -> None:
         b = backend(model, server, token)
         c = _corpus(corpus, n, unit)
         direction = _direction(site, sae, latent, neuron, vector, tensor)
+        width = site_width(site, b.arch())  # a wrong neuron, latent or width is refused before the corpus runs
+        if width is not None:
+            direction.check(width)
         with TerminalProgress() as progress:
             index = build_index(b, c, site, IndexSettings(max_tokens=max_tokens),
                                 on_progress=lambda done, total: progress("index", done, total))

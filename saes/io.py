@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +60,15 @@ def load_sae(ref: str | Path, sae_id: str | None = None, device: str = "cpu") ->
             raise BadInputError(
                 f"{path} is not a SAELens SAE folder: it needs {CFG_FILENAME} and {WEIGHTS_FILENAME} "
                 "(save one with saes.io.save_sae or SAELens' save_model)")
+        from safetensors import SafetensorError
+
         try:
             return SAE.load_from_disk(str(path), device=device)
-        except (KeyError, ValueError, json.JSONDecodeError) as err:
-            raise BadInputError(f"{path} holds an SAE this SAELens cannot read ({err})") from err
+        # a malformed folder: cfg.json not an object or missing a field (KeyError, TypeError, AttributeError, bad
+        # JSON), weights not safetensors or cut short (SafetensorError), or shaped unlike cfg.json says (RuntimeError)
+        except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, SafetensorError, OSError) as err:
+            why = " ".join(str(err).split())[:300]  # torch's shape message spans lines
+            raise BadInputError(f"{path} holds an SAE this SAELens cannot read ({type(err).__name__}: {why})") from err
     if sae_id is None:
         raise BadInputError(f"{ref!r} is not a folder; for a SAELens pretrained release pass sae_id= too")
     return _load_pretrained_offline(str(ref), sae_id, device)

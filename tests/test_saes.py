@@ -131,3 +131,28 @@ def test_stats_count_dead_latents_and_l0():
         sae.b_enc[3] = -1.0  # latent 3 can never fire
     stats = sae_stats(sae, acts)
     assert stats.dead_latents >= 1 and stats.density == pytest.approx(stats.l0 / 16)
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("cut", "SafetensorError"),        # the weights file cut short
+    ("garbage", "SafetensorError"),    # not a safetensors file at all
+    ("d_sae", "size mismatch for W_dec"),  # cfg.json says another width than the weights have
+    ("cfg_list", "TypeError"),          # cfg.json is JSON, but not an object
+])
+def test_a_damaged_sae_folder_is_a_clear_error_and_stays_on_disk(tmp_path, damage, why):
+    from saes.train import make_training_sae
+
+    folder = save_sae(make_training_sae(16, SAETrainSettings(d_sae=32)), tmp_path / "sae")
+    weights, cfg = folder / "sae_weights.safetensors", folder / "cfg.json"
+    if damage == "cut":
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif damage == "garbage":
+        weights.write_bytes(b"not an SAE " * 8)
+    elif damage == "d_sae":
+        cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "d_sae": 64}))
+    else:
+        cfg.write_text("[1, 2]")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(BadInputError, match=f"{folder} holds an SAE this SAELens cannot read .*{why}"):
+        load_sae(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

@@ -418,6 +418,10 @@ def test_bad_sparsity_window_and_gates_files_are_refused_before_the_model_runs(t
         llama.head_gates(gates=np.ones((30, 3)))
     with pytest.raises(BadInputError, match="no gates file"):
         read_gates(tmp_path / "missing", llama)
+    for log in ("[1, 2]", '{"settings": [1]}', '{"log": 5}'):  # JSON, but not a gates log
+        (tmp_path / "log.json").write_text(log)
+        with pytest.raises(BadInputError, match="is not a gates log"):
+            HeadGateProbe.load(tmp_path, llama)
     assert forwards == []
 
 

@@ -59,15 +59,23 @@ def head_map_figure(data: Any) -> go.Figure:
     return export_size(styled(fig, title), height=max(280, 120 + 40 * heads))
 
 
-def memory_figure(data: Any) -> go.Figure:
-    """data: full_heads (bool [layers][kv_heads]), sink, recent, bytes_per_entry, max_length."""
-    d = _data(data)
+def _memory_curve(d: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens in the cache, full-cache bytes, bytes kept with the map) at 64 lengths up to max_length: full
+    heads keep every token, local heads sink + recent."""
     full = np.asarray(d["full_heads"], dtype=bool)
     window = int(d["sink"]) + int(d["recent"])
     lengths = np.unique(np.linspace(1, int(d.get("max_length", 2048)), 64).astype(int))
     per = float(d.get("bytes_per_entry", 1))
     full_bytes = full.size * lengths * per
     kept = (full.sum() * lengths + (~full).sum() * np.minimum(lengths, window)) * per
+    return lengths, full_bytes, kept
+
+
+def memory_figure(data: Any) -> go.Figure:
+    """data: full_heads (bool [layers][kv_heads]), sink, recent, bytes_per_entry, max_length."""
+    d = _data(data)
+    full = np.asarray(d["full_heads"], dtype=bool)
+    lengths, full_bytes, kept = _memory_curve(d)
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=lengths, y=full_bytes / 2**20, name="full cache", line=dict(color="#777777", width=2)))
     fig.add_trace(go.Scatter(x=lengths, y=kept / 2**20, name=f"{int(full.sum())}/{full.size} heads full",
@@ -153,9 +161,39 @@ def training_table(data: Any) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k != "problems"} for r in _data(data).get("log", [])]
 
 
+def head_map_table(data: Any) -> list[dict[str, Any]]:
+    """One row per (layer, KV head): its score (gate, or attention mass outside the window) and, with a
+    sparsity, whether the map keeps it full."""
+    d = _data(data)
+    full = d.get("full_heads")
+    tiebreak = d.get("tiebreak")
+    return [{"layer": layer, "kv_head": head, "score": score, "kind": d.get("kind", "learned"),
+             **({"tiebreak": tiebreak[layer][head]} if tiebreak is not None else {}),
+             **({"full": bool(full[layer][head]), "sparsity": d.get("sparsity")} if full is not None else {})}
+            for layer, row in enumerate(d["scores"]) for head, score in enumerate(row)]
+
+
+def memory_table(data: Any) -> list[dict[str, Any]]:
+    """One row per cache length the figure plots: the full cache's and the compressed cache's bytes per
+    sequence."""
+    lengths, full_bytes, kept = _memory_curve(_data(data))
+    return [{"tokens": int(n), "full_bytes": float(f), "kept_bytes": float(k), "kept_fraction": float(k / f)}
+            for n, f, k in zip(lengths, full_bytes, kept)]
+
+
+def generation_table(data: Any) -> list[dict[str, Any]]:
+    """One row per generated token: KV bytes of the compressed and of the full cache."""
+    d = _data(data)
+    kv, full = d.get("kv_bytes") or [], d.get("full_kv_bytes") or []
+    return [{"token": t + 1, "kv_bytes": kv[t] if t < len(kv) else None,
+             "full_kv_bytes": full[t] if t < len(full) else None, "mode": d.get("mode")}
+            for t in range(max(len(kv), len(full)))]
+
+
 FIGURES = {"rlkv_head_map": head_map_figure, "rlkv_memory": memory_figure, "rlkv_accuracy": accuracy_figure,
            "rlkv_training": training_figure, "rlkv_generation": generation_figure}
-TABLES = {"rlkv_accuracy": accuracy_table, "rlkv_training": training_table}
+TABLES = {"rlkv_accuracy": accuracy_table, "rlkv_training": training_table, "rlkv_head_map": head_map_table,
+          "rlkv_memory": memory_table, "rlkv_generation": generation_table}
 
 
 def page_tables(data: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

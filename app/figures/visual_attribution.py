@@ -74,5 +74,29 @@ def faithfulness_figure(data: Any) -> go.Figure:
     return styled(fig, f"faithfulness against exhaustive ablation, {n} held-out spans (95% intervals)")
 
 
+def heatmap_table(data: Any) -> list[dict[str, Any]]:
+    """One row per cell of the heat map (the model's token grid, reading order): its grid row and column and
+    the score drawn there (None: a token in no region), with the method and unit. The image is in the JSON."""
+    d = data.to_dict() if hasattr(data, "to_dict") else dict(data)
+    return [{"grid_row": r, "grid_col": c, "score": score, "method": d.get("method", ""), "unit": d.get("unit", "")}
+            for r, row in enumerate(d["scores"]) for c, score in enumerate(row)]
+
+
+def faithfulness_table(data: Any) -> list[dict[str, Any]]:
+    """One row per (method, measure): the estimate over the held-out spans and its 95% interval (a measure
+    without an interval, such as R^2 over all pairs, has only its estimate)."""
+    d = data.to_dict() if hasattr(data, "to_dict") else dict(data)
+    rows = []
+    for key, value in d["metrics"].items():
+        method, _, measure = key.partition("_")  # method names hold no underscore: amortized, attention, ...
+        m = value if isinstance(value, dict) else {"estimate": value}
+        rows.append({"method": method, "measure": measure, "estimate": m.get("estimate"), "low": m.get("low"),
+                     "high": m.get("high"), "n": m.get("n"), "confidence": m.get("confidence"),
+                     "interval": m.get("method")})
+    return rows
+
+
 FIGURES: dict[str, Callable[[Any], go.Figure]] = {"vis_attr_heatmap": heatmap_figure,
                                                   "vis_attr_faithfulness": faithfulness_figure}
+TABLES: dict[str, Callable[[Any], list[dict[str, Any]]]] = {"vis_attr_heatmap": heatmap_table,
+                                                           "vis_attr_faithfulness": faithfulness_table}

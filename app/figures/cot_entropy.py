@@ -286,16 +286,100 @@ def pareto_table(data: Any) -> list[dict[str, Any]]:
 
 
 def dev_choice_table(data: Any) -> list[dict[str, Any]]:
+    """One row per (method, candidate setting) the figure plots: its development accuracy and costs, chosen or not
+    (the density's bandwidth choice and the objective's score tuples stay in the JSON)."""
     d = _data(data)
     return [{"method": name, "split": "development", "setting": str(r["setting"]), "chosen": j == c["chosen_index"],
-             **{k: v for k, v in r.items() if k != "setting"}}
-            for name, c in d["choices"].items() for j, r in enumerate(c["grid"])]
+             **{k: v for k, v in r.items() if k not in ("setting", "score") and not isinstance(v, (dict, list))}}
+            for name in ("cusum", "deer", "dynasor") if (c := d["choices"].get(name)) for j, r in enumerate(c["grid"])]
 
 
 def settling_table(data: Any) -> list[dict[str, Any]]:
     d = _data(data)
     return [{"problem_id": r["problem_id"], "split": "evaluation", "settle_step": r["settle_step"],
              "alarm_step": r["alarm_step"], "delay": r["delay"], "n_steps": r["n_steps"]} for r in d.get("rows", [])]
+
+
+def entropy_curve_table(data: Any) -> list[dict[str, Any]]:
+    """One row per generated token: its entropy (raw and smoothed), whether a step ends after it, its phase."""
+    d = _data(data)
+    n = len(d["entropies"])
+    _, exit_token = exit_at(d)
+    ends = {int(b) for b, _ in d.get("step_ends", [])}
+    texts, smoothed = d.get("token_texts") or [None] * n, d.get("smoothed_entropies") or [None] * n
+    return [{"token": t + 1, "text": texts[t], "entropy": d["entropies"][t], "smoothed_entropy": smoothed[t],
+             "step_end": t + 1 in ends,
+             "phase": "uncertainty" if exit_token is None or t + 1 <= exit_token else "confidence"}
+            for t in range(n)]
+
+
+def cusum_table(data: Any) -> list[dict[str, Any]]:
+    """One row per probed step: the tokens at the probe, Z = log f1/f0, the CUSUM statistic S, h, the alarm."""
+    d = _data(data)
+    alarm, _ = exit_at(d)
+    probes = d.get("step_probe_tokens", [])
+    return [{"step": i + 1, "probe_token": probes[i] if i < len(probes) else None, "log_ratio": z,
+             "statistic": s, "threshold": d["threshold"], "alarm": i == alarm}
+            for i, (z, s) in enumerate(zip(d["log_ratios"], d["statistic"]))]
+
+
+def answer_strip_table(data: Any) -> list[dict[str, Any]]:
+    """One row per probed step (point "probe") plus the trace's final answer (point "final")."""
+    d = _data(data)
+    alarm, _ = exit_at(d)
+    rows = [{"point": "probe", "step": i + 1, "generated_tokens": x, "answer": a, "correct": c, "mean_entropy": h,
+             "at_alarm": i == alarm, "target": d.get("target")}
+            for i, (x, a, c, h) in enumerate(zip(d["step_probe_tokens"], d["step_probe_answers"],
+                                                 d["step_probe_correct"], d["step_probe_entropies"]))]
+    return rows + [{"point": "final", "step": None, "generated_tokens": len(d["entropies"]),
+                    "answer": d.get("final_answer"), "correct": None, "mean_entropy": None, "at_alarm": False,
+                    "target": d.get("target")}]
+
+
+def calibration_table(data: Any) -> list[dict[str, Any]]:
+    """One row per plotted point, long format by `series`: a histogram bar (x its centre, bin_low/bin_high its
+    edges, count its steps) or a point of a fitted density or of log f1/f0 (a curve for a KDE, per bin for a
+    histogram); y is a density in 1/nats, or the log-likelihood ratio for series "log ratio"."""
+    d = _data(data)
+    if "bin_edges" not in d:
+        return []
+    edges = d["bin_edges"]
+    bins = list(zip(edges[:-1], edges[1:]))
+    kde = d.get("density", "histogram") == "kde"
+    rows = []
+
+    def per_bin(series: str, ys: list[Any], counts: list[Any] | None) -> None:
+        rows.extend({"series": series, "x": (lo + hi) / 2, "bin_low": lo, "bin_high": hi, "y": y,
+                     "count": counts[i] if counts else None} for i, ((lo, hi), y) in enumerate(zip(bins, ys)))
+
+    def curve(series: str, ys: list[Any]) -> None:
+        rows.extend({"series": series, "x": x, "bin_low": None, "bin_high": None, "y": y, "count": None}
+                    for x, y in zip(d["curve"]["x"], ys))
+
+    for key in ("uncertain", "confident"):
+        if kde:
+            per_bin(f"histogram {key}", d[f"empirical_{key}"], d[f"counts_{key}"])
+            curve(f"density {key}", d["curve"][f"density_{key}"])
+        else:
+            per_bin(f"density {key}", d[f"density_{key}"], d[f"counts_{key}"])
+    if kde:
+        curve("log ratio", d["curve"]["log_ratio"])
+    else:
+        per_bin("log ratio", d["log_ratio"], None)
+    return rows
+
+
+def voting_table(data: Any) -> list[dict[str, Any]]:
+    """One row per vote (single sample, majority, CUSUM-weighted): accuracy and its 95% interval (the
+    per-problem answers and weights are in the JSON)."""
+    d = _data(data)
+    intervals = d.get("intervals") or {}
+    return [{"vote": label, "accuracy": d[key], "low": (intervals.get(name) or {}).get("low"),
+             "high": (intervals.get(name) or {}).get("high"), "n_problems": d.get("n_eval"),
+             "samples": d.get("samples"), "split": d.get("split", "evaluation")}
+            for label, key, name in (("single sample", "sample_accuracy", "single"),
+                                     ("majority", "majority_accuracy", "majority"),
+                                     ("CUSUM-weighted", "weighted_accuracy", "weighted"))]
 
 
 FIGURES: dict[str, Callable[..., go.Figure]] = {
@@ -310,7 +394,12 @@ FIGURES: dict[str, Callable[..., go.Figure]] = {
 }
 
 TABLES: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
+    "cot_entropy_curve": entropy_curve_table,
+    "cot_cusum": cusum_table,
+    "cot_answer_strip": answer_strip_table,
+    "cot_calibration": calibration_table,
     "cot_pareto": pareto_table,
     "cot_dev_choice": dev_choice_table,
+    "cot_voting": voting_table,
     "cot_settling": settling_table,
 }

@@ -1,7 +1,7 @@
 """Figures of the neuro-fuzzy concepts page (and of `thoughtscope export`): the metric table with baselines,
 the normalised firing of one sample, the overlap of grounded words between concepts, and the development
 search. Each builder takes a plain dict (the slices of `FuzzyStudy.to_dict()` the page exports), computes
-nothing, and returns a `styled` figure; `FIGURES` maps names to builders for export.
+nothing, and returns a `styled` figure; `FIGURES` maps names to builders for export, `TABLES` to tidy CSV rows.
 """
 
 from __future__ import annotations
@@ -25,13 +25,18 @@ def _data(obj: Any) -> dict[str, Any]:
     return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
 
 
+def _metric_names(rows: list[dict[str, Any]]) -> list[str]:
+    """The metrics the figure draws, in its panel order: the four of `METRIC_TITLES`, then the AMIs."""
+    return [m for m in METRIC_TITLES if m in rows[0]] + sorted(k for k in rows[0] if k.startswith("ami_")
+                                                               and not k.endswith(("_low", "_high")))
+
+
 def metrics_figure(data: Any) -> go.Figure:
     """One panel per metric: each method's mean over seeds with its 95% interval.
 
     `data["metric_table"]`: rows with `method`, `<metric>`, `<metric>_low`, `<metric>_high`."""
     rows = _data(data)["metric_table"]
-    names = [m for m in METRIC_TITLES if m in rows[0]] + sorted(k for k in rows[0] if k.startswith("ami_")
-                                                                and not k.endswith(("_low", "_high")))
+    names = _metric_names(rows)
     cols = 2
     fig = make_subplots(rows=(len(names) + cols - 1) // cols, cols=cols, vertical_spacing=0.18, horizontal_spacing=0.1,
                         subplot_titles=[METRIC_TITLES.get(n, f"AMI with {n[4:]} labels (higher better)") for n in names])
@@ -107,4 +112,47 @@ FIGURES: dict[str, Callable[[Any], go.Figure]] = {
     "fuzzy_firing": firing_figure,
     "fuzzy_overlap": overlap_figure,
     "fuzzy_tuning": tuning_figure,
+}
+
+
+def metrics_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per (method, metric): the mean over seeds (estimate) and its 95% interval (low, high)."""
+    d = _data(data)
+    rows = d["metric_table"]
+    return [{"method": row["method"], "metric": name, "estimate": row[name], "low": row.get(f"{name}_low"),
+             "high": row.get(f"{name}_high"), "seeds": d.get("seeds")}
+            for row in rows for name in (_metric_names(rows) if rows else [])]
+
+
+def tuning_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per candidate setting of the development search: its settings, dev FVU, dev active concepts."""
+    d = _data(data)
+    return [{"candidate": i, **row["setting"], "dev_reconstruction_error": row["dev_reconstruction_error"],
+             "dev_active_concepts": row["dev_active_concepts"], "steps_run": row.get("steps_run"),
+             "chosen": i == d["chosen_index"]} for i, row in enumerate(d["grid"])]
+
+
+def firing_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per rule: its normalised firing and membership for the sample, and its place in the chain (or none)."""
+    d = _data(data)
+    firing, memberships = d["firing"], d.get("memberships") or [None] * len(d["firing"])
+    labels = d.get("rule_labels") or [f"rule {r + 1}" for r in range(len(firing))]
+    chain = {link["rule"]: i + 1 for i, link in enumerate(d.get("chain", []))}
+    return [{"rule": r + 1, "label": labels[r], "firing": firing[r], "membership": memberships[r],
+             "chain_rank": chain.get(r), "snippet": d.get("snippet")} for r in range(len(firing))]
+
+
+def overlap_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per (concept k, concept l) cell of the heatmap: |T_k & T_l| / |T_k| for one method."""
+    d = _data(data)
+    matrix = d["overlap_matrix"]
+    return [{"method": d.get("method", "fuzzy"), "concept_k": k + 1, "concept_l": col + 1, "overlap": value}
+            for k, row in enumerate(matrix) for col, value in enumerate(row)]
+
+
+TABLES: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
+    "fuzzy_metrics": metrics_rows,
+    "fuzzy_firing": firing_rows,
+    "fuzzy_overlap": overlap_rows,
+    "fuzzy_tuning": tuning_rows,
 }

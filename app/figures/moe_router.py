@@ -229,6 +229,38 @@ def _score_rows(data: Any) -> list[dict[str, Any]]:
              "used": e in set(d.get("chosen") or [])} for i, (p, e) in enumerate(zip(d["probs"], d["experts"]))]
 
 
+def _heatmap_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per (layer, generated position, routing slot) holding an expert: the expert and its gate (-1 skipped)."""
+    d = _data(data)
+    return [{"layer": layer, "position": t, "token": d["tokens"][t], "slot": s, "expert": int(e), "gate": g,
+             "sample": d.get("sample", 0)}
+            for j, layer in enumerate(d["layers"]) for t in range(len(d["tokens"]))
+            for s, (e, g) in enumerate(zip(d["experts"][j][t], d["gates"][j][t])) if int(e) >= 0]
+
+
+def _divergence_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per (layer, step) of the top panel: mean Jaccard distance between the samples' expert sets (None
+    with fewer than two samples live), the same over samples with identical text so far, distinct tokens
+    among the live samples (each sample's tokens and forks are in the JSON)."""
+    d = _data(data)
+    same, distinct = d.get("same_prefix"), d.get("distinct_tokens") or []
+    return [{"layer": layer, "step": t, "divergence": v, "same_prefix_divergence": same[j][t] if same else None,
+             "distinct_tokens": distinct[t] if t < len(distinct) else None}
+            for j, layer in enumerate(d["layers"]) for t, v in enumerate(d["divergence"][j])]
+
+
+def _active_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per number of active experts: greedy accuracy, 95% interval, mean tokens, McNemar vs the model's k."""
+    d = _data(data)
+    rows = []
+    for r in sorted(d["rows"], key=lambda r: r["active_experts"]):
+        a, vs = r["accuracy"], r.get("vs_model_k") or {}
+        rows.append({"active_experts": r["active_experts"], "model_k": d.get("k"), "accuracy": a["estimate"],
+                     "low": a["low"], "high": a["high"], "n": a.get("n"), "mean_tokens": r.get("mean_tokens"),
+                     "mcnemar_p": vs.get("p_value"), "gained": vs.get("gains"), "lost": vs.get("losses")})
+    return rows
+
+
 FIGURES: dict[str, Callable[[Any], go.Figure]] = {
     "moe_scores": scores_figure,
     "moe_heatmap": heatmap_figure,
@@ -240,5 +272,8 @@ FIGURES: dict[str, Callable[[Any], go.Figure]] = {
 TABLES: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
     "moe_pass_at": _pass_rows,
     "moe_scores": _score_rows,
+    "moe_heatmap": _heatmap_rows,
+    "moe_divergence": _divergence_rows,
+    "moe_active_experts": _active_rows,
     "moe_profile": _profile_rows,
 }

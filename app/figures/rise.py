@@ -213,6 +213,53 @@ def auroc_rows(data: Any) -> list[dict[str, Any]]:
     return [{"site": r["site"], "label": label, **v} for r in rows for label, v in (r.get("auroc") or {}).items()]
 
 
+def timeline_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per step of the trace: its span, label and closing token, and its top latents as top1, top2, ..."""
+    trace, top = data["trace"], data.get("top_latents") or []
+    k = max((len(t) for t in top), default=0)
+    return [{"problem_id": trace["problem_id"], "correct": trace["correct"], "site": data.get("site"),
+             "step": s["index"], "label": s["label"], "start": s["start"], "end": s["end"], "token": s["token"],
+             "closed": s["closed"], "text": s["text"],
+             **{f"top{j + 1}": (top[i][j] if i < len(top) and j < len(top[i]) else None) for j in range(k)}}
+            for i, s in enumerate(trace["steps"])]
+
+
+def decoder_map_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per decoder column: its position on the 2-D map and the label it was voted for."""
+    return [{"site": data["site"], "projection": data.get("projection"), "column": i, "x": xy[0], "y": xy[1],
+             "label": label, "silhouette": data["silhouette"]}
+            for i, (xy, label) in enumerate(zip(data["coords"], data["column_labels"]))]
+
+
+def silhouette_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per site (`{site: silhouette}`), in layer order: the cosine silhouette of its decoder columns."""
+    return sorted(({"site": site, "layer": int(site.rsplit(".", 1)[1]), "silhouette": value}
+                   for site, value in data.items() if site != "provenance"), key=lambda r: r["layer"])
+
+
+def histogram_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per bin of the latent's activation histogram (the figure; top steps, tokens, labels stay in the JSON)."""
+    edges = data["histogram_edges"]
+    return [{"site": data["site"], "latent": data["latent"], "bin_low": edges[i], "bin_high": edges[i + 1],
+             "count": count} for i, count in enumerate(data["histogram_counts"])]
+
+
+def label_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per behaviour label (`{label: steps}`): the steps where the latent fires that carry it."""
+    return [{"label": label, "steps": n} for label, n in data.items() if label != "provenance"]
+
+
+def token_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per token, promoted then suppressed, with its rank and the logit effect of the decoder direction."""
+    return [{"direction": direction, "rank": rank + 1, "token": token, "logit_effect": value}
+            for direction in ("promoted", "suppressed") for rank, (token, value) in enumerate(data.get(direction, []))]
+
+
+def confidence_rows(data: Any) -> list[dict[str, Any]]:
+    """One row per optimisation iteration: the mean next-token entropy (nats)."""
+    return [{"site": data["site"], "iteration": i, "entropy": h} for i, h in enumerate(data["entropy_history"])]
+
+
 FIGURES: dict[str, Callable[[Any], go.Figure]] = {
     "rise_decoder_map": decoder_map,
     "rise_steering": steering_bars,
@@ -224,6 +271,13 @@ TABLES: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
     "rise_steering": steering_rows,
     "rise_quality": quality_rows,
     "rise_auroc": auroc_rows,
+    "rise_timeline": timeline_rows,
+    "rise_decoder_map": decoder_map_rows,
+    "rise_silhouette": silhouette_rows,
+    "rise_feature_histogram": histogram_rows,
+    "rise_feature_labels": label_rows,
+    "rise_feature_tokens": token_rows,
+    "rise_confidence": confidence_rows,
 }
 
 

@@ -1,0 +1,91 @@
+"""Every figure a page draws exports a tidy CSV: a table builder of its own (`TABLES` in app/figures), one
+row per observation, a plain value in every cell. The generic flattener once wrote Python dict reprs into
+cells (RISE's step timeline, fuzzy metrics and tuning grids), glued vectors of different lengths into one
+table (CoT calibration) or left the plotted values out (MoE expert heat map, one row of 178 columns for the
+visual-attribution faithfulness). Here each page opens on SmolLM2-135M and its stored results, and every
+figure it draws has its CSV made as the download button would make it."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from app import export, jobs  # noqa: E402
+from tests import apptest_helpers as helpers  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+# the pages that open on stored results (the trace explorer, Home and Correctness draw figures only on request)
+PAGES = ("rise", "fuzzy_concepts", "cot_entropy", "visual_attribution", "rlkv", "moe_router", "feature_browser",
+         "contrast", "steering")
+
+
+@pytest.fixture(scope="module")
+def drawn():
+    """{page: [(figure name, table name, data)]} of every figure drawn when each page opens."""
+    seen: list[tuple[str, str, object]] = []
+    original = export.export_buttons
+
+    def record(fig, data, name, provenance=None, figure=None):
+        seen.append((name, figure or name, data))
+        return original(fig, data, name, provenance, figure)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(export, "export_buttons", record)
+    mp.setenv("THOUGHTSCOPE_MODEL", "smollm2-135m")
+    out = {}
+    try:
+        for page in PAGES:
+            seen.clear()
+            at = helpers.open_page(page, max_new_tokens=None)  # the page's own defaults: its stored result
+            helpers.assert_clean(at)
+            out[page] = list(seen)
+            for job in jobs.registry().running():  # a job a page started on opening: not this test's subject
+                job.stop("the test ended")
+                job.thread.join(120)
+    finally:
+        mp.undo()
+        jobs.registry.clear()
+    return out
+
+
+def test_the_pages_draw_their_stored_figures(drawn):
+    names = {name for figures in drawn.values() for name, _, _ in figures}
+    assert {"rise_timeline", "rise_feature_histogram", "fuzzy_metrics", "fuzzy_tuning", "cot_calibration",
+            "vis_attr_faithfulness", "rlkv_head_map", "rlkv_memory", "moe_heatmap", "moe_divergence",
+            "contrast_volcano", "feature_contexts"} <= names
+
+
+def test_every_drawn_figure_has_a_tidy_table_of_plain_values(drawn):
+    tables = export.table_registry()
+    for page, figures in drawn.items():
+        for name, table, data in figures:
+            assert table in tables, f"{page}: {name} has no TABLES builder (its CSV would be the generic flattener)"
+            rows = export.table_rows(data, table)
+            assert rows, f"{page}: {name}'s table is empty"
+            for row in rows:
+                bad = {k: v for k, v in row.items() if isinstance(v, (dict, list, tuple, set))}
+                assert not bad, f"{page}: {name} puts a container in a cell: {bad}"
+            parsed = list(csv.DictReader(io.StringIO(export.data_csv(data, table))))
+            assert len(parsed) == len(rows) and list(parsed[0]) == list(dict.fromkeys(k for r in rows for k in r))
+
+
+def test_the_tables_hold_the_plotted_values(drawn):
+    figures = {name: (table, data) for fs in drawn.values() for name, table, data in fs}
+    table, data = figures["vis_attr_faithfulness"]
+    rows = export.table_rows(data, table)
+    metrics = export.plain(data)["metrics"]
+    assert len(rows) == len(metrics)  # one row per (method, measure), not one row of 178 columns
+    lds = next(r for r in rows if (r["method"], r["measure"]) == ("amortized", "lds"))
+    assert (lds["estimate"], lds["low"], lds["high"]) == tuple(metrics["amortized_lds"][k]
+                                                              for k in ("estimate", "low", "high"))
+    table, data = figures["rlkv_head_map"]
+    scores = export.plain(data)["scores"]
+    rows = export.table_rows(data, table)
+    assert len(rows) == len(scores) * len(scores[0])
+    assert rows[len(scores[0]) + 1]["score"] == scores[1][1] and rows[len(scores[0]) + 1]["layer"] == 1

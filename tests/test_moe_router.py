@@ -371,6 +371,23 @@ def test_the_page_routes_a_generation_and_draws_every_figure(page_on_tiny_moe, m
     assert any("cannot read" in e.value for e in at.error)
 
 
+def test_a_grid_setting_the_router_cannot_run_is_refused_before_the_evaluation_job(page_on_tiny_moe, moe):
+    from app import jobs
+    from tests import apptest_helpers as helpers
+
+    arch = moe.arch()
+    k = arch.experts_top_k
+    at = helpers.open_page("moe_router", max_new_tokens=5)
+    at.number_input(key="moe_eval_n").set_value(2)
+    for grid, says in ((f"1:{k - 2}:1", f"the tail pool m={k - 2} is smaller than the {k - 1} experts"),
+                       (f"1:{arch.n_experts}:1", f"this model has {arch.n_experts} experts per layer"),
+                       (f"{k}:{k}:1", f"k_h < k = {k}")):
+        at.text_input(key="moe_eval_grid").set_value(grid).run()
+        at.button(key="moe_eval_run").click().run()
+        assert any(says in e.value for e in at.error), (grid, [e.value for e in at.error])
+        assert jobs.registry().running() == [] and not any("failed" in e.value for e in at.error)  # no job ran
+
+
 # ----- on the organism (toy-moe:small: trained once, under a minute, cached) -----
 
 

@@ -72,6 +72,12 @@ class ExpertSetting:
                            "are sampled")
         return self
 
+    def check_for(self, arch: Any) -> "ExpertSetting":
+        """`check` and then the rule's own checks against the model's `ArchInfo` (m >= k - k_h, k_h + m <= the
+        experts, T_e finite and > 0): what a page says next to its widgets before any job starts."""
+        self.check(int(arch.experts_top_k)).rule().validate(arch)
+        return self
+
     def rule(self, seed: int = 0) -> Any:
         return ExpertSample(EVERY_LAYER, k_h=self.k_h, m=self.m, t_e=self.t_e, tail_gates=self.tail_gates,
                             seed=seed, where=self.where)

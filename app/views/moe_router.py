@@ -91,7 +91,7 @@ def generation_section(ctx, stored: Any) -> tuple[RouterMap, dict[str, Any]] | N
     run = st.button("Generate", type="primary", key="moe_generate", icon=":material/play_arrow:")
     if run and setting is not None:
         with shows_errors() as spot:
-            setting.check(k)  # a bad setting is said next to its widgets, before any job
+            setting.check_for(arch)  # a bad setting is said next to its widgets, before any job
         run = not spot.failed
     backend, sampling, seed, max_new = ctx.backend, ctx.settings.sampling(), ctx.seed, ctx.settings.max_new_tokens
 
@@ -138,8 +138,9 @@ def evaluation_section(ctx, stored: Any) -> None:
     run = c4.button("Run the evaluation again" if matches else "Run evaluation", key="moe_eval_run",
                     icon=":material/play_arrow:")
     if run:
-        with shows_errors() as spot:  # a bad grid is said here, before any job
-            _grid(grid_text)
+        with shows_errors() as spot:  # a bad grid, or a setting this router cannot run, is said here, before any job
+            for setting in _grid(grid_text):
+                setting.check_for(ctx.backend.arch())
         run = not spot.failed
     backend = ctx.backend
 

@@ -355,9 +355,10 @@ def from_fuzzy_concept(layer: Any, rule: int, site: str, *, strength: float = 1.
                      source={"kind": "fuzzy_concept", "rule": int(rule)})
 
 
-def from_feature_browser(direction: Any, d_model: int, *, strength: float = 1.0) -> StackTerm:
+def from_feature_browser(direction: Any, d_model: int, *, strength: float = 1.0, label: str = "") -> StackTerm:
     """A feature-browser direction (`SAELatent`, `Neuron` or `VectorDirection`): the vector it writes into
-    the residual stream at its site. An SAE latent loaded from a folder is kept by reference."""
+    the residual stream at its site. An SAE latent loaded from a folder is kept by reference. `label` names the
+    term (default: "feature browser: " and the direction's name)."""
     direction.check(d_model)
     described = direction.describe()
     source = {"kind": "feature_browser", **{k: v for k, v in described.items() if k != "kind"},
@@ -365,10 +366,10 @@ def from_feature_browser(direction: Any, d_model: int, *, strength: float = 1.0)
     folder = getattr(direction, "source", "")
     if described.get("kind") == "sae" and folder and Path(folder).is_dir():
         return from_sae_latent(folder, int(direction.latent), direction.site, d_model, strength=strength,
-                               label=f"feature browser: SAE latent {direction.latent}")
+                               label=label or f"feature browser: SAE latent {direction.latent}")
     name = described.get("name") or described.get("kind")
     return StackTerm(direction.site, direction.write_vector(), strength,
-                     label=f"feature browser: {name}" + (f" {described['index']}" if "index" in described else ""),
+                     label=label or f"feature browser: {name}" + (f" {described['index']}" if "index" in described else ""),
                      source=source)
 
 

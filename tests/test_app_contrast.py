@@ -47,6 +47,36 @@ def test_the_contrast_page_opens_on_the_stored_result_then_runs_its_own(monkeypa
 
 
 @pytest.mark.model
+def test_the_stored_direction_steers_its_own_model_and_is_not_offered_to_another(monkeypatch):
+    """On toy-reasoner:small the stored top direction goes into the steering stack at its width; on another
+    model the stored (toy-reasoner) direction is only a download: it once went into a 576-wide model's stack
+    as a 64-wide term, labelled "feature browser"."""
+    import torch
+
+    from app.steering_stack_ui import STACK
+    from probes import Engine
+    from probes.interventions import load_vector
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", TOY)
+    at = helpers.open_page("contrast", None)
+    at.button(key="ct_add_to_stack").click().run()
+    helpers.assert_clean(at)
+    (term,) = at.session_state[STACK]["stack"].terms
+    found = shipped.find("contrast", TOY, None, root=REPO_SHIPPED)
+    stored = load_vector(found.path("direction.safetensors"))
+    assert term.name.startswith("contrast: the top direction") and term.site == "resid_post.1"
+    assert term.direction.numel() == Engine.from_id(TOY).arch().d_model == stored.numel()
+    assert torch.allclose(term.direction, stored / stored.norm())  # the unit direction, scaled by the term's unit
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
+    at = helpers.open_page("contrast", None)
+    helpers.assert_clean(at)
+    assert "ct_add_to_stack" not in [b.key for b in at.button]
+    assert any(f"The stored direction is `{TOY}`'s" in c.value for c in at.caption)
+    assert STACK not in at.session_state or not at.session_state[STACK]["stack"].terms
+
+
+@pytest.mark.model
 def test_on_the_embedded_model_the_pages_default_question_sets_contrast_without_error(monkeypatch):
     """A newcomer on SmolLM2 presses Contrast with the page's defaults: its two question boxes (16 seeded word
     problems a set, adding against taking away) at the middle layer. The page's first defaults, two questions a

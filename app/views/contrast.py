@@ -86,7 +86,10 @@ def own_result(ctx, chosen: dict[str, Any], run: bool) -> Any:
     return jobs.run_job(key, work, label="Contrasting two sets of steps", kind="contrast", page="contrast", start=run)
 
 
-def draw(data: dict[str, Any], record: dict[str, Any] | None, direction: tuple[bytes, str, str] | None) -> None:
+def draw(data: dict[str, Any], record: dict[str, Any] | None, direction: tuple[bytes, str, str] | None,
+         d_model: int | None = None) -> None:
+    """The result; with `direction` its download, and with `d_model` (the loaded model's width, when the
+    direction is this model's) the button that adds it to the steering stack."""
     n = data["n"]
     cols = st.columns(4)
     cols[0].metric("Set A steps (dev / held-out)", f"{n['dev_a']} / {n['heldout_a']}")
@@ -112,16 +115,18 @@ def draw(data: dict[str, Any], record: dict[str, Any] | None, direction: tuple[b
     if direction is not None:
         payload, label, site = direction
         left, right = st.columns(2)
-        with left:
-            add_button("ct_add_to_stack", lambda: stack_term(payload, label, site))
+        if d_model is not None:
+            with left:
+                add_button("ct_add_to_stack", lambda: stack_term(payload, label, site, d_model))
         right.download_button(f"Use as direction: {label} (.safetensors, for the Steering page)", payload,
                               file_name="contrast_direction.safetensors", key="ct_export", icon=":material/download:")
 
 
-def stack_term(payload: bytes, label: str, site: str) -> Any:
-    """The exported direction as a steering-stack term at its site."""
+def stack_term(payload: bytes, label: str, site: str, d_model: int) -> Any:
+    """The exported direction as a steering-stack term at its site, checked against the loaded model's width."""
     vector = load_vector_bytes(payload)
-    return from_feature_browser(VectorDirection(vector, site, f"contrast: {label}"), int(vector.numel()), strength=0.5)
+    return from_feature_browser(VectorDirection(vector, site, f"contrast: {label}"), d_model, strength=0.5,
+                                label=f"contrast: {label}")
 
 
 def stored_section(ctx) -> None:
@@ -137,7 +142,11 @@ def stored_section(ctx) -> None:
     data = stored.json("contrast.json")["result"]
     payload = stored.path("direction.safetensors").read_bytes()
     site = next(r["site"] for r in data["top"] if r["kind"] == "direction").split(":", 1)[1]  # what ship.py exported
-    draw(data, stored.provenance, (payload, f"the top direction ({site})", site))
+    d_model = ctx.backend.arch().d_model
+    if not here:  # another model's direction: downloadable, but it cannot steer this model (another width, or weights)
+        st.caption(f"The stored direction is `{contrast_ship.MODEL}`'s: it can be downloaded, not added to "
+                   f"`{ctx.model_id}`'s steering stack.")
+    draw(data, stored.provenance, (payload, f"the top direction ({site})", site), d_model if here else None)
 
 
 def render(ctx) -> None:
@@ -159,4 +168,5 @@ def render(ctx) -> None:
         direction = (save_direction(vector, site, None, meta={"rule": result.rule, "row": exportable["site"]}),
                      f"{exportable['site']} #{exportable['feature']}", site)
     st.caption(f"{steps.describe()['n_steps']:,} steps of {steps.describe()['n_traces']} traces.")
-    draw(data, ctx.provenance(settings={"contrast": {k: v for k, v in chosen.items() if k != "lines"}}), direction)
+    draw(data, ctx.provenance(settings={"contrast": {k: v for k, v in chosen.items() if k != "lines"}}), direction,
+         ctx.backend.arch().d_model)

@@ -130,10 +130,6 @@ class Choice:
     def chosen(self) -> Any:
         return self.grid[self.index]
 
-    @property
-    def chosen_row(self) -> dict[str, Any]:
-        return self.rows[self.index]
-
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "split": self.split, "objective": self.objective, "chosen": _plain(self.chosen),
                 "chosen_index": self.index,
@@ -217,10 +213,6 @@ class Interval:
     n_resamples: int = N_RESAMPLES
     seed: int = 0
     method: str = "percentile bootstrap over problems"
-
-    @property
-    def half_width(self) -> float:
-        return (self.high - self.low) / 2
 
     def format(self, spec: str = ".3g", percent: bool = False) -> str:
         f = (lambda v: f"{100 * v:.1f}%") if percent else (lambda v: format(v, spec))  # noqa: E731

@@ -129,13 +129,6 @@ def trace_completion(backend: Backend, prompt: Any, generated_ids: Sequence[int]
     return CompletionTrace(trace, len(prompt_ids), arch.n_layers)
 
 
-def trace_with_completion(backend: Backend, prompt: Any, generated_ids: Sequence[int], capture: Sequence[str],
-                          chat: bool = False) -> Trace:
-    """A teacher-forced trace of a prompt followed by the tokens a generation produced from it."""
-    prompt_ids = backend.encode(prompt, chat=chat)
-    return backend.trace(list(prompt_ids) + [int(i) for i in generated_ids], capture=list(capture))
-
-
 # ----------------------------------------------------------------- the logit lens
 
 @dataclass
@@ -274,8 +267,3 @@ def attention_pattern(trace: Trace, layer: int, head: int | None = None, start: 
         weights, earlier = weights[0], None if earlier is None else earlier[0]
     return AttentionPattern(list(trace.tokens[start:stop]), layer, head, weights.numpy(), start, prompt_len,
                             None if earlier is None else earlier.numpy())
-
-
-def layer_choices(sites: Sequence[dict[str, Any]], kind: str = "resid_post") -> list[int]:
-    """Layers that have a site of `kind`, from a backend's `sites()` rows."""
-    return sorted(parse_site(r["site"]).layer for r in sites if r["site"].startswith(kind + "."))

@@ -632,7 +632,3 @@ def _boot_bridge(handle: ModelHandle) -> Any:
             )
         except Exception as err:
             raise ModelLoadError(f"TransformerLens could not bridge {handle.model_id}: {err}") from err
-
-
-def model_config_json(handle: ModelHandle) -> str:
-    return json.dumps(handle.info(), indent=2)

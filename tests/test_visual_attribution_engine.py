@@ -125,6 +125,24 @@ def test_eval_vis_attr_on_the_small_toy_vlm(tmp_path):
     assert saved.n_features_in_ == 2 * 4  # layers x heads of toy-vlm:small's language model
 
 
+@pytest.mark.model
+def test_the_pages_fit_equals_the_studys_estimator_on_the_same_scenes():
+    """`fit_estimator` (the page's "Fit the estimator" job) fits what `run_study` fits with the same scenes,
+    seed and epochs and no development choice: the same weights, the same predictions."""
+    from analyses.visual_attribution.evaluate import _pairs, fit_estimator, run_study, toy_scene
+    from probes.toys import vlm
+
+    engine = Engine.from_id("toy-vlm:small")
+    stages = []
+    fitted = fit_estimator(engine, n_train=3, seed=1, epochs=7, progress=lambda *a: stages.append(a))
+    study = run_study(engine, n_train=3, n_eval=2, seed=1, epochs=7).estimator
+    assert np.array_equal(fitted.weights_, study.weights_) and fitted.calibration_ == study.calibration_
+    X, _, _ = _pairs([toy_scene(engine, ex) for ex in vlm.examples("eval", 2, seed=1)])
+    assert np.array_equal(fitted.predict(X), study.predict(X))
+    assert stages[:3] == [("train scenes", 1, 3), ("train scenes", 2, 3), ("train scenes", 3, 3)]
+    assert stages[-1] == ("fit", 7, 7)
+
+
 def test_the_page_draws_raw_attention_then_exhaustive_effects_for_a_span(monkeypatch):
     """The page on tiny-random:llava: generate (streamed), a heat map of the first span's raw attention
     over the image, then its exhaustive effects on demand; their numbers are the analysis functions' own."""

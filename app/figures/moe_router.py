@@ -86,7 +86,7 @@ def heatmap_figure(data: Any) -> go.Figure:
     (layer, expert used at least once), one column per generated token, the gate as colour."""
     d = _data(data)
     tokens = d["tokens"]
-    rows, z, text = [], [], []
+    rows, z = [], []
     for j, layer in enumerate(d["layers"]):
         used = sorted({int(e) for step in d["experts"][j] for e in step if int(e) >= 0})
         for e in used:

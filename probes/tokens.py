@@ -74,6 +74,8 @@ class TokenizerOps:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise BadInputError(f"token ids {bad[:5]} are outside this model's vocabulary 0..{self.vocab_size - 1}")
+        elif isinstance(prompt, list) and not prompt:  # an empty token list, or no chat messages
+            raise BadInputError("the prompt is empty: an empty list holds neither token ids nor chat messages")
         elif isinstance(prompt, list):
             ids = self.tok(self.render_chat(prompt), add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, str):

@@ -117,6 +117,7 @@ def test_a_queued_client_that_gives_up_frees_its_place(url):
     ({"prompt": "a", "n_samples": 16, "max_new_tokens": 200}, 413, "at most 2048"),  # 3200 batch tokens > 2048
     ({"prompt": [49152], "max_new_tokens": 2}, 400, "outside this model's vocabulary"),
     ({"prompt": [-3], "max_new_tokens": 2}, 400, "outside this model's vocabulary"),
+    ({"prompt": [], "max_new_tokens": 2}, 400, "an empty list holds neither token ids nor chat messages"),
     ({"prompt": "hi", "stop": [""]}, 400, "non-empty"),
     ({"prompt": "hi", "capture": ["resid_post." + "9" * 5000]}, 422, "at most 64 characters"),
     ({"prompt": [{"role": "user", "content": "x" * 200_001}]}, 400, "limit is 200000"),

@@ -250,10 +250,19 @@ def plain(data: Any) -> Any:
     return _clean(data.to_dict() if hasattr(data, "to_dict") else data)
 
 
+def record_of(data: Any, provenance: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The provenance an export of `data` carries: the record given, else the data's own (a stored result's,
+    carried in its dict under `provenance`), else the page's (`page_provenance`)."""
+    if provenance is not None:
+        return provenance
+    own = data.get(PROVENANCE_KEY) if isinstance(data, dict) else None
+    return own if isinstance(own, dict) else current_provenance()
+
+
 def data_json(data: Any, provenance: dict[str, Any] | None = None) -> str:
-    """The result as JSON; with a provenance record (given, or the page's) under `provenance`."""
+    """The result as JSON, with its provenance record (`record_of`) under `provenance`."""
     payload = plain(data)
-    record = provenance if provenance is not None else current_provenance()
+    record = record_of(payload, provenance)
     if record is not None:
         payload = with_provenance(payload if isinstance(payload, dict) else {"data": payload}, record)
     return json.dumps(payload, indent=1, ensure_ascii=False)
@@ -385,7 +394,7 @@ def export_buttons(fig: Any, data: Any, name: str, provenance: dict[str, Any] | 
     import streamlit as st
 
     images = static_export_available()
-    record = provenance if provenance is not None else current_provenance()
+    record = record_of(data, provenance)  # read now: the click comes after the page has drawn
     table = figure or name
     row = st.container(horizontal=True, key=f"export-{name}")
     for fmt in FORMATS:

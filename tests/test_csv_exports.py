@@ -1,4 +1,4 @@
-"""Every figure a page draws exports a tidy CSV: a table builder of its own (`TABLES` in app/figures), one
+"""Every figure a page draws exports a tidy CSV and a JSON whose provenance names what made it: a table builder of its own (`TABLES` in app/figures), one
 row per observation, a plain value in every cell. The generic flattener once wrote Python dict reprs into
 cells (RISE's step timeline, fuzzy metrics and tuning grids), glued vectors of different lengths into one
 table (CoT calibration) or left the plotted values out (MoE expert heat map, one row of 178 columns for the
@@ -26,13 +26,22 @@ PAGES = ("rise", "fuzzy_concepts", "cot_entropy", "visual_attribution", "rlkv", 
 
 
 @pytest.fixture(scope="module")
-def drawn():
-    """{page: [(figure name, table name, data)]} of every figure drawn when each page opens."""
-    seen: list[tuple[str, str, object]] = []
+def drawn_from() -> str:
+    """When the pages were opened (UTC, as provenance records write it)."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@pytest.fixture(scope="module")
+def drawn(drawn_from):
+    """{page: [(figure name, table name, data, the provenance its exports carry)]} of every figure drawn when
+    each page opens."""
+    seen: list[tuple[str, str, object, object]] = []
     original = export.export_buttons
 
     def record(fig, data, name, provenance=None, figure=None):
-        seen.append((name, figure or name, data))
+        seen.append((name, figure or name, data, export.record_of(data, provenance)))  # as the buttons read it
         return original(fig, data, name, provenance, figure)
 
     mp = pytest.MonkeyPatch()
@@ -55,7 +64,7 @@ def drawn():
 
 
 def test_the_pages_draw_their_stored_figures(drawn):
-    names = {name for figures in drawn.values() for name, _, _ in figures}
+    names = {name for figures in drawn.values() for name, _, _, _ in figures}
     assert {"rise_timeline", "rise_feature_histogram", "fuzzy_metrics", "fuzzy_tuning", "cot_calibration",
             "vis_attr_faithfulness", "rlkv_head_map", "rlkv_memory", "moe_heatmap", "moe_divergence",
             "contrast_volcano", "feature_contexts"} <= names
@@ -64,7 +73,7 @@ def test_the_pages_draw_their_stored_figures(drawn):
 def test_every_drawn_figure_has_a_tidy_table_of_plain_values(drawn):
     tables = export.table_registry()
     for page, figures in drawn.items():
-        for name, table, data in figures:
+        for name, table, data, _ in figures:
             assert table in tables, f"{page}: {name} has no TABLES builder (its CSV would be the generic flattener)"
             rows = export.table_rows(data, table)
             assert rows, f"{page}: {name}'s table is empty"
@@ -76,7 +85,7 @@ def test_every_drawn_figure_has_a_tidy_table_of_plain_values(drawn):
 
 
 def test_the_tables_hold_the_plotted_values(drawn):
-    figures = {name: (table, data) for fs in drawn.values() for name, table, data in fs}
+    figures = {name: (table, data) for fs in drawn.values() for name, table, data, _ in fs}
     table, data = figures["vis_attr_faithfulness"]
     rows = export.table_rows(data, table)
     metrics = export.plain(data)["metrics"]
@@ -89,3 +98,30 @@ def test_the_tables_hold_the_plotted_values(drawn):
     rows = export.table_rows(data, table)
     assert len(rows) == len(scores) * len(scores[0])
     assert rows[len(scores[0]) + 1]["score"] == scores[1][1] and rows[len(scores[0]) + 1]["layer"] == 1
+
+
+# pages whose figures, on opening, are all drawn from a stored result (`thoughtscope ship ...`)
+STORED = ("rise", "fuzzy_concepts", "cot_entropy", "visual_attribution", "moe_router", "contrast")
+
+
+def test_a_stored_results_figures_export_its_own_record_not_the_pages(drawn, drawn_from):
+    """The exports of a stored result's figures once carried the page's record ("thoughtscope app", made now,
+    the sidebar's generation settings) or a record without its command; they carry the stored one."""
+    for page in STORED:
+        for name, _, data, record in drawn[page]:
+            assert record and "ship" in str(record.get("command")), (page, name, record and record.get("command"))
+            assert record["created"] < drawn_from, (page, name)  # made before this test ran, not by the page
+    rise = {name: record for name, _, _, record in drawn["rise"]}
+    assert rise["rise_timeline"]["command"].endswith("ship rise-saes")
+    assert rise["rise_timeline"]["settings"]["augment"] == "templated"  # the stored run's own settings
+
+
+def test_the_head_maps_figures_name_the_gates_and_the_run_that_learned_them(drawn):
+    records = {name: record for name, _, _, record in drawn["rlkv"]}
+    head_map = records["rlkv_head_map"]["settings"]
+    assert head_map["head_map"]["kind"] == "learned" and head_map["head_map"]["gates_file"].endswith("gates.safetensors")
+    log = next(data for name, _, data, _ in drawn["rlkv"] if name == "rlkv_training")["log"]
+    training = head_map["head_map"]["training"]
+    assert training["model"] == "smollm2-135m" and training["steps"] == len(log) and "lr" in training["settings"]
+    assert head_map["sparsity"] == 0.5 and (head_map["sink"], head_map["recent"]) == (4, 32)
+    assert records["rlkv_training"]["settings"]["head_map"] == head_map["head_map"]

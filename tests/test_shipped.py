@@ -13,7 +13,9 @@ def test_a_shipped_result_round_trips_with_its_command(tmp_path):
     found = shipped.find("calibration", "smollm2-135m", "fp1", root=tmp_path)
     assert found and found.folder == folder
     assert found.json("detector.json") == {"h": 2.0}
-    assert found.command == "thoughtscope cot calibrate --n 12" and found.provenance == {"seed": 0}
+    # the record names the command that rebuilds the result (the manifest's, where the record has none)
+    assert found.command == "thoughtscope cot calibrate --n 12"
+    assert found.provenance == {"seed": 0, "command": "thoughtscope cot calibrate --n 12"}
 
 
 def test_another_models_result_is_never_shown_as_this_ones(tmp_path):

@@ -77,7 +77,12 @@ class Shipped:
 
     @property
     def provenance(self) -> dict[str, Any]:
-        return self.manifest.get("provenance", {})
+        """The result's provenance record, naming the command that rebuilds it (the manifest's, where the
+        record itself has none)."""
+        record = dict(self.manifest.get("provenance", {}))
+        if not record.get("command") and self.manifest.get("command"):
+            record["command"] = self.manifest["command"]
+        return record
 
     @property
     def created(self) -> str:

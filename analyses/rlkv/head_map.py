@@ -49,14 +49,17 @@ class HeadMap:
     gates_file: str | None = None
     trained_on: str | None = None
     n: int | None = None  # traces the attention statistics were read from
+    training: dict[str, Any] | None = None  # learned gates: the run's model, fingerprint and settings (its log.json)
 
     @classmethod
     def from_gates(cls, path: str | Path, backend: Backend, sink: int = 4, recent: int = 32) -> "HeadMap":
         """Learned gates from a `thoughtscope rlkv train` file or folder, checked against the backend's model."""
         found = read_gates(path, backend)
+        meta = found["meta"]
+        training = {k: meta[k] for k in ("model", "fingerprint", "settings", "task") if k in meta}
         return cls(LEARNED, np.asarray(found["gates"], dtype=np.float32), int(sink), int(recent),
                    bytes_per_entry(backend), found["pressure"], found["log"], found["path"],
-                   found["meta"].get("model"))
+                   meta.get("model"), training={**training, "steps": len(found["log"])})
 
     @classmethod
     def from_attention(cls, backend: Backend, problems: Sequence[Any], sink: int = 4, recent: int = 32,

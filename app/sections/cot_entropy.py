@@ -26,7 +26,8 @@ SMOOTHING = 5
 PAGE_NAME = "cot_entropy"
 
 
-def draw_calibration(cal: PageCalibration, family: ModelFamily, task: str, n: int, n_dev: int, seed: int) -> None:
+def draw_calibration(cal: PageCalibration, family: ModelFamily, task: str, n: int, n_dev: int, seed: int,
+                     provenance: dict[str, Any] | None = None) -> None:
     detector, summary = cal.detector, cal.summary
     for message in summary["warnings"]:
         st.warning(message)
@@ -40,7 +41,7 @@ def draw_calibration(cal: PageCalibration, family: ModelFamily, task: str, n: in
     st.caption(f"Step delimiter: `{family.step_delimiter}` · answer-forcing suffix: `{family.answer_suffix!r}` · "
                f"fitted on the first {n} `{task}` problems of seed {seed} (the calibration split; the traces "
                "below are other problems)")
-    show_figure(None, detector, "cot_calibration")  # drawn from its JSON: export rebuilds it exactly
+    show_figure(None, detector, "cot_calibration", provenance=provenance)  # from its JSON: export rebuilds it
     if cal.h_choice is not None:
         with st.expander(f"How h = {cal.h_choice['chosen']:g} was chosen on {n_dev} development problems"):
             st.dataframe([{"h": r["setting"], "accuracy": r["accuracy"], "mean generated tokens":

@@ -48,7 +48,8 @@ def metrics_section(found: dict[str, Any]) -> None:
             d = choice.to_dict()
             st.markdown(f"**{method}**: {d['objective']} \u2192 `{d['chosen']}`")
             if method == "fuzzy":
-                show_figure(tuning_figure({**d, "provenance": found["provenance"]}), d, "fuzzy_tuning")
+                show_figure(tuning_figure({**d, "provenance": found["provenance"]}), d, "fuzzy_tuning",
+                            provenance=found["provenance"])
             st.dataframe([{**g["setting"], "dev FVU": round(g["dev_reconstruction_error"], 4),
                            "dev active": round(g["dev_active_concepts"], 3)} for g in d["grid"]],
                          hide_index=True, key=f"fz_tuning_{method}")

@@ -41,6 +41,14 @@ def prompt_text(prompt: Any) -> str:
     return str(prompt)
 
 
+def stored_evaluation(stored: Any) -> dict[str, Any]:
+    """The shipped evaluation report, its provenance naming the command that rebuilds it (the report's own
+    record, written by `evaluate_expert_sample`, names none)."""
+    report = stored.json("evaluation.json")
+    record = report.get("provenance") or {}
+    return report if record.get("command") else {**report, "provenance": {**record, "command": stored.command}}
+
+
 def draw_evaluation(report: dict[str, Any]) -> None:
     """pass@n curves, the development choice of Expert-Sample's setting and its grid, the report's notes."""
     show_figure(None, report, "moe_pass_at", provenance=report.get("provenance"))
@@ -79,7 +87,7 @@ def elsewhere_section(ctx) -> None:
     show_figure(None, heatmap_data(rmap, 0), "moe_heatmap", provenance=stored.provenance)
     show_figure(None, divergence_data(rmap), "moe_divergence", provenance=stored.provenance)
     st.subheader(f"pass@n of `{DEFAULT_MODEL}`")
-    draw_evaluation(stored.json("evaluation.json"))
+    draw_evaluation(stored_evaluation(stored))
 
 
 def scores_section(ctx, rmap: RouterMap, meta: dict[str, Any]) -> None:

@@ -44,17 +44,20 @@ def _stored_calibration(folder: str, digest: str) -> PageCalibration:
     return PageCalibration.from_json(json.loads((Path(folder) / cot_ship.FILE).read_text()))
 
 
-def shipped_calibration(ctx, settings: dict[str, Any]) -> tuple[PageCalibration | None, str, str | None, bool]:
-    """(the stored calibration when it was made with `settings`, its label, a note for the page, damaged?)."""
+def shipped_calibration(ctx, settings: dict[str, Any]) -> tuple[PageCalibration | None, str, str | None, bool,
+                                                                 dict[str, Any] | None]:
+    """(the stored calibration when it was made with `settings`, its label, a note for the page, damaged?, its
+    provenance record)."""
     found = shipped.find(cot_ship.NAME, ctx.model_id, ctx.backend.info().get("fingerprint"))
     if not found:
-        return None, "", (found.reason if found.damaged else None), found.damaged
+        return None, "", (found.reason if found.damaged else None), found.damaged, None
     made_with = {k: found.json(cot_ship.FILE)["settings"].get(k) for k in settings}
     if made_with != settings:
         other = ", ".join(f"{k} {made_with[k]!r}" for k in settings if made_with[k] != settings[k])
         return None, "", (f"A stored calibration ships for {ctx.model_id}, made with other settings ({other}); "
-                          "press **Calibrate** to run one with yours."), False
-    return _stored_calibration(str(found.folder), found.manifest["files"][cot_ship.FILE]), found.label(), None, False
+                          "press **Calibrate** to run one with yours."), False, None
+    return (_stored_calibration(str(found.folder), found.manifest["files"][cot_ship.FILE]), found.label(), None, False,
+            found.provenance)
 
 
 def calibration_section(ctx, family: ModelFamily, task: str, force: bool) -> tuple[PageCalibration | None, int]:
@@ -80,13 +83,15 @@ def calibration_section(ctx, family: ModelFamily, task: str, force: bool) -> tup
     settings = {"task": task, "n_calibration": n, "n_development": n_dev, "max_new_tokens": s.max_new_tokens,
                 "seed": ctx.seed, "density": density, "bins": bins, "delimiter": family.step_delimiter}
     key = ctx.result_key("calibration", **settings)
-    stored, source, note, damaged = shipped_calibration(ctx, settings)
+    stored, source, note, damaged, stored_record = shipped_calibration(ctx, settings)
     if damaged:
         st.warning(f"{note} Press **Calibrate** to rebuild it here.", icon=":material/broken_image:")
     elif note and jobs.registry().for_key(key) is None:
         st.info(note, icon=":material/info:")
+    # the figure's export names what made it: the stored calibration's record, or this page's run with `settings`
+    record = ctx.provenance(settings={"calibration": settings}, data=task, split="calibration")
     if stored is not None and not fit_now and jobs.registry().for_key(key) is None:
-        cal = stored
+        cal, record = stored, stored_record
     else:
         backend, seed, source = ctx.backend, ctx.seed, ""
         cal = jobs.run_job(key, lambda job: calibrate(backend, task, family, n_calibration=n, n_development=n_dev,
@@ -105,7 +110,7 @@ def calibration_section(ctx, family: ModelFamily, task: str, force: bool) -> tup
         left.caption(source)
         right.button("Run again", key="cot_calibrate_again", icon=":material/refresh:",
                      help="calibrate with these settings here, as a job (the stored result stays on disk)")
-    draw_calibration(cal, family, task, n, n_dev, ctx.seed)
+    draw_calibration(cal, family, task, n, n_dev, ctx.seed, provenance=record)
     return cal, n
 
 

@@ -30,7 +30,7 @@ from app.export import show_figure
 from app.jobs import run_job
 from app.registry import PageSpec
 from app.sections.moe_router import (active_section, draw_evaluation, elsewhere_section, expert_setting_widgets,
-                                     prompt_text, scores_section)
+                                     prompt_text, scores_section, stored_evaluation)
 from thoughtscope import shipped
 
 # "router" is checked in `render`, after the title: on a dense model the page still opens and says why it is empty
@@ -155,7 +155,7 @@ def evaluation_section(ctx, stored: Any) -> None:
                          "problems", kind="moe-eval", page=PAGE_NAME, start=run)
     if report is None and matches:
         st.success(stored.label(), icon=":material/inventory_2:")
-        report = stored.json("evaluation.json")
+        report = stored_evaluation(stored)
     elif report is None and stored:
         st.info("The stored evaluation was made with other settings (12 problems, 4 samples, the default grid, "
                 "48 new tokens, seed 0); press **Run evaluation** for yours.")

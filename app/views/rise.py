@@ -27,6 +27,7 @@ from analyses.steering_stack import StackTerm
 from analyses.tasks import Problem, load_task
 from app import jobs
 from app.context import shows_errors
+from app.export import current_provenance, page_provenance
 from app.registry import PageSpec
 from app.sections.rise import (confidence_section, dashboard_section, draw_harvest, draw_steering, geometry_section,
                                options_widgets, timeline_section)
@@ -47,7 +48,7 @@ N_HELDOUT = 8
 def _stored_run(folder: str, digest: str) -> dict[str, Any]:
     """A verified shipped run as the page's result, read once per process (`digest`: its activations' sha256)."""
     stored = shipped.Shipped(Path(folder), json.loads((Path(folder) / shipped.MANIFEST).read_text()))
-    return {**rise_ship.load(stored), "source": stored.label()}
+    return {**rise_ship.load(stored), "source": stored.label(), "provenance": stored.provenance}
 
 
 def shipped_run(ctx, options: RiseOptions) -> tuple[dict[str, Any] | None, str | None, bool]:
@@ -92,10 +93,11 @@ def harvest_section(ctx) -> tuple[dict[str, Any] | None, HarvestSettings | None,
         if note and not damaged and jobs.registry().for_key(key) is None:
             st.info(note, icon=":material/info:")
         backend = ctx.backend
+        record = ctx.provenance(settings={"rise": options.to_dict()}, data=task, split="harvest")
 
         def work(job: jobs.Job) -> dict[str, Any]:
             result = RisePipeline(backend, options, on_progress=job.progress).run()
-            return {**result, "key": key, "analysis_projection": projection, "source": ""}
+            return {**result, "key": key, "analysis_projection": projection, "source": "", "provenance": record}
 
         found = jobs.run_job(key, work, label=f"Harvesting {int(n)} {task} problems at layers "
                                               f"{list(options.layers)} and training the SAEs",
@@ -105,7 +107,8 @@ def harvest_section(ctx) -> tuple[dict[str, Any] | None, HarvestSettings | None,
             st.info("Press **Harvest + train** to generate traces, cut them into steps, read one residual vector "
                     "per step and train one SAE per layer.")
         return None, None, task, int(n)
-    draw_harvest(found, ctx.model_id)
+    with page_provenance(found.get("provenance") or current_provenance()):
+        draw_harvest(found, ctx.model_id)
     return found, found["harvest"].settings, task, int(n)
 
 
@@ -185,10 +188,14 @@ def render(ctx) -> None:
     found, settings, task, n = harvest_section(ctx)
     if found is None:
         return
-    with shows_errors():
+    # the harvest's, the SAEs' and their analysis' figures export the record of the run that made them (the stored
+    # run's, or this page's job with its RISE settings); steering and confidence below are the page's own work
+    record = found.get("provenance") or current_provenance()
+    with page_provenance(record), shows_errors():
         timeline_section(found)
-    site = geometry_section(found)
-    with shows_errors():
+    with page_provenance(record):
+        site = geometry_section(found)
+    with page_provenance(record), shows_errors():
         dashboard_section(ctx, found, site)
     with shows_errors():
         steering_section(ctx, found, site, settings, task, n)

@@ -14,6 +14,7 @@ generation and the evaluation run as jobs (`app.jobs.run_job`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import streamlit as st
 
@@ -91,10 +92,22 @@ def sparsity_section(ctx, head_map: HeadMap) -> float:
     cols[1].metric(f"KV memory at {length} tokens", f"{head_map.kv_fraction(s, length):.0%}")
     cols[2].metric("KV memory at 4096 tokens", f"{head_map.kv_fraction(s, 4096):.0%}")
     data = head_map.to_dict(s)
-    show_figure(head_map_figure(data), data, "rlkv_head_map")
+    show_figure(head_map_figure(data), data, "rlkv_head_map", provenance=map_record(ctx, head_map, s))
     mem = head_map.memory(s, max_length=4096)
-    show_figure(memory_figure(mem), mem, "rlkv_memory")
+    show_figure(memory_figure(mem), mem, "rlkv_memory", provenance=map_record(ctx, head_map, s))
     return s
+
+
+def map_record(ctx, head_map: HeadMap, sparsity: float | None = None) -> dict[str, Any]:
+    """The provenance of a figure drawn from the head map: where its scores came from (the gates file and the
+    training run that wrote it, or the attention statistics' traces), the window and the sparsity."""
+    source = {k: v for k, v in head_map.to_dict().items() if k in ("kind", "gates_file", "trained_on", "n")}
+    if head_map.training is not None:
+        source["training"] = head_map.training
+    settings: dict[str, Any] = {"head_map": source, "sink": head_map.sink, "recent": head_map.recent}
+    if sparsity is not None:
+        settings["sparsity"] = sparsity
+    return ctx.provenance(settings=settings, data="arith", prompt=None)
 
 
 def generation_section(ctx, head_map: HeadMap, sparsity: float) -> None:
@@ -187,6 +200,7 @@ def render(ctx) -> None:
         generation_section(ctx, head_map, sparsity)
         if head_map.log:
             st.subheader("Training curves")
-            show_figure(training_figure({"log": head_map.log}), {"log": head_map.log}, "rlkv_training")
+            show_figure(training_figure({"log": head_map.log}), {"log": head_map.log}, "rlkv_training",
+                        provenance=map_record(ctx, head_map))
     training_section(ctx, head_map)
     evaluation_section(ctx, head_map)

@@ -18,6 +18,7 @@ mirrored into the URL's query string (`mirror_to_url`), so a reload or a copied 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 import streamlit as st
@@ -89,8 +90,9 @@ def keep(key: str, value: Any) -> Any:
     return value
 
 
-def seed_from_url(types: dict[str, type]) -> None:
-    """A new session opened with settings in its URL (a reload, a copied link) starts from them.
+def seed_from_url(types: dict[str, type], ranges: dict[str, tuple[Any, Any]] | None = None) -> None:
+    """A new session opened with settings in its URL (a reload, a copied link) starts from them; a value that
+    does not parse, is not finite or lies outside its widget's range in `ranges` is dropped (the default stands).
 
     Only the first run of a session reads the URL: afterwards the held values are the user's."""
     if st.session_state.get("_ts_url_seeded"):
@@ -102,9 +104,14 @@ def seed_from_url(types: dict[str, type]) -> None:
         if raw is None:
             continue
         try:
-            store.setdefault(key, _parse(raw, kind))
+            value = _parse(raw, kind)
         except ValueError:
-            pass  # a hand-edited URL: the default stands
+            continue  # a hand-edited URL: the default stands
+        low, high = (ranges or {}).get(key, (None, None))
+        if isinstance(value, float) and not math.isfinite(value) or (
+                low is not None and not low <= value <= high):
+            continue  # NaN, inf, or outside the widget's range: a widget handed it would stop the page
+        store.setdefault(key, value)
 
 
 def _parse(raw: str, kind: type) -> Any:

@@ -103,6 +103,10 @@ def _pick_model() -> str:
 
 
 SETTING_DEFAULTS = {"max_new_tokens": 48, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "alternatives": 5, "seed": 0}
+# Each setting's widget range, in one place: the widgets below, and the values a URL may bring (a value outside,
+# from a hand-edited or an old link, was handed to the widget and stopped the page with a traceback)
+SETTING_RANGES = {"max_new_tokens": (1, 256), "temperature": (0.0, 2.0), "top_p": (0.05, 1.0), "top_k": (0, 1000),
+                  "alternatives": (1, 10), "seed": (0, 2**31 - 1)}
 # The sidebar's widgets: they take their held value through `value=` (app/persist.py).
 SIDEBAR_KEYS = ("backend_kind", "server_url", "server_token", "model_pick", "model_custom", "chat", "one_shot", "prompt",
                 *SETTING_DEFAULTS, "prompt_warn_tokens")
@@ -121,17 +125,18 @@ def _settings() -> tuple[GenerationSettings, int]:
     # Each widget's value is the one the user gave it (app/persist.py): a test may still preset any of
     # them through session state, which Streamlit puts before `value=`.
     with st.expander("Generation settings", expanded=False):
-        max_new = keep("max_new_tokens", st.slider("Max new tokens", 1, 256, _held("max_new_tokens"),
+        r = SETTING_RANGES
+        max_new = keep("max_new_tokens", st.slider("Max new tokens", *r["max_new_tokens"], _held("max_new_tokens"),
                                                    key="max_new_tokens"))
-        temperature = keep("temperature", st.slider("Temperature (0 = greedy)", 0.0, 2.0, float(_held("temperature")),
-                                                    step=0.05, key="temperature"))
-        top_p = keep("top_p", st.slider("Top-p", 0.05, 1.0, float(_held("top_p")), step=0.05, key="top_p",
+        temperature = keep("temperature", st.slider("Temperature (0 = greedy)", *r["temperature"],
+                                                    float(_held("temperature")), step=0.05, key="temperature"))
+        top_p = keep("top_p", st.slider("Top-p", *r["top_p"], float(_held("top_p")), step=0.05, key="top_p",
                                         disabled=temperature == 0))
-        top_k = keep("top_k", st.number_input("Top-k (0 = off)", 0, 1000, int(_held("top_k")), key="top_k",
+        top_k = keep("top_k", st.number_input("Top-k (0 = off)", *r["top_k"], int(_held("top_k")), key="top_k",
                                               disabled=temperature == 0))
-        alternatives = keep("alternatives", st.slider("Alternatives kept per token", 1, 10, _held("alternatives"),
-                                                      key="alternatives"))
-        seed = keep("seed", st.number_input("Seed", 0, 2**31 - 1, int(_held("seed")), key="seed"))
+        alternatives = keep("alternatives", st.slider("Alternatives kept per token", *r["alternatives"],
+                                                      _held("alternatives"), key="alternatives"))
+        seed = keep("seed", st.number_input("Seed", *r["seed"], int(_held("seed")), key="seed"))
         keep("prompt_warn_tokens", st.number_input(
             "Warn above (prompt tokens)", 1, 10**7, int(kept("prompt_warn_tokens", prompt_warn_default())), step=500,
             key="prompt_warn_tokens",
@@ -143,7 +148,7 @@ def _settings() -> tuple[GenerationSettings, int]:
 
 def sidebar_context() -> PageContext | None:
     """Draw the sidebar and return the context every page renders with (None if no model could load)."""
-    seed_from_url({key: type(value) for key, value in URL_SETTINGS.items()})
+    seed_from_url({key: type(value) for key, value in URL_SETTINGS.items()}, SETTING_RANGES)
     with st.sidebar:
         st.header("thoughtscope")
         default_server = os.environ.get(SERVER_ENV, "")

@@ -186,6 +186,20 @@ def test_the_feature_browser_page_searches_latents_and_opens_the_match(monkeypat
     assert not at.exception
 
 
+@pytest.mark.model
+@pytest.mark.parametrize("latent", ["99999999", "-1", "3.5"])
+def test_a_link_to_a_latent_past_the_boxs_range_opens_on_latent_0(monkeypatch, latent):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "smollm2-135m")  # a shipped SAE and index: the latent box is drawn
+    at = AppTest.from_string("from app.main import main\nmain(only='feature_browser')\n", default_timeout=180)
+    at.query_params["latent"] = latent
+    at.run()
+    at.radio(key="fb_kind").set_value("SAE latent").run()
+    assert not at.exception, [e.value for e in at.exception]  # 99999999 stopped the page with a traceback
+    assert at.number_input(key="fb_latent").value == 0
+
+
 def test_labels_refuse_an_sae_of_another_model(llama, index):
     with pytest.raises(BadInputError, match="trained on smollm2-135m"):
         build_labels(index, _sae(model_name="smollm2-135m"), llama)

@@ -8,6 +8,8 @@ tests/test_browser_settings.py checks the same in a real browser.
 
 from __future__ import annotations
 
+import pytest
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -98,3 +100,20 @@ def test_a_hand_edited_url_value_is_ignored_not_a_traceback():
     at = sidebar_app(max_new_tokens="lots", chat="maybe").run()
     assert not at.exception
     assert at.slider(key="max_new_tokens").value == 48 and at.toggle(key="chat").value is True
+
+
+@pytest.mark.parametrize("query", [
+    {"seed": "-5"}, {"seed": "99999999999999999999999"},  # each stopped the page with a traceback
+    {"temperature": "1e309"}, {"temperature": "nan"}, {"temperature": "-1"},
+    {"max_new_tokens": "999999"}, {"max_new_tokens": "0"}, {"top_p": "5"}, {"top_k": "-2"}, {"alternatives": "11"},
+])
+def test_a_url_value_outside_its_widgets_range_is_ignored(query):
+    from app.sidebar import SETTING_DEFAULTS
+
+    at = sidebar_app(**{"alternatives": "3", **query}).run()
+    assert not at.exception, [e.value for e in at.exception]
+    (key, _), = query.items()
+    widget = at.number_input(key=key) if key in ("seed", "top_k") else at.slider(key=key)
+    assert widget.value == SETTING_DEFAULTS[key]  # the default stands
+    if key != "alternatives":
+        assert at.slider(key="alternatives").value == 3  # the link's other settings still open

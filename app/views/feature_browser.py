@@ -61,10 +61,14 @@ def url_site(n_layers: int) -> tuple[str, int]:
     return "resid_post", n_layers // 2
 
 
+MAX_LATENT = 10**7  # the latent box's upper end
+
+
 def url_latent() -> int:
-    """The latent a link opened (`?latent=J`, from a search hit or the trace explorer), else 0."""
-    value = st.query_params.get("latent", "0")
-    return int(value) if str(value).isdigit() else 0
+    """The latent a link opened (`?latent=J`, from a search hit or the trace explorer), else 0; a number past the
+    box's range is dropped (handed to the box, it stopped the page; a latent past the SAE's width is said later)."""
+    value = str(st.query_params.get("latent", "0"))
+    return int(value) if value.isdigit() and int(value) <= MAX_LATENT else 0
 
 
 def direction_section(ctx, site: str, d_model: int, index: CorpusIndex, ikey: str) -> Any | None:
@@ -79,7 +83,7 @@ def direction_section(ctx, site: str, d_model: int, index: CorpusIndex, ikey: st
                                 [*labels, OTHER_FOLDER], key="fb_sae_pick", format_func=lambda f: labels.get(f, f))
         if folder == OTHER_FOLDER:
             folder = left.text_input("SAE folder (cfg.json + sae_weights.safetensors)", key="fb_sae_folder").strip()
-        latent = right.number_input("Latent", 0, 10**7, url_latent(), key="fb_latent")
+        latent = right.number_input("Latent", 0, MAX_LATENT, url_latent(), key="fb_latent")
         if not folder:
             st.info(f"No saved SAE at {site} yet: give a SAELens folder, or train one on the RISE page.")
             return None

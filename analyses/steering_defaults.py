@@ -246,10 +246,17 @@ def choose_prompt(per_prompt: Sequence[dict[str, Any]], scale: float, guard: dic
     return max(ok, key=lambda p: (at(p).get("target_words_in_text", 0), at(p)["target_shift"]))["prompt"]
 
 
-def run(backend: Backend, pairs: Sequence[Pair] = PAIRS, layers: Sequence[int] = LAYERS,
-        dev: Sequence[str] = DEV_PROMPTS, held_out: Sequence[str] = HELD_OUT_PROMPTS,
-        scales: Sequence[float] = SCALES, log: Any = None) -> dict[str, Any]:
-    """The whole measurement: every candidate on the development prompts, the choice, the held-out check."""
+def run(backend: Backend, pairs: Sequence[Pair] | None = None, layers: Sequence[int] | None = None,
+        dev: Sequence[str] | None = None, held_out: Sequence[str] | None = None,
+        scales: Sequence[float] | None = None, log: Any = None, guard: dict[str, float] | None = None,
+        max_new_tokens: int | None = None) -> dict[str, Any]:
+    """The whole measurement: every candidate on the development prompts, the choice, the held-out check.
+    Each setting left out is the module's (`PAIRS`, `LAYERS`, `DEV_PROMPTS`, `HELD_OUT_PROMPTS`, `SCALES`,
+    `FLUENCY`, `MAX_NEW_TOKENS`), read when called."""
+    pairs, layers = PAIRS if pairs is None else pairs, LAYERS if layers is None else layers
+    dev, held_out = DEV_PROMPTS if dev is None else dev, HELD_OUT_PROMPTS if held_out is None else held_out
+    scales, guard = SCALES if scales is None else scales, FLUENCY if guard is None else guard
+    max_new_tokens = MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
     log = log or (lambda *_: None)
     candidates = []
     directions: dict[tuple[str, int], torch.Tensor] = {}
@@ -262,27 +269,27 @@ def run(backend: Backend, pairs: Sequence[Pair] = PAIRS, layers: Sequence[int] =
             per_prompt = []
             for prompt in dev:
                 started = time.perf_counter()
-                per_prompt.append(measure_prompt(backend, prompt, site, direction, targets, scales,
+                per_prompt.append(measure_prompt(backend, prompt, site, direction, targets, scales, max_new_tokens,
                                                  words=pair.target_words))
                 log(f"{pair.name} {site} {prompt!r}: {time.perf_counter() - started:.1f} s")
             candidates.append({"pair": pair.name, "layer": layer, "site": site, "target_token_ids": targets,
-                               "dev_summary": summarize(per_prompt), "dev": per_prompt})
-    chosen = choose(candidates)
+                               "dev_summary": summarize(per_prompt, guard), "dev": per_prompt})
+    chosen = choose(candidates, guard)
     pair = next(p for p in pairs if p.name == chosen["pair"])
     site = f"{SITE_KIND}.{chosen['layer']}"
     targets = word_ids(backend, pair.target_words)
     held = [measure_prompt(backend, p, site, directions[(pair.name, chosen["layer"])], targets, scales,
-                           words=pair.target_words) for p in held_out]
+                           max_new_tokens, words=pair.target_words) for p in held_out]
     winner = next(c for c in candidates if c["pair"] == pair.name and c["layer"] == chosen["layer"])
     return {
         "chosen": {**chosen, "site": site, "set_a": list(pair.set_a), "set_b": list(pair.set_b),
                    "target_words": list(pair.target_words), "target_token_ids": targets,
-                   "reduce": "mean", "prompt": choose_prompt(winner["dev"], chosen["scale"]),
-                   "stops": slider_stops(winner["dev_summary"])},
-        "rule": {**FLUENCY, "scored_positions": SCORED_POSITIONS, "max_new_tokens": MAX_NEW_TOKENS,
+                   "reduce": "mean", "prompt": choose_prompt(winner["dev"], chosen["scale"], guard),
+                   "stops": slider_stops(winner["dev_summary"], guard)},
+        "rule": {**guard, "scored_positions": SCORED_POSITIONS, "max_new_tokens": max_new_tokens,
                  "chat": True, "one_shot": False, "decoding": "greedy"},
         "dev_prompts": list(dev), "held_out_prompts": list(held_out), "scales": list(scales),
-        "held_out_summary": summarize(held), "held_out": held, "candidates": candidates,
+        "held_out_summary": summarize(held, guard), "held_out": held, "candidates": candidates,
     }
 
 

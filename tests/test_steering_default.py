@@ -152,3 +152,36 @@ def test_the_shipped_default_moves_the_target_words_on_the_embedded_model(smollm
     assert sum(base) / len(base) == pytest.approx(stored["unsteered_target_logmass"], abs=0.05)
     shift = sum(s - b for s, b in zip(steered, base)) / len(base)
     assert shift > margin, (shift, margin)
+
+
+def test_the_rebuild_command_writes_defaults_the_page_reads(tmp_path, monkeypatch):
+    """`python -m analyses.steering_defaults` end to end (the command in docs/steering_default.json's record), cut
+    down to one pair, one layer, two scales and three prompts on a tiny random model, with a guard every text
+    passes (a random model's texts are not fluent): the file it writes reads back as the page's defaults, and
+    its numbers are the measurement's own."""
+    from probes import Engine
+
+    pair = sd.PAIRS[2]
+    for name, value in (("PAIRS", (pair,)), ("LAYERS", (1,)), ("DEV_PROMPTS", sd.DEV_PROMPTS[:2]),
+                        ("HELD_OUT_PROMPTS", sd.HELD_OUT_PROMPTS[:1]), ("SCALES", (0.2, 0.4)), ("MAX_NEW_TOKENS", 6),
+                        ("FLUENCY", {"max_perplexity": math.inf, "min_distinct": 0.0, "min_fluent_share": 0.0})):
+        monkeypatch.setattr(sd, name, value)
+    out = tmp_path / "defaults.json"
+    assert sd.main(["--model", "tiny-random:llama", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    defaults = sd.load_defaults(out)
+    assert (defaults.model, defaults.pair, defaults.layer, defaults.target_words) == (
+        "tiny-random:llama", "ocean", 1, pair.target_words)
+    dev = record["candidates"][0]["dev_summary"]
+    assert defaults.scale == max(dev, key=lambda r: r["target_shift_mean"])["scale"]  # every scale admissible
+    assert defaults.prompt in sd.DEV_PROMPTS[:2] and 0.0 in defaults.stops and defaults.scale in defaults.stops
+    assert record["provenance"]["command"].endswith("--model tiny-random:llama --out " + str(out))
+    assert [p["prompt"] for p in record["held_out"]] == list(sd.HELD_OUT_PROMPTS[:1])
+    # the stored numbers are the measurement's: one prompt measured again directly
+    from analyses.steering import diff_of_means_direction
+
+    engine = Engine.from_id("tiny-random:llama")
+    direction = diff_of_means_direction(engine, pair.set_a, pair.set_b, "resid_post.1", "mean")
+    again = sd.measure_prompt(engine, sd.HELD_OUT_PROMPTS[0], "resid_post.1", direction,
+                              sd.word_ids(engine, pair.target_words), (0.2, 0.4), 6, words=pair.target_words)
+    assert json.loads(json.dumps(again)) == record["held_out"][0]

@@ -3,6 +3,8 @@ The parts that run a VLM are in tests/test_visual_attribution_engine.py."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -120,3 +122,37 @@ def test_a_log_feature_estimator_saves_and_loads_with_its_transform(tmp_path):
     est = AmortizedAttribution(epochs=50, features="log").fit(X, np.log(X + 1e-4) @ np.arange(5.0))
     back = AmortizedAttribution.load(est.save(tmp_path / "log_est"))
     assert back.features == "log" and np.allclose(back.predict(X), est.predict(X))
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("weights cut short", "no saved estimator"),
+    ("json a list", "not a JSON object"),
+    ("params unknown", "unexpected keyword argument 'zzz'"),
+    ("calibration missing", "KeyError: 'calibration'"),
+    ("weights of another width", "weights has shape [3]"),
+])
+def test_a_damaged_saved_estimator_is_a_clear_error(tmp_path, damage, says):
+    """The page's Load box and `--estimator` read these files; each damage was a KeyError, TypeError,
+    AttributeError or SafetensorError traceback."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from thoughtscope.errors import BadInputError
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 4))
+    path = AmortizedAttribution(epochs=3).fit(X, X @ np.array([1.0, -1.0, 0.5, 0.0])).save(tmp_path / "est")
+    meta, weights = json.loads(path.read_text()), path.with_suffix(".safetensors")
+    if damage == "weights cut short":
+        weights.write_bytes(weights.read_bytes()[:50])
+    elif damage == "json a list":
+        path.write_text("[1]")
+    elif damage == "params unknown":
+        path.write_text(json.dumps({**meta, "params": {"zzz": 1}}))
+    elif damage == "calibration missing":
+        path.write_text(json.dumps({k: v for k, v in meta.items() if k != "calibration"}))
+    else:
+        save_file({"weights": torch.ones(3), "mean": torch.zeros(3), "scale": torch.ones(3)}, str(weights))
+    with pytest.raises(BadInputError, match=re.escape(says)):
+        AmortizedAttribution.load(path)

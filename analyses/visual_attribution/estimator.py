@@ -158,19 +158,32 @@ class AmortizedAttribution:
 
     @classmethod
     def load(cls, path: str | Path) -> "AmortizedAttribution":
+        from safetensors import SafetensorError
+
         stem = Path(path).with_suffix("")
         try:
             meta = json.loads(stem.with_suffix(".json").read_text())
             tensors = load_file(str(stem.with_suffix(".safetensors")))
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, SafetensorError) as err:
             raise BadInputError(f"no saved estimator at {stem} (.json + .safetensors): {err}") from err
-        if meta.get("version") != VERSION:
-            raise BadInputError(f"{stem}.json is estimator version {meta.get('version')}, this code reads {VERSION}")
-        est = cls(**meta["params"])
-        est.n_features_in_ = int(meta["n_features_in"])
-        est.feature_names_ = list(meta["feature_names"])
-        est.calibration_ = tuple(meta["calibration"])
-        est.history_ = []
-        for k in ("weights", "mean", "scale"):
-            setattr(est, f"{k}_", tensors[k].numpy().astype(np.float64))
+        if not isinstance(meta, dict) or meta.get("version") != VERSION:
+            got = meta.get("version") if isinstance(meta, dict) else "none (not a JSON object)"
+            raise BadInputError(f"{stem}.json is estimator version {got}, this code reads {VERSION}")
+        # a damaged or hand-edited pair of files: every field checked, so the page says so instead of a traceback
+        try:
+            est = cls(**meta["params"])
+            est.n_features_in_ = int(meta["n_features_in"])
+            est.feature_names_ = list(meta["feature_names"])
+            a, c = (float(v) for v in meta["calibration"])
+            est.calibration_ = (a, c)
+            est.history_ = []
+            for k in ("weights", "mean", "scale"):
+                value = tensors[k].numpy().astype(np.float64)
+                if value.shape != (est.n_features_in_,) or not np.isfinite(value).all():
+                    raise ValueError(f"{k} has shape {list(value.shape)} (or values that are not finite); "
+                                     f"n_features_in is {est.n_features_in_}")
+                setattr(est, f"{k}_", value)
+        except (KeyError, TypeError, ValueError) as err:
+            raise BadInputError(f"{stem} (.json + .safetensors) is not an estimator this code can read "
+                                f"({type(err).__name__}: {err})") from err
         return est

@@ -271,6 +271,14 @@ def test_cli_stages_print_json(tmp_path):
     assert [(s.site, s.d_in, s.folder) for s in saved] == [("resid_post.1", 64, str(tmp_path / "saes" / "resid_post.1"))]
     assert saved[0].heldout_explained_variance == pytest.approx(layer["quality"]["heldout"]["explained_variance"])
     assert rise.saved_saes("smollm2-135m", root=tmp_path) == []
+    # a damaged folder beside it is left out, not a traceback on every page that lists saved SAEs
+    damaged = tmp_path / "saes2" / "resid_post.0"
+    damaged.mkdir(parents=True)
+    (damaged / "rise.json").write_text("[1, 2]")
+    (damaged / "cfg.json").write_text('{"d_in": "wide"}')
+    assert [s.folder for s in rise.saved_saes(root=tmp_path)] == [str(tmp_path / "saes" / "resid_post.1")]
+    (damaged / "rise.json").write_text('{"model_id": "tiny-random:llama", "site": "resid_post.0"}')
+    assert [s.folder for s in rise.saved_saes(root=tmp_path)] == [str(tmp_path / "saes" / "resid_post.1")]
     args = rise_cli.expand_multi_value_flags(["--alpha", "-1.5", "-1", "0,1", "--n", "4", "--layers", "6", "12"])
     assert args == ["--alpha", "-1.5", "--alpha", "-1", "--alpha", "0,1", "--n", "4", "--layers", "6", "--layers", "12"]
     assert rise_cli._numbers(["-1.5", "-1", "0,1"]) == [-1.5, -1.0, 0.0, 1.0]

@@ -130,19 +130,19 @@ def saved_saes(model_id: str | None = None, site: str | None = None, root: str |
         try:
             meta = json.loads(meta_path.read_text())
             cfg = json.loads((folder / "cfg.json").read_text())
-        except (OSError, ValueError):
-            continue  # a folder being written, or damaged: not offered
-        if model_id is not None and meta.get("model_id") != model_id:
-            continue
-        if site is not None and meta.get("site") != site:
-            continue
-        held = (meta.get("quality") or {}).get("heldout") or {}
-        ev, l0 = held.get("explained_variance"), held.get("l0")
-        found.append((meta_path.stat().st_mtime, SavedSAE(
-            str(folder), meta.get("model_id", ""), meta.get("site", ""), int(cfg.get("d_in", 0)),
-            int(cfg.get("d_sae", 0)),
-            None if ev is None or ev != ev else float(ev), None if l0 is None or l0 != l0 else float(l0),
-            meta.get("options", {}))))
+            if model_id is not None and meta.get("model_id") != model_id:
+                continue
+            if site is not None and meta.get("site") != site:
+                continue
+            held = (meta.get("quality") or {}).get("heldout") or {}
+            ev, l0 = held.get("explained_variance"), held.get("l0")
+            found.append((meta_path.stat().st_mtime, SavedSAE(
+                str(folder), meta.get("model_id", ""), meta.get("site", ""), int(cfg.get("d_in", 0)),
+                int(cfg.get("d_sae", 0)),
+                None if ev is None or ev != ev else float(ev), None if l0 is None or l0 != l0 else float(l0),
+                meta.get("options", {}))))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue  # a folder being written, or damaged (a file that is not the JSON object it should be): not offered
     return [s for _, s in sorted(found, key=lambda x: -x[0])]
 
 

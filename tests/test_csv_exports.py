@@ -112,7 +112,7 @@ def test_a_stored_results_figures_export_its_own_record_not_the_pages(drawn, dra
             assert record and "ship" in str(record.get("command")), (page, name, record and record.get("command"))
             assert record["created"] < drawn_from, (page, name)  # made before this test ran, not by the page
     rise = {name: record for name, _, _, record in drawn["rise"]}
-    assert rise["rise_timeline"]["command"].endswith("ship rise-saes")
+    assert rise["rise_timeline"]["command"] == "thoughtscope ship rise-saes"  # the command that rebuilds it
     assert rise["rise_timeline"]["settings"]["augment"] == "templated"  # the stored run's own settings
 
 

@@ -77,10 +77,10 @@ class Shipped:
 
     @property
     def provenance(self) -> dict[str, Any]:
-        """The result's provenance record, naming the command that rebuilds it (the manifest's, where the
-        record itself has none)."""
+        """The result's provenance record, its `command` the manifest's: the command that rebuilds this stored
+        result (`thoughtscope ship NAME`; a record written by the build may name none, or a shorter form)."""
         record = dict(self.manifest.get("provenance", {}))
-        if not record.get("command") and self.manifest.get("command"):
+        if self.manifest.get("command"):
             record["command"] = self.manifest["command"]
         return record
 

@@ -174,6 +174,28 @@ def test_detector_refuses_bad_use():
         CusumDetector(bandwidth=0)
 
 
+@pytest.mark.parametrize("grids, says", [
+    (dict(h_grid=[1.0, math.nan]), "the CUSUM threshold h must be a finite number > 0"),
+    (dict(h_grid=[-2.0]), "the CUSUM threshold h"),
+    (dict(deer_grid=[0.9, 1.0]), "the DEER threshold"),
+    (dict(deer_grid=[math.inf]), "the DEER threshold"),
+])
+def test_evaluations_refuse_a_bad_threshold_grid_before_any_trace(monkeypatch, grids, says):
+    """A NaN h was said only after the calibration and development traces (a minute on the tiny model); a
+    DEER threshold of 1 or more never exits (a silent vanilla)."""
+    from analyses.cot_entropy import evaluate as ev, settling
+
+    traced = []
+    monkeypatch.setattr(ev, "probe_traces", lambda *a, **k: traced.append(a))
+    monkeypatch.setattr(settling, "planted_traces", lambda *a, **k: traced.append(a))
+    with pytest.raises(BadInputError, match=says):
+        ev.evaluate_cot_exit(object(), "arith", 2, 2, 2, **grids)
+    if "h_grid" in grids:
+        with pytest.raises(BadInputError, match=says):
+            settling.evaluate_settling(object(), "toy-reasoner:small", 2, 2, 2, h_grid=grids["h_grid"])
+    assert traced == []
+
+
 # --------------------------------------------------------------------------- curves and steps
 
 

@@ -160,6 +160,14 @@ class _Density:
                             np.log(self.floor * uniform))
 
 
+def check_h_grid(h_grid: Sequence[float]) -> list[float]:
+    """The CUSUM thresholds to choose from, each a finite number > 0 (checked before any model work: a NaN
+    once surfaced only after the calibration and development traces had been generated)."""
+    if not h_grid:
+        raise BadInputError("give at least one CUSUM threshold h to choose from")
+    return [float(checks.number("the CUSUM threshold h", h, low=0, low_open=True)) for h in h_grid]
+
+
 class CusumDetector:
     """CUSUM change-point detector over probe entropies, scikit-learn style.
 

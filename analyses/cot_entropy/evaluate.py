@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from analyses.cot_entropy.detector import CusumDetector, entropy_thirds, silverman_bandwidth
+from analyses.cot_entropy.detector import CusumDetector, check_h_grid, entropy_thirds, silverman_bandwidth
 from analyses.cot_entropy.rules import (CusumStop, DeerStop, DynasorStop, ExitResult, ProbedTrace, StoppingRule,
                                         probe_traces, replay)
 from analyses.evaluation import (Choice, Comparison, bootstrap_interval, choose_on_dev, compare,
@@ -304,6 +304,8 @@ def evaluate_cot_exit(backend: Backend, task: str = "arith", n: int = 100, n_cal
     """
     if not h_grid or not deer_grid:
         raise BadInputError("give at least one CUSUM threshold h and one DEER threshold to choose from")
+    h_grid = check_h_grid(h_grid)  # every candidate checked before any trace is generated
+    deer_grid = [DeerStop(threshold=t).threshold for t in deer_grid]
     checks.choice("cost", cost, COSTS)
     if n < 1 or n_calibration < 1 or n_dev < 1:
         raise BadInputError(f"every split needs at least one problem, got n={n}, n_calibration={n_calibration}, "

@@ -92,6 +92,11 @@ class DeerStop(StoppingRule):
     name: str = "deer"
     probe_step_ends: bool = True
 
+    def __post_init__(self) -> None:
+        # a confidence is a probability: NaN, or a threshold of 1 or more, would never exit (silently vanilla)
+        self.threshold = float(checks.number("the DEER threshold", self.threshold, low=0, high=1, high_open=True,
+                                             why="an answer's geometric-mean probability must exceed it"))
+
     def observe(self, probe: Probe) -> bool:
         return probe.answer is not None and probe.confidence > self.threshold
 

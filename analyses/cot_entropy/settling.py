@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from analyses.cot_entropy.detector import CalibrationTrace, CusumDetector
+from analyses.cot_entropy.detector import CalibrationTrace, CusumDetector, check_h_grid
 from analyses.cot_entropy.evaluate import DEFAULT_H_GRID, choose_density
 from analyses.cot_entropy.probing import probe_positions
 from analyses.cot_entropy.rules import ProbedTrace, _prompt_of
@@ -185,6 +185,7 @@ def evaluate_settling(backend: Backend, task: str | None = None, n: int = 100, n
     if not is_organism(task):
         raise BadInputError(f"task {task!r} has no known settling step; use toy-reasoner or toy-reasoner:small")
     checks.integer("the delay bound (steps)", bound, low=0)
+    h_grid = check_h_grid(h_grid)  # before any trace is read
     family = family or family_for(backend)
     t0 = time.perf_counter()
     splits = load_splits(task, n_calibration, n_dev, n, seed=seed)

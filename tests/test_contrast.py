@@ -16,6 +16,8 @@ contrast's own direction measured 0.953. The test re-measures the ceiling and a 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -268,7 +270,7 @@ def test_the_command_line_contrasts_and_exports_with_provenance(tmp_path):
     assert out["exported"]["site"] == "resid_post.1" and load_vector(out_file).numel() == 64
     bad = CliRunner().invoke(cli, ["contrast", "run", "--model", "toy-reasoner:small", "--organism", "8",
                                    "--rule", "kind:nothing"])
-    assert bad.exit_code != 0 and "set A is empty" in str(bad.exception)
+    assert bad.exit_code != 0 and "no step kind 'nothing'" in str(bad.exception)  # before any step is read
 
 
 GENERATED_COSINE = 0.7  # own greedy traces (below), seed 0: measured 0.79 and 0.82; 50 label-permuted contrasts reach at most 0.57
@@ -429,3 +431,22 @@ def test_the_default_question_sets_are_seeded_word_problems_adding_against_takin
     assert a == [p.question for p in plus] and b == [p.question for p in minus]
     assert {p.meta["ops"][0] for p in plus} == {"+"} and {p.meta["ops"][0] for p in minus} == {"-"}
     assert a[0].split(". ")[0] == b[0].split(". ")[0] == "Anna has 17 shells"  # the same seed: the same start
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("rule, says", [
+    ("kind:nonsense", "no step kind 'nonsense'; these steps are compute, reflection, backtrack, redundant"),
+    ("kind:reflection/computee", "no step kind 'computee'"),
+    ("kinds:reflection", "unknown rule 'kinds:reflection'"),
+    ("source:a.txt", "source: needs two sources"),
+    ("kind:", "kind: needs a step kind"),
+])
+def test_a_bad_rule_is_refused_before_any_step_is_read(monkeypatch, reasoner, rule, says):
+    """`kind:nonsense` was said as "set A is empty" after every trace had been read."""
+    from analyses.contrast import run as contrast_run
+
+    read = []
+    monkeypatch.setattr(contrast_run, "gather_steps", lambda *a, **k: read.append(a))
+    with pytest.raises(BadInputError, match=re.escape(says)):
+        contrast_run.run_contrast(reasoner, ["direction:resid_post.1"], rule)
+    assert read == []

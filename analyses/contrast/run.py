@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from analyses.contrast.core import ContrastResult, ContrastSettings, ContrastSite, contrast
-from analyses.contrast.steps import (StepSet, organism_alarms, organism_sampled_steps, organism_steps, prompt_lines_steps,
-                                     questions_of, read_questions, select)
+from analyses.contrast.steps import (StepSet, check_rule, organism_alarms, organism_sampled_steps, organism_steps,
+                                     prompt_lines_steps, questions_of, read_questions, select)
 from analyses.feature_browser.token_latents import check_sae
 from analyses.organism import is_organism, organism_problems, size_of
 from probes.backend import Backend
+from probes.toys.reasoner import KINDS as ORGANISM_KINDS
 from saes.io import load_sae
 from thoughtscope.errors import BadInputError
 
@@ -100,12 +101,15 @@ def run_contrast(backend: Backend, site_specs: Sequence[str], rule: str, setting
                  sampled: bool = False) -> tuple[ContrastResult, StepSet, list[ContrastSite]]:
     """One contrast; on the organism, `correct` reads its own sampled traces (planted ones are all correct)."""
     settings = settings or ContrastSettings()
+    if prompts_a and prompts_b and rule == "source":  # the two prompt sets' own names
+        rule = ("source:A/B" if isinstance(prompts_a, list)
+                else f"source:{Path(prompts_a).name}/{Path(prompts_b).name}")
+    check_rule(rule)  # before any step is read; on planted traces, their step kinds too
+    if is_organism(backend) and not (prompts_a or prompts_b) and not sampled and rule.strip() != "correct":
+        check_rule(rule, ORGANISM_KINDS)
     sites = parse_sites(site_specs, backend)
     steps = gather_steps(backend, sites, organism, split, prompts_a, prompts_b, on_progress=on_progress,
                          alarms=rule.strip() == "alarm", sampled=sampled or rule.strip() == "correct")
-    if prompts_a and prompts_b and rule == "source":
-        rule = ("source:A/B" if isinstance(prompts_a, list)
-                else f"source:{Path(prompts_a).name}/{Path(prompts_b).name}")
     in_a, in_b, described = select(steps, rule, seed=settings.seed)
     result = contrast(steps.acts, steps.trace, in_a, in_b, sites, settings, rule=described, contexts=steps.text)
     return result, steps, sites

@@ -75,10 +75,30 @@ class StepSet:
                    {**first.alarm, **{t + offset: s for t, s in second.alarm.items()}}, first.model_id)
 
 
-def select(steps: StepSet, rule: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """(in A, in B, the rule described) for one of `RULES`."""
+def check_rule(rule: str, kinds: Sequence[str] | None = None) -> None:
+    """A rule's form (one of `RULES`) and, with `kinds`, the step kinds it names: checked before any step is
+    read (`kind:nonsense` once surfaced as an empty set A after every trace had been generated)."""
     if not isinstance(rule, str) or not rule.strip():
         raise BadInputError(f"give a rule: one of {', '.join(RULES)}")
+    name, _, arg = rule.strip().partition(":")
+    if name not in {r.split(":")[0] for r in RULES}:
+        raise BadInputError(f"unknown rule {rule!r}; use one of {', '.join(RULES)}")
+    if name == "kind":
+        a_kind, _, b_kind = arg.partition("/")
+        if not a_kind:
+            raise BadInputError("kind: needs a step kind, e.g. kind:reflection or kind:reflection/compute")
+        unknown = [k for k in (a_kind, b_kind) if k and kinds is not None and k not in kinds]
+        if unknown:
+            raise BadInputError(f"no step kind {', '.join(map(repr, unknown))}; these steps are {', '.join(kinds or [])}")
+    if name == "source":
+        a_src, _, b_src = arg.partition("/")
+        if not (a_src and b_src):
+            raise BadInputError("source: needs two sources, e.g. source:a.txt/b.txt")
+
+
+def select(steps: StepSet, rule: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """(in A, in B, the rule described) for one of `RULES`."""
+    check_rule(rule)
     name, _, arg = rule.strip().partition(":")
     n = len(steps)
     if n == 0:
@@ -86,8 +106,6 @@ def select(steps: StepSet, rule: str, seed: int = 0) -> tuple[np.ndarray, np.nda
     kinds = np.array(steps.kind)
     if name == "kind":
         a_kind, _, b_kind = arg.partition("/")
-        if not a_kind:
-            raise BadInputError("kind: needs a step kind, e.g. kind:reflection or kind:reflection/compute")
         in_a = kinds == a_kind
         in_b = (kinds == b_kind) if b_kind else ~in_a
         return in_a, in_b, {"rule": rule, "A": f"{a_kind} steps", "B": f"{b_kind} steps" if b_kind else "other steps"}
@@ -105,8 +123,6 @@ def select(steps: StepSet, rule: str, seed: int = 0) -> tuple[np.ndarray, np.nda
     if name == "source":
         a_src, _, b_src = arg.partition("/")
         sources = np.array(steps.source)
-        if not (a_src and b_src):
-            raise BadInputError("source: needs two sources, e.g. source:a.txt/b.txt")
         return sources == a_src, sources == b_src, {"rule": rule, "A": a_src, "B": b_src}
     if name == "random":
         in_a = np.zeros(n, dtype=bool)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -289,6 +290,32 @@ def test_bad_settings_raise_project_errors(tiny):
         rise.harvest(tiny, arithmetic_problems(1), HarvestSettings(layers=(7,)))
     with pytest.raises(BadInputError, match="no problems"):
         rise.harvest(tiny, [], HarvestSettings(layers=(0,)))
+
+
+@pytest.mark.model  # the organism (toy-reasoner:small, shipped weights) for eval rise-organism
+@pytest.mark.parametrize("alphas, mode, says", [
+    ([float("nan")], "projection", "alpha must be a finite number"),
+    ([1.0, 1e9], "add", "alpha must be a finite number in [-1000000.0, 1000000.0]"),
+    ([1.0], "sideways", "steering mode 'sideways' is not an option"),
+    ([], "add", "give at least one alpha"),
+])
+def test_steering_settings_are_refused_before_the_harvest(tiny, monkeypatch, alphas, mode, says):
+    """A NaN alpha or an unknown mode was said only after the harvest and the SAEs' training."""
+    from analyses.rise.evaluate import evaluate_rise_organism
+    from analyses.rise.pipeline import RiseOptions, RisePipeline
+
+    ran = []
+    monkeypatch.setattr(RisePipeline, "run", lambda self: ran.append(self))
+    pipeline = RisePipeline(tiny, RiseOptions(n=4, layers=(1,)))
+    with pytest.raises(BadInputError, match=re.escape(says)):
+        pipeline.steer("reflection", alphas, 2, mode)
+    with pytest.raises(BadInputError, match=re.escape(says)):
+        rise.steer(tiny, arithmetic_problems(1), torch.ones(64), "resid_post.1", alphas, mode=mode)
+    from probes import Engine
+
+    with pytest.raises(BadInputError, match=re.escape(says)):
+        evaluate_rise_organism(Engine.from_id("toy-reasoner:small"), n_harvest=4, n_steer=2, alphas=alphas, mode=mode)
+    assert ran == []
 
 
 # --------------------------------------------------------------------------- held-out quality

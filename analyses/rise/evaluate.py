@@ -39,7 +39,7 @@ from analyses.families import default_task
 from analyses.organism import is_organism, step_kinds
 from analyses.rise.pipeline import RiseOptions, RisePipeline
 from analyses.rise.quality import latent_auroc
-from analyses.rise.steer import SteeringResult, steer
+from analyses.rise.steer import SteeringResult, check_steering, steer
 from probes.backend import Backend
 from saes.stats import encode_all
 from thoughtscope.errors import BadInputError
@@ -152,9 +152,8 @@ def evaluate_rise_organism(backend: Backend, *, n_harvest: int = 400, n_steer: i
     layer (no SAE column voted for it alone) is reported by its absence from `steering`."""
     if not is_organism(backend):
         raise BadInputError("eval rise-organism needs the organism: --model toy-reasoner (or toy-reasoner:small)")
-    if mode not in ("add", "projection"):
-        raise BadInputError(f"mode {mode!r}; use add or projection")
-    if 0.0 not in [float(a) for a in alphas]:
+    alphas = check_steering(alphas, mode)  # before the harvest
+    if 0.0 not in alphas:
         alphas = sorted([*alphas, 0.0])  # every alpha is compared with the unsteered organism
     task = default_task(backend)
     n_layers = backend.arch().n_layers

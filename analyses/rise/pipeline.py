@@ -37,7 +37,7 @@ from analyses.rise.columns import RiseAnalysis, analyse
 from analyses.rise.harvest import Harvest, HarvestSettings, harvest
 from analyses.rise.labels import BEHAVIOURS
 from analyses.rise.quality import sae_quality
-from analyses.rise.steer import steer
+from analyses.rise.steer import check_steering, steer
 from analyses.tasks import ORGANISM_TASKS, Problem, load_task
 from cache.store import ActivationStore
 from probes.backend import Backend
@@ -257,6 +257,7 @@ class RisePipeline:
               layer: int | None = None) -> dict[str, Any]:
         """The pipeline (stored stages reused), then the steering sweep on held-out problems."""
         checks.choice("behaviour", behaviour, BEHAVIOURS)
+        alphas = check_steering(alphas, mode)
         if n_heldout < 1:
             raise BadInputError("steer on at least one held-out problem")
         found = self.run()

@@ -18,6 +18,7 @@ from analyses.rise.labels import count_behaviours
 from analyses.tasks import Problem
 from probes.backend import Backend
 from probes.interventions import AddVector, ProjectionRescale
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 def steering_intervention(site: str, vector: torch.Tensor, alpha: float | list[float],
@@ -29,6 +30,18 @@ def steering_intervention(site: str, vector: torch.Tensor, alpha: float | list[f
     if mode == "add":
         return AddVector(site, vector, scale=alpha, where="generated")
     raise BadInputError(f"steering mode {mode!r}; use projection or add")
+
+
+STEER_MODES = ("projection", "add")
+
+
+def check_steering(alphas: Sequence[float], mode: str) -> list[float]:
+    """The alphas (each a finite number) and the mode, checked before any harvest or generation: a NaN alpha
+    or an unknown mode once surfaced only after the harvest and the SAEs' training."""
+    checks.choice("steering mode", mode, STEER_MODES)
+    if not alphas:
+        raise BadInputError("give at least one alpha to steer with (0 is the unsteered model)")
+    return [float(checks.number("alpha", a, low=-1e6, high=1e6)) for a in alphas]
 
 
 def behaviour_counter(labeller: str, delimiter: str, model_id: str = "") -> Callable[[str], dict[str, int]]:
@@ -114,6 +127,7 @@ def steer(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, s
         >>> result = steer(engine, problems[:1], vector, "resid_post.2", alphas=[-1, 0, 1], batch_alphas=True)
         >>> result.traces[1.0][0].text  # the steered trace at alpha 1
     """
+    alphas = check_steering(alphas, mode)
     model_id = backend.info()["model_id"]
     settings = (settings or HarvestSettings()).resolved(model_id)
     if not problems:

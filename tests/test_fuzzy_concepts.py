@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -268,7 +269,22 @@ def test_bad_input_is_a_project_error_before_any_fitting(llama, monkeypatch):
     Z[2, 1] = float("nan")
     with pytest.raises(BadInputError, match="NaN or infinite values in 1 of 10 rows"):
         FuzzyRuleLayer(n_rules=2).fit(Z)
-    assert calls == []
+    # the fit's settings, from the options alone (each was said only when the first fit began, after the harvest)
+    from analyses.fuzzy_concepts import study as study_module
+
+    harvested = []
+    monkeypatch.setattr(study_module, "harvest", lambda *a, **k: harvested.append(a))
+    base = dict(word="dog", source="texts", texts=DOG_TEXTS, n=20, k=2, layer=1)
+    for bad, says in ((dict(membership="triangle"), "membership 'triangle' is not an option"),
+                      (dict(steps=0), "steps (gradient steps of the fuzzy layer) must be an integer >= 1"),
+                      (dict(max_active=float("nan")), "max_active"),
+                      (dict(sparsity_grid=(0.01, float("nan"))), "a sparsity of the development grid"),
+                      (dict(features_grid=(8, 0)), "a feature count m of the development grid"),
+                      (dict(lr_grid=(-1.0,)), "a learning rate of the development grid"),
+                      (dict(nmf_alpha_grid=(float("inf"),)), "a semi-NMF L1 weight")):
+        with pytest.raises(BadInputError, match=re.escape(says)):
+            run_study(llama, FuzzyOptions(**base, **bad))
+    assert calls == [] and harvested == []
 
 
 # ----------------------------------------------------------------------------- the study, the CLI, the server

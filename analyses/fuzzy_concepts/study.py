@@ -41,7 +41,7 @@ from analyses.fuzzy_concepts import metrics
 from analyses.fuzzy_concepts.baselines import KMeansConcepts, PCAConcepts, SemiNMFConcepts
 from analyses.fuzzy_concepts.grounding import KEEP, TOP_K, ground_words, top_samples
 from analyses.fuzzy_concepts.harvest import Representations, TextSource, check_layer, default_layer, harvest
-from analyses.fuzzy_concepts.rules import FuzzyRuleLayer, Rule, check_rules_fit
+from analyses.fuzzy_concepts.rules import MEMBERSHIPS, FuzzyRuleLayer, Rule, check_rules_fit
 from analyses.fuzzy_concepts.scenes import SceneSource
 from cache.store import ActivationStore
 from probes.backend import Backend
@@ -114,6 +114,20 @@ class FuzzyOptions:
         checks.integer("seeds", self.seeds, low=1)
         if not (self.sparsity_grid and self.features_grid and self.lr_grid and self.nmf_alpha_grid):
             raise BadInputError("every tuning grid needs at least one value")
+        # the fit's own settings: each was checked only when the first fit began, after the harvest
+        checks.choice("membership", self.membership, MEMBERSHIPS)
+        checks.integer("steps (gradient steps of the fuzzy layer)", self.steps, low=1)
+        checks.integer("nmf_max_iter", self.nmf_max_iter, low=1)
+        checks.number("max_active (the development rule's bound on active concepts)", self.max_active, low=0,
+                      low_open=True)
+        for value in self.sparsity_grid:
+            checks.number("a sparsity of the development grid", value, low=0)
+        for value in self.features_grid:
+            checks.integer("a feature count m of the development grid", value, low=1)
+        for value in self.lr_grid:
+            checks.number("a learning rate of the development grid", value, low=0, low_open=True)
+        for value in self.nmf_alpha_grid:
+            checks.number("a semi-NMF L1 weight of the development grid", value, low=0)
         # The most training rows n samples can give; the exact count is checked again after the harvest.
         check_rules_fit(self.k, max(0, self.train_size(self.n)))
 

@@ -141,6 +141,14 @@ def test_the_pages_fit_equals_the_studys_estimator_on_the_same_scenes():
     assert np.array_equal(fitted.predict(X), study.predict(X))
     assert stages[:3] == [("train scenes", 1, 3), ("train scenes", 2, 3), ("train scenes", 3, 3)]
     assert stages[-1] == ("fit", 7, 7)
+    # an estimator setting that cannot fit is said before any scene is read (it was said after all of them)
+    stages.clear()
+    for call in (lambda: fit_estimator(engine, n_train=3, epochs=0, progress=lambda *a: stages.append(a)),
+                 lambda: run_study(engine, n_train=3, n_eval=2, epochs=0, progress=lambda *a: stages.append(a)),
+                 lambda: run_study(engine, n_train=3, n_eval=2, n_subsets=-1, progress=lambda *a: stages.append(a))):
+        with pytest.raises(BadInputError, match="epochs must be an integer >= 1|n_subsets"):
+            call()
+    assert stages == []
 
 
 def test_the_page_draws_raw_attention_then_exhaustive_effects_for_a_span(monkeypatch):

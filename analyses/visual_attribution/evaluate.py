@@ -277,6 +277,11 @@ def run_study(backend: Backend, n_train: int = 40, n_eval: int = 40, seed: int =
     checks.integer("n_train", n_train, low=2)
     checks.integer("n_eval", n_eval, low=2)
     checks.integer("n_dev", n_dev, low=0, why="0: no development choice")
+    if not n_dev:  # the estimator's epochs, checked before any scene is read (it was said after all of them)
+        checks.integer("epochs", epochs, low=1)
+    checks.integer("n_subsets (LDS cell sets per scene)", n_subsets, low=0, why="0 skips the LDS")
+    for top in deletion_k:
+        checks.integer("a deletion k", top, low=1)
     checks.choice("regions", regions, REGION_KINDS)
     n_tokens = spec_of(backend).grid ** 2
     if clusters is not None and not (isinstance(clusters, int) and 2 <= clusters <= n_tokens):
@@ -390,6 +395,7 @@ def fit_estimator(backend: Backend, n_train: int = 10, seed: int = 0, epochs: in
     the same scenes, pairs and settings as `run_study(n_train=..., epochs=..., seed=...)` without a development
     choice, so it equals that study's estimator. `progress(stage, done, total)` after each scene and epoch."""
     checks.integer("n_train", n_train, low=1)
+    checks.integer("epochs", epochs, low=1)  # before the scenes
     scenes = []
     for i, ex in enumerate(vlm.examples("train", n_train, seed=seed)):
         scenes.append(toy_scene(backend, ex))

@@ -185,7 +185,7 @@ def register(cli: typer.Typer) -> None:
     def app_command(
         server: Optional[str] = typer.Option(None, help="URL of a `thoughtscope serve` model server"),
         model: Optional[str] = typer.Option(None, help="model id to load in-process (default smollm2-135m)"),
-        port: int = typer.Option(8501, help="port of the web app"),
+        port: int = typer.Option(8501, min=1, max=65535, help="port of the web app"),
         address: str = typer.Option("localhost", help="address to listen on"),
         headless: bool = typer.Option(False, help="do not open a browser"),
     ) -> None:

@@ -22,7 +22,7 @@ def register(cli: typer.Typer) -> None:
     def serve_command(
         model: str = typer.Option("smollm2-135m", help="smollm2-135m, hf:<repo or folder>, tiny-random:<arch>"),
         host: str = typer.Option(DEFAULT_HOST, help="address to bind; anything but loopback needs --token"),
-        port: int = typer.Option(DEFAULT_PORT),
+        port: int = typer.Option(DEFAULT_PORT, min=1, max=65535),
         device: str = typer.Option("auto", help="cpu, cuda, cuda:1 or auto (CUDA when present)"),
         dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: bf16 on CUDA)"),
         device_map: Optional[str] = typer.Option(

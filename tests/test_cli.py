@@ -85,3 +85,11 @@ def test_every_command_prints_its_help(app):
 
     walk(typer.main.get_command(app), [])
     assert seen >= 30 and not failed, failed  # 39 commands and groups today
+
+
+@pytest.mark.parametrize("command", ["serve", "app"])
+@pytest.mark.parametrize("port, says", [("99999", "less than or equal to 65535"), ("0", "greater than or equal to 1")])
+def test_a_port_outside_1_to_65535_is_a_usage_error_before_anything_loads(app, command, port, says):
+    """`serve --port 99999` loaded the model, then died in uvicorn's bind() with an OverflowError traceback."""
+    result = CliRunner().invoke(app, [command, "--model", "tiny-random:llama", "--port", port])
+    assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output

@@ -84,6 +84,7 @@ from probes.wire import (
     tensors_to_b64,
     trace_to_json,
 )
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError, ConflictError, ThoughtscopeError, TimeoutExceededError
 
 log = logging.getLogger("thoughtscope.server")
@@ -122,6 +123,13 @@ class ServerLimits:
     max_image_side: int = MAX_IMAGE_SIDE
     max_image_pixels: int = MAX_IMAGE_PIXELS
     max_request_pixels: int = 2 * MAX_IMAGE_PIXELS
+
+    def __post_init__(self) -> None:
+        # an operator's typo (a NaN, a negative or zero timeout or bound) is said at start, not at the first request
+        for name in ("send_timeout_s", "max_stream_s", "queue_timeout_s"):
+            checks.number(name, getattr(self, name), low=0, low_open=True)
+        for name in BUDGET:
+            checks.integer(name, getattr(self, name), low=1)
 
     def budget(self) -> dict[str, int]:
         """The request budget's numbers, as `GET /info` reports them."""
@@ -561,6 +569,11 @@ def create_app(
     if token is not None and not token:
         raise BadInputError("the token is empty; pass a non-empty secret or none at all")
     preloaded = engine_or_model_id if isinstance(engine_or_model_id, Engine) else None
+    checks.integer("max_body_bytes", max_body_bytes, low=1)
+    checks.integer("max_new_tokens_cap", max_new_tokens_cap, low=1)
+    checks.integer("max_states", max_states, low=1)
+    checks.integer("max_state_bytes", max_state_bytes, low=1)
+    checks.number("state_ttl_s", state_ttl_s, low=0, low_open=True)
     if token is not None and not _printable_ascii(token):
         raise BadInputError("the token must be printable ASCII (HTTP headers cannot carry other characters, so a "
                             "client could never send it)")

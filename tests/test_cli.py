@@ -93,3 +93,25 @@ def test_a_port_outside_1_to_65535_is_a_usage_error_before_anything_loads(app, c
     """`serve --port 99999` loaded the model, then died in uvicorn's bind() with an OverflowError traceback."""
     result = CliRunner().invoke(app, [command, "--model", "tiny-random:llama", "--port", port])
     assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--max-body-bytes", "0", "max_body_bytes must be an integer >= 1"),
+    ("--max-new-tokens-cap", "0", "max_new_tokens_cap must be an integer >= 1"),
+    ("--max-states", "0", "max_states must be an integer >= 1"),
+    ("--state-ttl-s", "nan", "state_ttl_s must be a finite number > 0"),
+    ("--send-timeout-s", "-5", "send_timeout_s must be a finite number > 0"),
+    ("--max-sequences", "0", "max_sequences must be an integer >= 1"),
+])
+def test_a_servers_nonsense_limit_is_refused_at_start(app, monkeypatch, option, value, says):
+    """Each of these started a server that refused every request (or never expired a state) without a word."""
+    import uvicorn
+
+    import probes.server as server
+
+    loaded = []
+    monkeypatch.setattr(server.Engine, "from_id", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: loaded.append("served"))  # never listens here
+    result = CliRunner().invoke(app, ["serve", "--model", "tiny-random:llama", "--port", "8799", option, value])
+    assert result.exit_code != 0 and says in str(result.exception) + result.output
+    assert loaded == []

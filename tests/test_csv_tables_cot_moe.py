@@ -3,8 +3,6 @@ app/figures/moe_router.py): one row per plotted observation, plain scalars, the 
 
 from __future__ import annotations
 
-import csv
-import io
 import re
 from pathlib import Path
 
@@ -13,7 +11,8 @@ import pytest
 
 from analyses.cot_entropy.detector import CalibrationTrace, CusumDetector
 from analyses.moe_router.maps import RouterMap, divergence_data, heatmap_data
-from app.export import build_figure, data_csv, plain, table_registry, table_rows
+from app.export import build_figure, plain, table_registry
+from tests.export_helpers import tidy_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["app/sections/cot_entropy.py", "app/views/cot_entropy.py", "app/sections/moe_router.py",
@@ -21,16 +20,7 @@ PAGES = ["app/sections/cot_entropy.py", "app/views/cot_entropy.py", "app/section
 
 
 def _tidy(data, name: str) -> list[dict]:
-    """The table's rows, checked: plain scalars only, and the CSV download parses back into exactly them."""
-    rows = table_rows(data, name)
-    for row in rows:
-        for key, value in row.items():
-            assert not isinstance(value, (dict, list, tuple)), f"{name}: {key} holds {value!r}"
-    parsed = list(csv.DictReader(io.StringIO(data_csv(data, name))))
-    assert len(parsed) == len(rows)
-    for got, row in zip(parsed, rows):
-        assert got == {k: "" if v is None else str(v) for k, v in row.items()}
-    return rows
+    return tidy_rows(data, name)[0]
 
 
 def test_every_figure_of_the_two_pages_has_a_table():

@@ -4,8 +4,6 @@ page's `show_figure` call passes (app/sections/rise.py, app/sections/fuzzy_conce
 
 from __future__ import annotations
 
-import csv
-import io
 from typing import Any
 
 import torch
@@ -15,23 +13,9 @@ from analyses.rise.confidence import ConfidenceResult
 from analyses.rise.dashboard import FeatureDashboard
 from analyses.rise.harvest import TraceRecord
 from analyses.steps import Step
-from app.export import data_csv, table_registry, table_rows
+from tests.export_helpers import tidy_rows
 
 PROVENANCE = {"model": "toy", "commit": "abc"}
-
-
-def _tidy(data: Any, name: str) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """The figure's table rows (checked to be plain scalars) and its CSV read back."""
-    assert name in table_registry(), f"{name} has a TABLES entry"
-    rows = table_rows(data, name)
-    for row in rows:
-        for key, value in row.items():
-            assert not isinstance(value, (dict, list, tuple)), f"{name}: cell {key} is {value!r}"
-    parsed = list(csv.DictReader(io.StringIO(data_csv(data, name))))
-    assert len(parsed) == len(rows)
-    for row, back in zip(rows, parsed):
-        assert back == {k: "" if v is None else str(v) for k, v in row.items()}
-    return rows, parsed
 
 
 # ----------------------------------------------------------------------------- RISE
@@ -50,7 +34,7 @@ def test_rise_timeline_is_one_row_per_step_with_top_latents_as_columns():
     trace = _trace()
     per_step = [[14, 3, 6], [11, 0, 9], [10, 11, 12], []]  # the last step has no row in the harvest
     data = {"trace": trace.to_dict(), "top_latents": per_step, "site": "resid_post.15"}
-    rows, parsed = _tidy(data, "rise_timeline")
+    rows, parsed = tidy_rows(data, "rise_timeline")
     assert len(rows) == len(trace.steps) == 4
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[2]["label"] == "backtracking" and rows[2]["text"] == "Wait, that is wrong." and rows[2]["token"] == 14
@@ -64,7 +48,7 @@ def test_rise_timeline_is_one_row_per_step_with_top_latents_as_columns():
 def test_rise_decoder_map_is_one_row_per_column():
     data = {"site": "resid_post.10", "coords": [[0.5, 1.5], [2.0, -1.0], [3.25, 0.0]],
             "column_labels": ["other", None, "reflection"], "silhouette": 0.21, "projection": "umap"}
-    rows, parsed = _tidy(data, "rise_decoder_map")
+    rows, parsed = tidy_rows(data, "rise_decoder_map")
     assert len(rows) == 3
     assert rows[2] == {"site": "resid_post.10", "projection": "umap", "column": 2, "x": 3.25, "y": 0.0,
                        "label": "reflection", "silhouette": 0.21}
@@ -73,7 +57,7 @@ def test_rise_decoder_map_is_one_row_per_column():
 
 def test_rise_silhouette_is_one_row_per_site_in_layer_order():
     data = {"resid_post.22": 0.137, "resid_post.10": 0.0165, "resid_post.15": None}  # silhouette_per_layer
-    rows, parsed = _tidy(data, "rise_silhouette")
+    rows, parsed = tidy_rows(data, "rise_silhouette")
     assert [(r["site"], r["layer"], r["silhouette"]) for r in rows] == [
         ("resid_post.10", 10, 0.0165), ("resid_post.15", 15, None), ("resid_post.22", 22, 0.137)]
     assert list(parsed[0]) == ["site", "layer", "silhouette"] and parsed[1]["silhouette"] == ""
@@ -91,7 +75,7 @@ def _board() -> FeatureDashboard:
 
 def test_rise_feature_histogram_is_one_row_per_bin():
     board = _board()
-    rows, parsed = _tidy(board, "rise_feature_histogram")  # the page passes the dashboard itself
+    rows, parsed = tidy_rows(board, "rise_feature_histogram")  # the page passes the dashboard itself
     assert len(rows) == len(board.histogram_counts) == 4
     assert rows[3] == {"site": "resid_post.15", "latent": 14, "bin_low": 4.5, "bin_high": 6.0, "count": 4}
     assert [int(r["count"]) for r in parsed] == board.histogram_counts
@@ -100,11 +84,11 @@ def test_rise_feature_histogram_is_one_row_per_bin():
 
 def test_rise_feature_labels_and_tokens_are_one_row_per_label_and_per_token():
     board = _board()
-    rows, parsed = _tidy(board.label_frequency, "rise_feature_labels")
+    rows, parsed = tidy_rows(board.label_frequency, "rise_feature_labels")
     assert rows == [{"label": "reflection", "steps": 1}, {"label": "backtracking", "steps": 4},
                     {"label": "other", "steps": 2}]
     tokens = {"promoted": board.promoted_tokens, "suppressed": board.suppressed_tokens}
-    rows, parsed = _tidy(tokens, "rise_feature_tokens")
+    rows, parsed = tidy_rows(tokens, "rise_feature_tokens")
     assert len(rows) == 4
     assert rows[2] == {"direction": "suppressed", "rank": 1, "token": " tqdm", "logit_effect": -0.44}
     assert parsed[0]["token"] == " check" and parsed[1]["rank"] == "2"  # leading spaces survive the CSV
@@ -113,7 +97,7 @@ def test_rise_feature_labels_and_tokens_are_one_row_per_label_and_per_token():
 def test_rise_confidence_is_one_row_per_iteration():
     result = ConfidenceResult("resid_post.15", torch.tensor([0.1, -0.5, 0.2]), [1, 2, 0], [2.5, 2.25, 2.0],
                               {"iterations": 3})
-    rows, parsed = _tidy(result, "rise_confidence")
+    rows, parsed = tidy_rows(result, "rise_confidence")
     assert len(rows) == 3
     assert rows[1] == {"site": "resid_post.15", "iteration": 1, "entropy": 2.25}
     assert float(parsed[2]["entropy"]) == 2.0
@@ -124,9 +108,9 @@ def test_rise_quality_auroc_and_steering_keep_their_tables():
              "quality": {"train": {"explained_variance": 0.78, "l0": 2.3}, "heldout": {"explained_variance": 0.65,
                                                                                         "l0": 4.6}},
              "auroc": {"reflection": {"latent": 10, "train_auroc": 1.0, "heldout_auroc": 0.9}}}
-    rows, _ = _tidy({"layers": [layer]}, "rise_quality")
+    rows, _ = tidy_rows({"layers": [layer]}, "rise_quality")
     assert [(r["split"], r["explained_variance"]) for r in rows] == [("train", 0.78), ("heldout", 0.65)]
-    rows, _ = _tidy({"layers": [layer]}, "rise_auroc")
+    rows, _ = tidy_rows({"layers": [layer]}, "rise_auroc")
     assert rows == [{"site": "resid_post.10", "label": "reflection", "latent": 10, "train_auroc": 1.0,
                      "heldout_auroc": 0.9}]
     steering = {"behaviour": "reflection", "site": "resid_post.10", "mode": "projection", "split": "eval",
@@ -134,7 +118,7 @@ def test_rise_quality_auroc_and_steering_keep_their_tables():
                           "mean_steps": 4.0, "mean_tokens": 40.0, "accuracy": 0.5,
                           "intervals": {"reflection": {"estimate": 1.0, "low": 0.5, "high": 1.5}}}
                          for a in (0.0, 1.0)]}
-    rows, _ = _tidy(steering, "rise_steering")
+    rows, _ = tidy_rows(steering, "rise_steering")
     assert [r["alpha"] for r in rows] == [0.0, 1.0] and rows[0]["reflection_low"] == 0.5
 
 
@@ -149,7 +133,7 @@ def test_fuzzy_metrics_is_one_row_per_method_and_metric():
         return out
 
     data = {"metric_table": [row("fuzzy", 1.0), row("k-means", 2.0)], "seeds": 3, "provenance": PROVENANCE}
-    rows, parsed = _tidy(data, "fuzzy_metrics")
+    rows, parsed = tidy_rows(data, "fuzzy_metrics")
     assert len(rows) == 2 * 3
     assert [r["metric"] for r in rows[:3]] == ["reconstruction_error", "active_concepts", "ami_template"]
     assert rows[4] == {"method": "k-means", "metric": "active_concepts", "estimate": 3.0, "low": 2.9, "high": 3.1,
@@ -163,7 +147,7 @@ def test_fuzzy_tuning_is_one_row_per_candidate():
             for lr, err, act in ((0.01, 0.94, 1.8), (0.03, 1.01, 2.27), (0.1, 0.99, 1.2))]
     data = {"name": "fuzzy settings", "split": "development", "objective": "lowest FVU",
             "chosen": grid[2]["setting"], "chosen_index": 2, "grid": grid}
-    rows, parsed = _tidy(data, "fuzzy_tuning")
+    rows, parsed = tidy_rows(data, "fuzzy_tuning")
     assert len(rows) == len(grid) == 3
     assert rows[1] == {"candidate": 1, "lr": 0.03, "n_features": 8, "sparsity": 0.003,
                        "dev_reconstruction_error": 1.01, "dev_active_concepts": 2.27, "steps_run": 300,
@@ -177,7 +161,7 @@ def test_fuzzy_firing_is_one_row_per_rule():
              {"rule": 0, "firing": 0.25, "membership": 0.004, "clauses": []}]
     data = {"firing": [0.25, 0.05, 0.7], "memberships": [0.004, 0.0008, 0.01], "chain": chain,
             "snippet": "a [water] snippet", "rule_labels": ["rule 1", "rule 2", "rule 3"], "provenance": PROVENANCE}
-    rows, parsed = _tidy(data, "fuzzy_firing")
+    rows, parsed = tidy_rows(data, "fuzzy_firing")
     assert len(rows) == len(data["firing"]) == 3
     assert rows[2] == {"rule": 3, "label": "rule 3", "firing": 0.7, "membership": 0.01, "chain_rank": 1,
                        "snippet": "a [water] snippet"}
@@ -188,7 +172,7 @@ def test_fuzzy_overlap_is_one_row_per_pair_of_concepts():
     matrix = [[0.0, 0.5, 0.25], [1.0, 0.0, 0.0], [0.125, 0.0, 0.0]]
     data = {"method": "semi-NMF", "overlap_matrix": matrix, "mean": 0.3125, "words": [["a"], ["b", "c"], []],
             "provenance": PROVENANCE}
-    rows, parsed = _tidy(data, "fuzzy_overlap")
+    rows, parsed = tidy_rows(data, "fuzzy_overlap")
     assert len(rows) == 9
     assert rows[3] == {"method": "semi-NMF", "concept_k": 2, "concept_l": 1, "overlap": 1.0}
     assert [float(r["overlap"]) for r in parsed] == [v for row in matrix for v in row]

@@ -1,0 +1,24 @@
+"""A figure's tidy CSV table, checked the way a download would read it (shared by the CSV tests)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Any
+
+from app.export import data_csv, table_registry, table_rows
+
+
+def tidy_rows(data: Any, name: str) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """(the figure's table rows, its CSV read back): the figure has a TABLES entry, every cell is a plain value
+    (no dict, list or tuple), and the CSV download parses back into exactly those rows."""
+    assert name in table_registry(), f"{name} has no TABLES entry"
+    rows = table_rows(data, name)
+    for row in rows:
+        for key, value in row.items():
+            assert not isinstance(value, (dict, list, tuple, set)), f"{name}: cell {key} holds {value!r}"
+    parsed = list(csv.DictReader(io.StringIO(data_csv(data, name))))
+    assert len(parsed) == len(rows)
+    for row, back in zip(rows, parsed):
+        assert back == {k: "" if v is None else str(v) for k, v in row.items()}
+    return rows, parsed

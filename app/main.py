@@ -28,6 +28,7 @@ from app.sidebar import MODEL_ENV, SERVER_ENV, SIDEBAR_KEYS, sidebar_context  # 
 from probes.backend import require  # noqa: E402
 from streamlit.errors import StreamlitAPIException  # noqa: E402
 from thoughtscope.errors import ThoughtscopeError  # noqa: E402
+from thoughtscope.imports import settle  # noqa: E402
 
 
 def apply_launch_args(argv: list[str]) -> None:
@@ -125,6 +126,7 @@ def main(only: str | None = None) -> None:
         st.error(f"no page named {only!r} in app/views/")
         return
     page = st.navigation(pages)  # the links first: usable while the sidebar below loads a model
+    settle("pandas")  # an import of it under way in another session's run: this page's figures wait for it whole
     frame.ctx = sidebar_context()
     try:
         page.run()

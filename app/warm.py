@@ -10,7 +10,9 @@ process after the trace explorer (AppTest): the CoT page 1.29 s (pandas, pyarrow
 0.75 s of it importing scikit-learn), every later method page 0.25-0.5 s. In Chromium, the first tab of a page
 after an app restart painted its stored preview at 1.2-1.6 s on every page but RISE (2.5 s).
 
-The list is what those first runs imported; a library missing from the environment is skipped (logged). Started
+The list is what those first runs imported; a library missing from the environment is skipped (logged). Pandas
+is imported in the calling thread first (`FIRST`: plotly reads it half-imported from `sys.modules`), and every
+page run waits for an import of it under way (`thoughtscope.imports.settle`, in `app.main`). Started
 by `app.main` after a page of a session served by `streamlit run` has drawn (never under AppTest or in the
 model server), in a daemon thread, so a page that imports one of these while the thread runs waits for that
 module's import lock and then finds it loaded: the thread imports third-party packages only, never a module of
@@ -30,21 +32,26 @@ log = logging.getLogger(__name__)
 
 # in the order the pages reach them: CoT's calibration densities and data frames, then RISE's SAE loading and
 # quality (sae_lens.evals), the fuzzy and visual-attribution baselines
-MODULES = ("pandas", "pyarrow", "sklearn.neighbors", "sklearn.metrics", "sae_lens", "sae_lens.evals",
+MODULES = ("pyarrow", "sklearn.neighbors", "sklearn.metrics", "sae_lens", "sae_lens.evals",
            "sklearn.linear_model", "sklearn.cluster", "sklearn.decomposition")
+# imported by `start` in the calling script thread, after its page has drawn (about 0.4 s), never in the background:
+# plotly peeks at pandas in `sys.modules` whenever it builds a trace, and a page drawing a figure while the thread
+# was half-way through importing pandas failed ("partially initialized module 'pandas' has no attribute 'Series'")
+FIRST = ("pandas",)
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 loaded: dict[str, float] = {}  # module -> seconds its import took in the warm-up (for the log and the tests)
 
 
-def start(modules: Sequence[str] = MODULES) -> threading.Thread | None:
-    """Start importing `modules` in a daemon thread, once per process: the thread, or None when it was started
-    before."""
+def start(modules: Sequence[str] = MODULES, first: Sequence[str] = FIRST) -> threading.Thread | None:
+    """Import `first` here, then start importing `modules` in a daemon thread, once per process: the thread, or
+    None when it was started before."""
     global _thread
     with _lock:
         if _thread is not None:
             return None
+        _import_all(tuple(first))
         _thread = threading.Thread(target=_import_all, args=(tuple(modules),), name="thoughtscope-warm-imports",
                                    daemon=True)
         _thread.start()

@@ -232,20 +232,38 @@ def page_names() -> list[str]:
     return [module.__name__.rsplit(".", 1)[-1] for _, module in discover_pages()]
 
 
+IDLE_JS = """() => !document.querySelector('[class*="st-key-job-"]') &&
+                 !document.querySelector('[data-testid="stStatusWidget"]')"""
+
+
+def settled(page, timeout: int = 4 * SLOW) -> None:
+    """The page has drawn: no job shows its progress and no script runs, twice half a second apart, so a click
+    acts on the page as drawn. (This test's failures under load came from the page itself: a figure drawn while
+    the warm-up thread imported pandas; `thoughtscope.imports.settle`, tests/test_warm.py.)"""
+    for _ in range(2):
+        page.wait_for_timeout(500)
+        page.wait_for_function(IDLE_JS, timeout=timeout)
+
+
 def test_a_steering_stack_from_two_sources_answers_its_sliders(page, app_url, tmp_path):
     """The page's difference-of-means direction and an uploaded vector go into the stack; moving the first
     term's slider changes the stack's text and the strip of what each term added per token."""
     import torch
     from safetensors.torch import save_file
 
-    save_file({"vector": torch.randn(64, generator=torch.Generator().manual_seed(3))}, str(tmp_path / "v.safetensors"))
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    save_file({"vector": vector}, str(tmp_path / "v.safetensors"))
     page.goto(f"{app_url}/steering")
     page.locator(".st-key-steered-text [data-testid='stText']").wait_for()
+    settled(page)
     page.locator(".st-key-steer_add_to_stack button").first.click()
     page.locator(".st-key-stack_strength_0").wait_for()
     page.locator(".st-key-steer_source").get_by_text("a .safetensors vector").click()
     page.locator(".st-key-steer_upload input[type='file']").set_input_files(str(tmp_path / "v.safetensors"))
-    page.locator(".st-key-steered-text [data-testid='stText']").wait_for()
+    # the page has read the upload: its caption gives the uploaded vector's norm (the steered text of the previous
+    # direction stays on the page while it reruns)
+    page.get_by_text(f"|v| = {float(vector.norm()):.3g};").wait_for(timeout=SLOW)
+    settled(page)
     page.locator(".st-key-steer_add_to_stack button").first.click()
     page.locator(".st-key-stack_strength_1").wait_for()
     strip = page.locator(".st-key-stack-strip [data-testid='stText']")

@@ -31,7 +31,7 @@ def fresh(monkeypatch, tmp_path):
 def test_imports_in_the_background_once_per_process(fresh):
     import builtins
 
-    thread = warm.start(["ts_warm_probe.heavy"])
+    thread = warm.start(["ts_warm_probe.heavy"], first=())
     assert thread is not None and thread.daemon
     thread.join(30)
     assert sys.modules["ts_warm_probe.heavy"].VALUE == 42
@@ -43,7 +43,7 @@ def test_imports_in_the_background_once_per_process(fresh):
 
 
 def test_a_missing_library_is_skipped_and_the_rest_imported(fresh):
-    thread = warm.start(["ts_warm_probe_absent", "ts_warm_probe.heavy"])
+    thread = warm.start(["ts_warm_probe_absent", "ts_warm_probe.heavy"], first=())
     thread.join(30)
     assert list(warm.loaded) == ["ts_warm_probe.heavy"]
 
@@ -51,7 +51,7 @@ def test_a_missing_library_is_skipped_and_the_rest_imported(fresh):
 def test_the_list_names_importable_libraries_of_this_environment():
     import importlib.util
 
-    missing = [m for m in warm.MODULES if importlib.util.find_spec(m.split(".")[0]) is None]
+    missing = [m for m in (*warm.FIRST, *warm.MODULES) if importlib.util.find_spec(m.split(".")[0]) is None]
     assert missing == []
 
 
@@ -85,3 +85,38 @@ def test_the_warm_up_and_the_bridge_import_take_turns(monkeypatch, tmp_path):
     finally:
         for name in ("ts_turn_a", "ts_turn_b", "ts_turn_c"):
             sys.modules.pop(name, None)
+
+
+def test_the_first_modules_are_imported_whole_before_the_thread_starts(fresh):
+    """Plotly peeks at pandas in sys.modules when it builds a trace: a page drawing a figure while the warm-up
+    thread was half-way through importing pandas failed ('partially initialized module'). `FIRST` is imported in
+    the calling thread, so it is whole when `start` returns."""
+    (fresh / "first.py").write_text("import time\ntime.sleep(0.3)\nVALUE = 7\n")
+    thread = warm.start(["ts_warm_probe.heavy"], first=["ts_warm_probe.first"])
+    assert sys.modules["ts_warm_probe.first"].VALUE == 7  # no join: already whole
+    thread.join(30)
+    sys.modules.pop("ts_warm_probe.first", None)
+    assert warm.FIRST == ("pandas",) and "pandas" not in warm.MODULES
+
+
+def test_settle_waits_for_a_module_another_thread_is_importing(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from thoughtscope.imports import settle
+
+    (tmp_path / "ts_settle_probe.py").write_text("import time\ntime.sleep(0.5)\nVALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        importer = threading.Thread(target=__import__, args=("ts_settle_probe",))
+        importer.start()
+        while "ts_settle_probe" not in sys.modules:  # the other thread is inside the module's body
+            time.sleep(0.01)
+        assert not hasattr(sys.modules["ts_settle_probe"], "VALUE")  # what plotly would have read
+        settle("ts_settle_probe")
+        assert sys.modules["ts_settle_probe"].VALUE == 3  # whole once settle returns
+        importer.join(10)
+        settle("ts_settle_absent_module")  # nothing imported: nothing to wait for, nothing imported
+        assert "ts_settle_absent_module" not in sys.modules
+    finally:
+        sys.modules.pop("ts_settle_probe", None)

@@ -33,6 +33,18 @@ def import_module(name: str) -> Any:
         return importlib.import_module(name)
 
 
+def settle(name: str) -> None:
+    """Wait until a module another thread is importing has finished, so that code which only peeks at
+    `sys.modules` sees it whole. Plotly builds every trace with `get_module("pandas", should_load=False)` (the
+    module if already in `sys.modules`, however far its import has got): a page that drew a figure while the
+    app's warm-up thread was importing pandas got "partially initialized module 'pandas' has no attribute
+    'Series'" (seen in the browser tier, 2026-12-07). A module not imported at all stays so (nothing is
+    imported here); one already complete costs a dictionary lookup."""
+    module = sys.modules.get(name)
+    if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False):
+        importlib.import_module(name)  # blocks on the module's import lock until the other thread is done
+
+
 def import_from(module: str, name: str) -> Any:
     """`from module import name`, under `HEAVY_IMPORTS` (see the module docstring)."""
     return getattr(import_module(module), name)

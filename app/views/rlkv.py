@@ -91,10 +91,10 @@ def sparsity_section(ctx, head_map: HeadMap) -> float:
     cols[0].metric("Heads with the full cache", f"{int(full.sum())} of {full.size}")
     cols[1].metric(f"KV memory at {length} tokens", f"{head_map.kv_fraction(s, length):.0%}")
     cols[2].metric("KV memory at 4096 tokens", f"{head_map.kv_fraction(s, 4096):.0%}")
-    data = head_map.to_dict(s)
-    show_figure(head_map_figure(data), data, "rlkv_head_map", provenance=map_record(ctx, head_map, s))
+    data, record = head_map.to_dict(s), map_record(ctx, head_map, s)  # one record (one /info call) for both
+    show_figure(head_map_figure(data), data, "rlkv_head_map", provenance=record)
     mem = head_map.memory(s, max_length=4096)
-    show_figure(memory_figure(mem), mem, "rlkv_memory", provenance=map_record(ctx, head_map, s))
+    show_figure(memory_figure(mem), mem, "rlkv_memory", provenance=record)
     return s
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import import_from, import_module  # sae_lens under the heavy-imports lock: jobs run in threads
 
 CFG_FILENAME = "cfg.json"
 WEIGHTS_FILENAME = "sae_weights.safetensors"
@@ -31,7 +32,7 @@ WEIGHTS_FILENAME = "sae_weights.safetensors"
 
 def save_sae(sae: Any, folder: str | Path) -> Path:
     """Write `cfg.json` + `sae_weights.safetensors` into `folder` (created); return the folder."""
-    from sae_lens import TrainingSAE
+    TrainingSAE = import_from("sae_lens", "TrainingSAE")
 
     folder = Path(folder)
     try:
@@ -52,7 +53,7 @@ def is_sae_folder(path: str | Path) -> bool:
 
 def load_sae(ref: str | Path, sae_id: str | None = None, device: str = "cpu") -> Any:
     """An inference SAE from a SAELens folder, or from a pretrained release in the local HF cache."""
-    from sae_lens import SAE
+    SAE = import_from("sae_lens", "SAE")
 
     path = Path(ref).expanduser()
     if path.is_dir():
@@ -88,8 +89,10 @@ def _hub_offline():
 
 
 def _load_pretrained_offline(release: str, sae_id: str, device: str) -> Any:
-    from sae_lens import SAE
-    from sae_lens.loading.pretrained_saes_directory import get_pretrained_saes_directory, get_repo_id_and_folder_name
+    SAE = import_from("sae_lens", "SAE")
+    directories = import_module("sae_lens.loading.pretrained_saes_directory")
+    get_pretrained_saes_directory = directories.get_pretrained_saes_directory
+    get_repo_id_and_folder_name = directories.get_repo_id_and_folder_name
 
     directory = get_pretrained_saes_directory()
     if release not in directory and "/" not in release:
@@ -125,8 +128,8 @@ def _cached_folder(repo_id: str, folder: str) -> Path | None:
 
 
 def _load_cached_folder(path: Path, release: str, sae_id: str, device: str) -> Any:
-    from sae_lens import SAE
-    from sae_lens.loading.pretrained_saes_directory import get_norm_scaling_factor
+    SAE = import_from("sae_lens", "SAE")
+    get_norm_scaling_factor = import_from("sae_lens.loading.pretrained_saes_directory", "get_norm_scaling_factor")
 
     sae = SAE.load_from_disk(str(path), device=device)
     if sae.cfg.normalize_activations == "expected_average_only_in":

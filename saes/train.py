@@ -30,6 +30,7 @@ import torch
 
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import import_from, import_module  # sae_lens under the heavy-imports lock: jobs run in threads
 from saes.stats import SAEStats, sae_stats
 
 ARCHITECTURES = ("standard", "topk")
@@ -121,8 +122,10 @@ def _round_up(x: int, multiple: int) -> int:
 
 def make_training_sae(d_in: int, settings: SAETrainSettings, metadata: dict[str, Any] | None = None):
     """A fresh SAELens training SAE (seeded) for inputs of width `d_in`."""
-    from sae_lens import StandardTrainingSAE, StandardTrainingSAEConfig, TopKTrainingSAE, TopKTrainingSAEConfig
-    from sae_lens.saes.sae import SAEMetadata
+    sae_lens = import_module("sae_lens")
+    StandardTrainingSAE, StandardTrainingSAEConfig = sae_lens.StandardTrainingSAE, sae_lens.StandardTrainingSAEConfig
+    TopKTrainingSAE, TopKTrainingSAEConfig = sae_lens.TopKTrainingSAE, sae_lens.TopKTrainingSAEConfig
+    SAEMetadata = import_from("sae_lens.saes.sae", "SAEMetadata")
 
     sae_lens_norm = "none" if settings.normalize_activations == CENTRED else settings.normalize_activations
     common = dict(d_in=d_in, d_sae=settings.d_sae, dtype="float32", device=settings.device,
@@ -185,7 +188,7 @@ def shuffled_batches(acts: torch.Tensor, batch_size: int, seed: int = 0) -> Iter
 
 
 def _trainer_class():
-    from sae_lens import SAETrainer
+    SAETrainer = import_from("sae_lens", "SAETrainer")
 
     class UnitNormSAETrainer(SAETrainer):
         """SAELens' trainer with RISE's constraint: decoder rows back to unit norm after each step.
@@ -213,7 +216,8 @@ def train_sae(
     `settings` defaults to `SAETrainSettings.scaled(d_in, n)`. `metadata` (e.g. model_name,
     hook_name) is saved in `cfg.json`. Stats are measured on `eval_acts` (default: `acts`).
     """
-    from sae_lens.config import LoggingConfig, SAETrainerConfig
+    config = import_module("sae_lens.config")
+    LoggingConfig, SAETrainerConfig = config.LoggingConfig, config.SAETrainerConfig
 
     acts = _as_matrix(acts)
     n, d_in = acts.shape
@@ -280,8 +284,8 @@ class _quiet_progress:
         if self.quiet:
             from functools import partial
 
-            import sae_lens.training.activation_scaler as scaler_module
-            import sae_lens.training.sae_trainer as trainer_module
+            scaler_module = import_module("sae_lens.training.activation_scaler")
+            trainer_module = import_module("sae_lens.training.sae_trainer")
 
             for module in (trainer_module, scaler_module):
                 self._saved.append((module, module.tqdm))

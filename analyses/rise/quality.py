@@ -26,13 +26,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from thoughtscope.imports import import_from
+
 POOR_EXPLAINED_VARIANCE = 0.5  # below this on held-out steps, the page warns that the SAE reconstructs poorly
 
 
 @torch.no_grad()
 def sae_quality(sae: Any, acts: torch.Tensor, batch_size: int = 4096) -> dict[str, float]:
     """Explained variance (SAELens' calculator and its legacy form), L0 and MSE of `sae` on `acts` [n, d]."""
-    from sae_lens.evals import ExplainedVarianceCalculator  # lazy: sae_lens takes seconds to import; only this needs it
+    # lazy: sae_lens takes seconds to import; only this needs it (under the heavy-imports lock: jobs run in threads)
+    ExplainedVarianceCalculator = import_from("sae_lens.evals", "ExplainedVarianceCalculator")
 
     if acts.shape[0] == 0:
         return {"n": 0, "explained_variance": float("nan"), "explained_variance_legacy": float("nan"),

@@ -66,6 +66,17 @@ def test_user_errors_are_messages_not_tracebacks(monkeypatch, capsys):
     assert "layer 99 is out of range" in err and "Traceback" not in err
 
 
+def test_an_error_message_with_brackets_is_printed_as_it_is(monkeypatch, capsys):
+    """A message naming the rule form `kind:<A>[/<B>]` (an unknown contrast rule) crashed the error printer with
+    rich's MarkupError and a traceback: `[/<B>]` read as a closing tag."""
+    monkeypatch.setattr("sys.argv", ["thoughtscope", "contrast", "run", "--model", "tiny-random:llama", "--rule", "foo"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main()
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert "error: unknown rule 'foo'; use one of kind:<A>[/<B>], correct, alarm, source:<A>/<B>, random" in err
+
+
 def test_every_command_prints_its_help(app):
     """`--help` of every command and group renders (a help text with rich markup such as `[/x]` once
     crashed `thoughtscope contrast run --help` with a traceback)."""

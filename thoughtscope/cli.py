@@ -25,6 +25,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 import analyses
 from thoughtscope.errors import BadInputError, ThoughtscopeError
@@ -121,7 +122,7 @@ def ship(
         model_id = model or default_model
         command = f"thoughtscope ship {key}" + (f" --model {model_id}" if model_id != default_model else "")
         folder = build_result(model_id, command)
-        console.print(f"{key}: wrote {folder}")
+        console.print(f"{key}: wrote {folder}", markup=False)
 
 
 def build() -> typer.Typer:
@@ -142,7 +143,8 @@ def main() -> None:
     try:
         app()
     except ThoughtscopeError as err:
-        console.print(f"[red]error:[/red] {err}")
+        # the message verbatim: it may hold brackets rich would read as markup (the rule `kind:<A>[/<B>]` crashed it)
+        console.print("[red]error:[/red]", escape(str(err)))
         sys.exit(2)
 
 

@@ -47,6 +47,36 @@ def test_the_contrast_page_opens_on_the_stored_result_then_runs_its_own(monkeypa
 
 
 @pytest.mark.model
+def test_the_page_contrasts_the_steps_of_a_rise_harvest(monkeypatch, tmp_path):
+    """The "a RISE harvest" source: residual sites only (no head norms offered), the judge's kinds as the rules;
+    the page's result equals `run_contrast(..., harvest="auto")`'s, and the run is stored for the next one."""
+    from analyses.contrast import ContrastSettings
+    from analyses.contrast.run import run_contrast
+    from probes import Engine
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", TOY)
+    monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path))
+    at = helpers.open_page("contrast", None)
+    at.radio(key="ct_source").set_value("a RISE harvest (the judge's step kinds)").run()
+    helpers.assert_clean(at)
+    assert at.multiselect(key="ct_harvest_sites").value == ["direction:resid_post.1"]
+    assert not any(o.startswith("heads:") for o in at.multiselect(key="ct_harvest_sites").options)
+    assert "backtracking steps vs the rest" in at.selectbox(key="ct_harvest_rule").options
+    at.slider(key="ct_harvest_n").set_value(40)
+    at.select_slider(key="ct_resamples").set_value(200)
+    at.button(key="ct_run").click().run()
+    at = helpers.finish_jobs(at)
+    helpers.assert_clean(at)
+    want, steps, _ = run_contrast(Engine.from_id(TOY), ["direction:resid_post.1"], "kind:reflection",
+                                  ContrastSettings(n_resamples=200), harvest="auto", harvest_n=40,
+                                  store=str(tmp_path / "store"))
+    assert helpers.metric(at, "Set A steps (dev / held-out)") == f"{want.n['dev_a']} / {want.n['heldout_a']}"
+    assert helpers.metric(at, "Set B steps (dev / held-out)") == f"{want.n['dev_b']} / {want.n['heldout_b']}"
+    assert any(c.value == f"{len(steps):,} steps of 40 traces." for c in at.caption)
+    assert any((tmp_path / "store").iterdir())  # the page's harvest, in the cache the page was given
+
+
+@pytest.mark.model
 def test_the_stored_direction_steers_its_own_model_and_is_not_offered_to_another(monkeypatch):
     """On toy-reasoner:small the stored top direction goes into the steering stack at its width; on another
     model the stored (toy-reasoner) direction is only a download: it once went into a 576-wide model's stack

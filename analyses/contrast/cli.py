@@ -3,9 +3,12 @@
     thoughtscope contrast run --model toy-reasoner:small --rule kind:reflection \
         --site direction:resid_post.1 --site heads:1 --site sae:FOLDER@resid_post.1 --json
     thoughtscope contrast run --prompts-a easy.txt --prompts-b hard.txt --rule source --site direction:resid_post.15
+    thoughtscope contrast run --model smollm2-135m --harvest auto --harvest-n 64 --rule kind:reflection \
+        --site direction:resid_post.15       # RISE's own traces, cut and labelled by the family's judge
     thoughtscope contrast run ... --export reflection.safetensors   # the top direction, for the Steering page
 
-Rules: kind:<A>[/<B>], correct, alarm, source (two prompt files), random (the null). Output (JSON
+Rules: kind:<A>[/<B>], correct, alarm, source (two prompt files), random (the null); a RISE harvest's steps
+(kinds reflection, backtracking, other) take kind, correct and random. Output (JSON
 with --json) carries the provenance record.
 """
 
@@ -35,6 +38,12 @@ def register(cli: typer.Typer) -> None:
                 split: str = typer.Option("dev", "--split", help="the organism split the traces come from"),
                 prompts_a: Optional[str] = typer.Option(None, "--prompts-a", help="a prompt file (one a line)"),
                 prompts_b: Optional[str] = typer.Option(None, "--prompts-b"),
+                harvest: Optional[str] = typer.Option(None, "--harvest", help="steps of a RISE harvest of this task "
+                                                      "(auto: the model's own) instead of the organism's or two "
+                                                      "prompt files"),
+                harvest_n: int = typer.Option(64, "--harvest-n", help="problems the RISE harvest generates traces for"),
+                store: Optional[str] = typer.Option(None, "--store", help="the harvest's activation store folder "
+                                                                          "(default: user cache)"),
                 top_k: int = typer.Option(20, "--top-k"), n_resamples: int = typer.Option(1000, "--resamples"),
                 seed: int = typer.Option(0, "--seed"),
                 export: Optional[Path] = typer.Option(None, "--export", help="write the top exportable direction "
@@ -46,7 +55,8 @@ def register(cli: typer.Typer) -> None:
         settings = ContrastSettings(top_k=top_k, n_resamples=n_resamples, seed=seed)
         with TerminalProgress() as progress:
             result, steps, sites = run_contrast(b, site, rule, settings, organism, split, prompts_a, prompts_b,
-                                                on_progress=progress)
+                                                on_progress=progress, harvest=harvest, harvest_n=harvest_n,
+                                                store=store)
         out = result.to_dict()
         out.pop("features")  # every feature's numbers: the page's volcano plot; the CLI prints the top
         out["steps"] = steps.describe()
@@ -57,8 +67,13 @@ def register(cli: typer.Typer) -> None:
             vector, at = export_direction(result, row, sites)
             save_direction(vector, at, export, meta={"rule": result.rule, "row": row["site"], "feature": row["feature"]})
             out["exported"] = {"path": str(export), "site": at, "from": row["site"], "feature": row["feature"]}
-        data = f"toy-reasoner {split} x{organism}" if not prompts_a else f"{prompts_a} | {prompts_b}"
-        record = provenance(b.info(), data=data, split=split if not prompts_a else None, seed=seed,
-                            command="thoughtscope contrast run",
-                            settings={"rule": rule, "sites": list(site), **settings.__dict__})
+        if harvest:
+            data, data_split = f"RISE harvest: {harvest} x{harvest_n}", None
+        elif prompts_a:
+            data, data_split = f"{prompts_a} | {prompts_b}", None
+        else:
+            data, data_split = f"toy-reasoner {split} x{organism}", split
+        record = provenance(b.info(), data=data, split=data_split, seed=seed, command="thoughtscope contrast run",
+                            settings={"rule": rule, "sites": list(site), **settings.__dict__,
+                                      **({"harvest": harvest, "harvest_n": harvest_n} if harvest else {})})
         emit(with_provenance(out, record), as_json)

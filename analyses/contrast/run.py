@@ -1,6 +1,11 @@
 """One contrast from plain settings (what the CLI, the page and the benchmark share): site specs parsed,
 steps gathered (organism traces or two prompt files), split by the rule, contrasted.
 
+Steps come from the organism's planted (or sampled) traces, from two prompt sets, or from a RISE harvest
+(`harvest=TASK`: RISE's own traces of `harvest_n` problems, cut and labelled by the model family's judge and
+scored by the task: `kind:reflection`, `kind:backtracking/other`, `correct` and `random` apply; stored in the
+activation store, so a second contrast of the same harvest reads it back).
+
 Site specs: `direction:resid_post.1`, `heads:1` (the head output norms of layer 1, read at `z.1`),
 `sae:FOLDER` (its site from the SAE's `hook_name`) or `sae:FOLDER@resid_post.1`.
 
@@ -19,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from analyses.contrast.core import ContrastResult, ContrastSettings, ContrastSite, contrast
-from analyses.contrast.steps import (StepSet, check_rule, organism_alarms, organism_sampled_steps, organism_steps,
-                                     prompt_lines_steps, questions_of, read_questions, select)
+from analyses.contrast.steps import (StepSet, check_rule, harvest_steps, organism_alarms, organism_sampled_steps,
+                                     organism_steps, prompt_lines_steps, questions_of, read_questions, select)
 from analyses.feature_browser.token_latents import check_sae
+from analyses.families import default_task
 from analyses.organism import is_organism, organism_problems, size_of
+from analyses.rise.labels import LABELS as HARVEST_KINDS
 from probes.backend import Backend
 from probes.toys.reasoner import KINDS as ORGANISM_KINDS
 from saes.io import load_sae
@@ -58,6 +65,37 @@ def parse_sites(specs: Sequence[str], backend: Backend) -> list[ContrastSite]:
         if out[-1].site not in known:
             raise BadInputError(f"{backend.info().get('model_id')} has no site {out[-1].site}")
     return out
+
+
+HARVEST_RULES = ("kind", "correct", "random")  # a harvest has one source and no CUSUM alarms
+
+
+def check_harvest(rule: str, sites: Sequence[ContrastSite], n: int) -> list[int]:
+    """The layers a RISE harvest must read for `sites`, after checking that the rule and the sites suit a
+    harvest (before any trace is generated)."""
+    check_rule(rule, HARVEST_KINDS)
+    if rule.strip().partition(":")[0] not in HARVEST_RULES:
+        raise BadInputError(f"a RISE harvest's steps take the rules kind:<A>[/<B>], correct or random, not {rule!r} "
+                            f"(its kinds: {', '.join(HARVEST_KINDS)})")
+    other = sorted({s.site for s in sites if not s.site.startswith("resid_post.")})
+    if other:
+        raise BadInputError(f"a RISE harvest reads the residual stream only (resid_post.<layer>), not {', '.join(other)}: "
+                            "choose direction:resid_post.<layer> or an SAE there")
+    if not isinstance(n, int) or n < 4:
+        raise BadInputError(f"harvest at least 4 problems, got {n!r}")
+    return sorted({int(s.site.split(".")[1]) for s in sites})
+
+
+def harvest_source(backend: Backend, layers: Sequence[int], task: str = "auto", n: int = 64,
+                   store: str | None = None, on_progress: Progress | None = None) -> StepSet:
+    """The closed steps of a RISE harvest of `n` problems of `task` (`auto`: the model's own task), read at
+    `layers` (`analyses.contrast.steps.harvest_steps`); the activation store keeps it for the next contrast."""
+    from analyses.rise.pipeline import RiseOptions, RisePipeline  # lazy: the RISE pipeline pulls in SAE training
+
+    options = RiseOptions(task=default_task(backend) if task == "auto" else task, n=n, layers=tuple(layers),
+                          store=store)
+    tick = (lambda stage, done, total: on_progress("harvest", done, total)) if on_progress else None
+    return harvest_steps(RisePipeline(backend, options, on_progress=tick).harvest())
 
 
 def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int = 0, split: str = "dev",
@@ -97,10 +135,20 @@ def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int 
 
 def run_contrast(backend: Backend, site_specs: Sequence[str], rule: str, settings: ContrastSettings | None = None,
                  organism: int = 60, split: str = "dev", prompts_a: Any = None, prompts_b: Any = None,
-                 on_progress: Progress | None = None,
-                 sampled: bool = False) -> tuple[ContrastResult, StepSet, list[ContrastSite]]:
-    """One contrast; on the organism, `correct` reads its own sampled traces (planted ones are all correct)."""
+                 on_progress: Progress | None = None, sampled: bool = False, harvest: str | None = None,
+                 harvest_n: int = 64, store: str | None = None) -> tuple[ContrastResult, StepSet, list[ContrastSite]]:
+    """One contrast; on the organism, `correct` reads its own sampled traces (planted ones are all correct).
+    `harvest` (a task, or `auto`): the steps of a RISE harvest of `harvest_n` of its problems instead."""
     settings = settings or ContrastSettings()
+    if harvest:
+        if prompts_a or prompts_b:
+            raise BadInputError("steps come from a RISE harvest or from two prompt sets, not both")
+        sites = parse_sites(site_specs, backend)
+        layers = check_harvest(rule, sites, harvest_n)
+        steps = harvest_source(backend, layers, harvest, harvest_n, store, on_progress)
+        in_a, in_b, described = select(steps, rule, seed=settings.seed)
+        return contrast(steps.acts, steps.trace, in_a, in_b, sites, settings, rule=described,
+                        contexts=steps.text), steps, sites
     if prompts_a and prompts_b and rule == "source":  # the two prompt sets' own names
         rule = ("source:A/B" if isinstance(prompts_a, list)
                 else f"source:{Path(prompts_a).name}/{Path(prompts_b).name}")

@@ -108,6 +108,11 @@ def select(steps: StepSet, rule: str, seed: int = 0) -> tuple[np.ndarray, np.nda
         a_kind, _, b_kind = arg.partition("/")
         in_a = kinds == a_kind
         in_b = (kinds == b_kind) if b_kind else ~in_a
+        for kind, chosen in ((a_kind, in_a), (b_kind or "other", in_b)):
+            if not chosen.any():  # say what the steps are (a RISE harvest of SmolLM2's arithmetic: all "other")
+                counts = ", ".join(f"{k} {v:,}" for k, v in steps.describe()["kinds"].items())
+                raise BadInputError(f"no step is {kind!r}: these {n:,} steps are {counts}; pick a rule that splits "
+                                    "them (correct, or random for the null)")
         return in_a, in_b, {"rule": rule, "A": f"{a_kind} steps", "B": f"{b_kind} steps" if b_kind else "other steps"}
     if name == "correct":
         return steps.correct.copy(), ~steps.correct, {"rule": rule, "A": "steps of correct traces",

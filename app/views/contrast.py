@@ -2,7 +2,10 @@
 correct against wrong traces, two prompt sets), with effect sizes, intervals, FDR and held-out AUROC.
 
 On the organism (`toy-reasoner`) the steps are its planted traces, whose step kinds are known; on
-any other model they come from greedy traces of two sets of questions. The page opens on the
+any other model they come from greedy traces of two sets of questions. On any model they can also come from a
+RISE harvest: RISE's own traces of the model's task, cut and labelled by the family's judge (reflection,
+backtracking, other) and scored by the task (`analyses.contrast.run.harvest_source`; kept in the activation
+store, so a second contrast of the same harvest reads it back). The page opens on the
 stored contrast of `toy-reasoner:small` (`thoughtscope ship contrast`), labelled as such.
 """
 
@@ -34,6 +37,10 @@ RULES = {"reflection steps vs the rest": "kind:reflection", "backtrack steps vs 
          "redundant steps vs compute steps": "kind:redundant/compute", "correct vs wrong traces": "correct",
          "steps after vs up to the CUSUM alarm": "alarm",
          "two random halves (the null)": "random"}
+# a RISE harvest's steps: the judge's kinds (analyses.rise.labels), the task's scoring, the null
+HARVEST_RULES = {"reflection steps vs the rest": "kind:reflection", "backtracking steps vs the rest":
+                 "kind:backtracking", "correct vs wrong traces": "correct", "two random halves (the null)": "random"}
+HARVEST = "a RISE harvest (the judge's step kinds)"
 # a model other than the organism: 16 seeded word problems a set, adding against taking away (two questions a set,
 # the page's first default, could never be split into development and held-out traces)
 SET_A, SET_B = ("\n".join(questions) for questions in default_question_sets())
@@ -55,13 +62,30 @@ def controls(ctx, organism: bool) -> tuple[dict[str, Any], bool]:
     n_layers = ctx.backend.arch().n_layers
     # the organism's last layer (its stored contrast's); elsewhere the middle layer, RISE's default on SmolLM2 (15 of 30)
     layer = n_layers - 1 if organism else n_layers // 2
-    default = [f"direction:resid_post.{layer}", f"heads:{layer}"]
-    sites = st.multiselect("Sites", list(options), default=default, format_func=options.get, key="ct_sites")
+    source = st.radio("Steps from", ["planted traces" if organism else "two question sets", HARVEST], horizontal=True,
+                      key="ct_source")
+    harvest_n = 0
+    if source == HARVEST:  # the harvest reads the residual stream only: directions and SAEs there
+        options = {k: v for k, v in options.items() if not k.startswith("heads:")}
+        sites = st.multiselect("Sites", list(options), default=[f"direction:resid_post.{layer}"],
+                               format_func=options.get, key="ct_harvest_sites")
+    else:
+        sites = st.multiselect("Sites", list(options), default=[f"direction:resid_post.{layer}", f"heads:{layer}"],
+                               format_func=options.get, key="ct_sites")
     cols = st.columns(3)
-    if organism:
+    lines: tuple[Any, Any] = (None, None)
+    if source == HARVEST:
+        # the organism's greedy traces are nearly all correct, SmolLM2's arithmetic traces hold no reflection step
+        first = "reflection steps vs the rest" if organism else "correct vs wrong traces"
+        labels = [first, *(r for r in HARVEST_RULES if r != first)]
+        rule = HARVEST_RULES[cols[0].selectbox("Sets", labels, key="ct_harvest_rule")]
+        harvest_n = cols[1].slider("Problems harvested (the model's task)", 8, 400, 64, 8, key="ct_harvest_n",
+                                   help="RISE generates a trace of each, cuts it into steps and labels them; stored, "
+                                        "so the next contrast of this harvest reads it back")
+        traces = 0
+    elif organism:
         rule = RULES[cols[0].selectbox("Sets", list(RULES), key="ct_rule")]
         traces = cols[1].slider("Planted traces (dev split)", 8, 400, 60, 4, key="ct_traces")
-        lines: tuple[Any, Any] = (None, None)
     else:
         rule, traces = "source", 0
         left, right = st.columns(2)
@@ -70,7 +94,8 @@ def controls(ctx, organism: bool) -> tuple[dict[str, Any], bool]:
     resamples = cols[2].select_slider("Bootstrap resamples", [200, 500, 1000, 2000], 1000, key="ct_resamples")
     run = st.button("Contrast", type="primary", key="ct_run", icon=":material/compare_arrows:",
                     help="runs as a job: reads the steps at the sites, then ranks every feature")
-    return {"sites": sites, "rule": rule, "traces": int(traces), "lines": lines, "resamples": int(resamples)}, run
+    return {"sites": sites, "rule": rule, "traces": int(traces), "lines": lines, "resamples": int(resamples),
+            "harvest_n": int(harvest_n)}, run
 
 
 def own_result(ctx, chosen: dict[str, Any], run: bool) -> Any:
@@ -80,8 +105,10 @@ def own_result(ctx, chosen: dict[str, Any], run: bool) -> Any:
     def work(job: jobs.Job) -> Any:
         settings = ContrastSettings(n_resamples=chosen["resamples"])
         a, b = chosen["lines"]
+        harvest = "auto" if chosen["harvest_n"] else None  # the model's own task
         return run_contrast(backend, chosen["sites"], chosen["rule"], settings, organism=chosen["traces"],
-                            prompts_a=a, prompts_b=b, on_progress=job.progress)
+                            prompts_a=a, prompts_b=b, on_progress=job.progress, harvest=harvest,
+                            harvest_n=chosen["harvest_n"] or 64)
 
     return jobs.run_job(key, work, label="Contrasting two sets of steps", kind="contrast", page="contrast", start=run)
 

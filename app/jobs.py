@@ -71,6 +71,7 @@ class Job:
     stop_reason: str = ""
     last_seen: float = field(default_factory=time.monotonic)
     prior_s_per_unit: float | None = None
+    resumes: str = ""  # what a stopped run keeps, so that starting it again goes on (empty: it starts over)
     _stage_started: float = field(default_factory=time.monotonic)
     _stage_done0: int = 0
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -179,7 +180,7 @@ class JobRegistry:
 
     # ---- starting and finding ----
     def start(self, key: str, work: Callable[[Job], Any], *, label: str, kind: str = "", page: str = "",
-              keep_running: bool = False) -> Job:
+              keep_running: bool = False, resumes: str = "") -> Job:
         """Run `work(job)` in a thread, unless a job for `key` is running (then that one is returned).
         The finished result (work's return value) lands in `job.result`."""
         with self._lock:
@@ -187,7 +188,7 @@ class JobRegistry:
                 if job.key == key and job.status == RUNNING:
                     return job
             job = Job(self._new_id(), key, kind or key, label, page=page, keep_running=keep_running,
-                      prior_s_per_unit=self._prior(kind or key))
+                      prior_s_per_unit=self._prior(kind or key), resumes=resumes)
             self._jobs[job.id] = job
             self._trim()
         job.thread = threading.Thread(target=self._run, args=(job, work), name=f"thoughtscope-job-{kind}",
@@ -359,10 +360,11 @@ def url_job(page: str) -> Job | None:
 
 
 def run_job(key: str, work: Callable[[Job], Any], *, label: str, kind: str, page: str,
-            start: bool, keep_running_option: bool = True) -> Any:
+            start: bool, keep_running_option: bool = True, resumes: str = "") -> Any:
     """The one "button, compute, keep" block of a page: the finished result for `key` if there is one;
     else, when `start` (the page's button was pressed) or a job for `key` runs or is named in the URL,
     its progress with Stop; returns the result once done (None while it runs or after a Stop).
+    `resumes`: what the work keeps as it goes (a store, a checkpoint), said after a Stop.
     Starting a job stops this page's other job of the same kind (made with settings since changed)."""
     reg = registry()
     done = reg.finished(key)
@@ -377,7 +379,7 @@ def run_job(key: str, work: Callable[[Job], Any], *, label: str, kind: str, page
         for other in reg.running():
             if other.kind == kind and other.page == page and other.key != key:
                 other.stop("stopped: the same work was started with other settings")
-        job = reg.start(key, work, label=label, kind=kind, page=page, keep_running=keep)
+        job = reg.start(key, work, label=label, kind=kind, page=page, keep_running=keep, resumes=resumes)
     if job is None:
         return None
     if job.status == RUNNING:
@@ -386,6 +388,15 @@ def run_job(key: str, work: Callable[[Job], Any], *, label: str, kind: str, page
             st.checkbox("Keep running when no page shows it", key=f"job_keep_{kind}",
                         help=f"otherwise a job stops {reg.grace_s:.0f} s after its last tab closed")
     return watch_job(job)
+
+
+def stopped_message(job: Job) -> str:
+    """What the page says after a Stop: how far the work got, and whether starting it again goes on from there
+    (work that stores as it goes: a RISE harvest, RLKV's checkpoints) or starts over."""
+    then = (f"Start it again to go on where it stopped: {job.resumes}." if job.resumes
+            else "Start it again to go on from scratch.")
+    return (f"{job.label}: {job.stop_reason or 'stopped'} after {_clock(job.elapsed_s)} "
+            f"({job.done}/{job.total} {job.stage}). ".replace(" ()", "") + then)
 
 
 def watch_job(job: Job) -> Any:
@@ -412,9 +423,7 @@ def watch_job(job: Job) -> Any:
     if job.status == DONE:
         return job.result
     if job.status == STOPPED:
-        st.info(f"{job.label}: {job.stop_reason or 'stopped'} after {_clock(job.elapsed_s)} "
-                f"({job.done}/{job.total} {job.stage}). Start it again to go on from scratch.".replace(" ()", ""),
-                icon=":material/stop_circle:")
+        st.info(stopped_message(job), icon=":material/stop_circle:")
     elif job.status == FAILED:
         st.error(f"{job.label} failed: {job.error}", icon=":material/error:")
     return None

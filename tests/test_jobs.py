@@ -119,3 +119,23 @@ def test_a_user_error_in_the_work_is_kept_as_its_message():
     job.thread.join(30)
     assert job.status == FAILED and job.error == "give more calibration problems"
     assert reg.finished("k") is None
+
+
+def test_after_a_stop_the_page_says_whether_starting_again_goes_on(tmp_path):
+    """Work that keeps what it has done (a RISE harvest's store, RLKV's checkpoints) says so after a Stop;
+    the message once told everyone to "go on from scratch", a stopped 5-step RLKV training too."""
+    from app.jobs import stopped_message
+
+    gates = {"k": threading.Event(), "p": threading.Event()}
+    reg = JobRegistry(costs_path=None)
+    kept = reg.start("k", batches(10, gates["k"]), label="Training", kind="demo", resumes="checkpointed after every step")
+    plain = reg.start("p", batches(10, gates["p"]), label="Generating", kind="demo2")
+    for job in (kept, plain):
+        job.stop()
+        gates[job.key].set()  # the batch under way ends; its progress report raises JobStopped
+        job.thread.join(30)
+    assert kept.status == plain.status == STOPPED
+    said = stopped_message(kept)
+    assert said.startswith("Training: stopped by the user after ") and "(1/10 batches)" in said
+    assert said.endswith("Start it again to go on where it stopped: checkpointed after every step.")
+    assert stopped_message(plain).endswith("(1/10 batches). Start it again to go on from scratch.")

@@ -110,7 +110,9 @@ def own_result(ctx, chosen: dict[str, Any], run: bool) -> Any:
                             prompts_a=a, prompts_b=b, on_progress=job.progress, harvest=harvest,
                             harvest_n=chosen["harvest_n"] or 64)
 
-    return jobs.run_job(key, work, label="Contrasting two sets of steps", kind="contrast", page="contrast", start=run)
+    resumes = "each harvested batch of traces is kept in the activation store and read back" if chosen["harvest_n"] else ""
+    return jobs.run_job(key, work, label="Contrasting two sets of steps", kind="contrast", page="contrast", start=run,
+                        resumes=resumes)
 
 
 def draw(data: dict[str, Any], record: dict[str, Any] | None, direction: tuple[bytes, str, str] | None,

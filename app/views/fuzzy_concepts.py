@@ -88,7 +88,8 @@ def run_section(ctx, options: FuzzyOptions) -> dict[str, Any] | None:
 
     found = run_job(key, work, label=f"Harvesting {options.word!r} at layer {options.resolved_layer(n_layers(ctx))} "
                                      f"and fitting {options.k} rules", kind="fuzzy-study", page="fuzzy_concepts",
-                    start=run_now)
+                    start=run_now, resumes="the samples read so far are kept in the activation store and read back "
+                                           "(the rules are fitted again)")
     if found is not None:
         return found
     if stored.get("study") is not None:

@@ -101,7 +101,8 @@ def harvest_section(ctx) -> tuple[dict[str, Any] | None, HarvestSettings | None,
 
         found = jobs.run_job(key, work, label=f"Harvesting {int(n)} {task} problems at layers "
                                               f"{list(options.layers)} and training the SAEs",
-                             kind="rise-pipeline", page="rise", start=run_now)
+                             kind="rise-pipeline", page="rise", start=run_now,
+                             resumes="each harvested batch of traces is kept in the activation store and read back")
     if found is None:
         if jobs.registry().for_key(key) is None:
             st.info("Press **Harvest + train** to generate traces, cut them into steps, read one residual vector "

@@ -154,7 +154,8 @@ def training_section(ctx, head_map: HeadMap | None) -> None:
         done = run_job(ctx.result_key("rlkv-train", **settings),
                        lambda job: str(train_gates(backend, settings, folder, on_progress=job.progress)),
                        label=f"Training RLKV gates ({steps} GRPO steps)", kind="rlkv-train", page=PAGE_NAME,
-                       start=start)
+                       start=start, resumes="the gates, the optimiser and the log are checkpointed after every GRPO "
+                                            "step")
         if done is not None and st.session_state.get("rlkv_trained") != done:
             st.session_state["rlkv_trained"] = done  # the head map offers it as a source from now on
             st.rerun()

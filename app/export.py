@@ -229,6 +229,15 @@ def current_provenance() -> dict[str, Any] | None:
     return _page_record.get()
 
 
+RUN_FIELDS = ("command", "created", "model", "fingerprint", "data", "split", "settings")
+
+
+def run_summary(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a figure made on this page from another run's result (RISE's SAEs, CoT's calibrated detector) says
+    of that run, under its own record: the command that made it, when, on which weights, data and settings."""
+    return {k: record.get(k) for k in RUN_FIELDS} if record else None
+
+
 # ----------------------------------------------------------------- data
 
 def _clean(value: Any) -> Any:

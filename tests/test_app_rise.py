@@ -158,3 +158,33 @@ def test_harvest_train_shows_stats_geometry_follows_the_layer_and_alpha_steers(m
     finish_jobs(at)
     assert_clean(at)
     assert any(t.startswith("Confidence coefficients at") for t in chart_titles(at))
+
+
+def test_steering_and_confidence_figures_name_the_run_whose_saes_they_use(monkeypatch):
+    """The steering and confidence figures are the page's own work on a RISE run's SAEs: their exports once
+    carried the page's record alone, which said nothing of the SAEs. They carry it with `sae_run`: the command,
+    date, data and settings of the run the harvest and SAE figures export."""
+    from app import export
+
+    seen: dict = {}
+    original = export.export_buttons
+
+    def record(fig, data, name, provenance=None, figure=None):
+        seen[name] = export.record_of(data, provenance)  # as the download buttons read it
+        return original(fig, data, name, provenance, figure)
+
+    monkeypatch.setattr(export, "export_buttons", record)
+    at = harvested()
+    at.radio(key="rise_steer_source").set_value(page.FROM_LATENT).run()
+    finish_jobs(at)
+    at.number_input(key="rise_conf_iters").set_value(2)
+    at.number_input(key="rise_conf_batch").set_value(2)
+    at.button(key="rise_conf_run").click().run()
+    finish_jobs(at)
+    assert_clean(at)
+    run = seen["rise_timeline"]  # the harvest + SAE run's own record (this page's job)
+    assert run["settings"]["rise"]["n"] == 4 and run["settings"]["rise"]["d_sae"] == 32
+    for name in ("rise_steering", "rise_confidence"):
+        own = seen[name]
+        assert own["command"] == "thoughtscope app" and own["model"] == MODEL, name
+        assert own["sae_run"] == {k: run[k] for k in export.RUN_FIELDS} and "settings" in export.RUN_FIELDS, name

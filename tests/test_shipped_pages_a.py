@@ -110,6 +110,16 @@ def test_cot_page_on_smollm2_opens_on_the_shipped_calibration_with_the_known_ans
     stored = shipped.find(cot_ship.NAME, SMOL, _engine(SMOL).info()["fingerprint"])
     assert stored, stored.reason
     data = stored.json(cot_ship.FILE)
+    from app import export
+
+    records: dict = {}
+    original = export.export_buttons
+
+    def record(fig, data, name, provenance=None, figure=None):
+        records[name] = export.record_of(data, provenance)  # as the download buttons read it
+        return original(fig, data, name, provenance, figure)
+
+    monkeypatch.setattr(export, "export_buttons", record)
     at = helpers.open_page("cot_entropy", None)  # the sidebar's defaults: 48 tokens, the example question
     helpers.assert_clean(at)
     assert not jobs.registry().running()
@@ -126,6 +136,11 @@ def test_cot_page_on_smollm2_opens_on_the_shipped_calibration_with_the_known_ans
     spec = json.loads(next(c.proto.spec for c in at.get("plotly_chart") if "CUSUM statistic" in c.proto.spec))
     n_steps = len(spec["data"][0]["x"])
     assert probes in (None, n_steps) and spec["layout"]["xaxis"]["range"] == [0.4, max(1, n_steps) + 0.6]
+    # the trace's figures: the page's record, naming the stored calibration whose detector they use
+    assert records["cot_calibration"]["command"] == f"thoughtscope ship {cot_ship.NAME}"
+    for name in ("cot_entropy_curve", "cot_cusum", "cot_answer_strip"):
+        assert records[name]["command"] == "thoughtscope app", name
+        assert records[name]["calibration_run"] == {k: records["cot_calibration"][k] for k in export.RUN_FIELDS}
 
 
 # ----------------------------------------------------------------------------- RISE

@@ -26,6 +26,7 @@ from analyses.families import ModelFamily, default_task, family_for
 from analyses.tasks import TASK_NAMES, known_answer
 from app import jobs
 from app.context import compute, shows_errors
+from app.export import page_provenance, run_summary
 from app.registry import PageSpec
 from app.sections.cot_entropy import draw_calibration, evaluation_section, live_run, show_trace
 from thoughtscope import shipped
@@ -60,9 +61,11 @@ def shipped_calibration(ctx, settings: dict[str, Any]) -> tuple[PageCalibration 
             found.provenance)
 
 
-def calibration_section(ctx, family: ModelFamily, task: str, force: bool) -> tuple[PageCalibration | None, int]:
+def calibration_section(ctx, family: ModelFamily, task: str,
+                        force: bool) -> tuple[PageCalibration | None, int, dict[str, Any] | None]:
     """The detector: the stored one when the settings match it, else this process' job (started by
-    Calibrate, or by Generate when nothing is calibrated yet); its densities, LLR curve and h choice."""
+    Calibrate, or by Generate when nothing is calibrated yet); its densities, LLR curve and h choice. Returns
+    (the detector or None, the calibration problems, the record of the run that made the detector)."""
     st.subheader("1. Calibration")
     c1, c2, c3, c4, c5 = st.columns(5)
     n = c1.slider("Calibration problems", 2, 100, cot_ship.DEFAULTS["n_calibration"], key="cot_n_cal",
@@ -104,14 +107,14 @@ def calibration_section(ctx, family: ModelFamily, task: str, force: bool) -> tup
             st.info("Press **Calibrate** to fit the uncertainty (f0) and confidence (f1) densities of probe-answer "
                     "entropy on held-out problems and choose h on development problems (Generate below calibrates "
                     "first if needed).")
-        return None, n
+        return None, n, None
     if source:
         left, right = st.columns([4, 1])
         left.caption(source)
         right.button("Run again", key="cot_calibrate_again", icon=":material/refresh:",
                      help="calibrate with these settings here, as a job (the stored result stays on disk)")
     draw_calibration(cal, family, task, n, n_dev, ctx.seed, provenance=record)
-    return cal, n
+    return cal, n, record
 
 
 def pick_input(ctx, task: str, n_cal: int) -> tuple[Any, str | None, str]:
@@ -176,10 +179,12 @@ def render(ctx) -> None:
                                  placeholder=family_for(ctx.model_id).step_delimiter)
     family = family_for(ctx.model_id).with_delimiter(delimiter.strip() or None)
     generate = st.session_state.get("cot_generate", False)  # Generate (below) calibrates first when needed
-    cal, n_cal = None, st.session_state.get("cot_n_cal", cot_ship.DEFAULTS["n_calibration"])
+    cal, n_cal, record = None, st.session_state.get("cot_n_cal", cot_ship.DEFAULTS["n_calibration"]), None
     with shows_errors():
-        cal, n_cal = calibration_section(ctx, family, task, force=generate)
-    with shows_errors():
+        cal, n_cal, record = calibration_section(ctx, family, task, force=generate)
+    # a trace's figures: the page's record (model, seed, the sidebar's prompt), naming the calibration whose
+    # detector raised the alarm (the stored one's command and date, or this page's run)
+    with page_provenance(ctx.provenance(calibration_run=run_summary(record))), shows_errors():
         trace_section(ctx, family, task, n_cal, cal, generate)
     with shows_errors():
         evaluation_section(ctx, family, task, n_cal, st.session_state.get("cot_bins", 10))

@@ -27,7 +27,7 @@ from analyses.steering_stack import StackTerm
 from analyses.tasks import Problem, load_task
 from app import jobs
 from app.context import shows_errors
-from app.export import current_provenance, page_provenance
+from app.export import current_provenance, page_provenance, run_summary
 from app.registry import PageSpec
 from app.sections.rise import (confidence_section, dashboard_section, draw_harvest, draw_steering, geometry_section,
                                options_widgets, timeline_section)
@@ -198,7 +198,9 @@ def render(ctx) -> None:
         site = geometry_section(found)
     with page_provenance(record), shows_errors():
         dashboard_section(ctx, found, site)
-    with shows_errors():
-        steering_section(ctx, found, site, settings, task, n)
-    with shows_errors():
-        confidence_section(ctx, found, site, found["key"])
+    # steering and confidence: the page's record (model, seed, the sidebar's prompt), naming the run whose SAEs they use
+    with page_provenance(ctx.provenance(sae_run=run_summary(record))):
+        with shows_errors():
+            steering_section(ctx, found, site, settings, task, n)
+        with shows_errors():
+            confidence_section(ctx, found, site, found["key"])

@@ -481,3 +481,21 @@ def test_the_steer_command_on_the_organism_records_how_to_rebuild_it(tmp_path):
 
     few = CliRunner().invoke(app, ["rise", "steer", "--behaviour", "backtracking", *common])
     assert few.exit_code != 0 and "no backtracking vector" in str(few.exception)
+
+
+@pytest.mark.model  # ~20 s: umap's import and numba's first compilation
+def test_the_umap_projection_of_decoder_columns_is_seeded_and_keeps_near_columns_near():
+    """RISE's default map of decoder columns (UMAP, cosine metric; imported under the heavy-imports lock): the same
+    seed gives the same map, and two tight groups of columns land in two separate clusters."""
+    import numpy as np
+
+    from analyses.rise.columns import _project
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(2, 16))
+    w = np.concatenate([centres[0] + 0.01 * rng.normal(size=(10, 16)), centres[1] + 0.01 * rng.normal(size=(10, 16))])
+    first, again = _project(w, "umap", 3, 5), _project(w, "umap", 3, 5)
+    assert first.shape == (20, 2) and np.isfinite(first).all() and np.array_equal(first, again)
+    a, b = first[:10], first[10:]
+    within = max(np.linalg.norm(a - a.mean(0), axis=1).max(), np.linalg.norm(b - b.mean(0), axis=1).max())
+    assert np.linalg.norm(a.mean(0) - b.mean(0)) > 2 * within

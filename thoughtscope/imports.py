@@ -9,8 +9,9 @@ partially initialized module"), or a failed import removes a module the other is
 a browser test, 2026-12-07.
 
 Each background thread takes `HEAVY_IMPORTS` around such an import (`app.warm` per module, the bridge in
-`probes.zoo`, sae_lens in `saes.io`, `saes.train` and `analyses.rise.quality`, which the app's job threads reach),
-so those imports run one at a time. A module already imported costs a dictionary lookup, and
+`probes.zoo`, sae_lens in `saes.io`, `saes.train` and `analyses.rise.quality`, umap in `analyses.rise.columns`:
+the app's job threads reach them), so those imports run one at a time. The methods' other lazy imports (scipy.stats,
+scikit-learn's estimators) are left to Python's per-module import locks: none has broken in a test yet. A module already imported costs a dictionary lookup, and
 the lock is not taken again for it.
 """
 

@@ -23,6 +23,7 @@ from analyses.rise.quality import latent_auroc, sae_quality, step_silhouette
 from saes.io import check_fits
 from saes.stats import encode_all, sae_stats
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import import_module
 
 @dataclass
 class ColumnAssociation:
@@ -91,7 +92,9 @@ def _project(w: np.ndarray, method: str, seed: int, n_neighbors: int) -> np.ndar
     if method not in ("umap", "pca"):
         raise BadInputError(f"projection {method!r}; use umap or pca")
     if method == "umap" and w.shape[0] > 4:
-        import umap  # lazy: umap (numba) takes seconds to import; only this needs it
+        # lazy: umap (numba, pynndescent, scikit-learn) takes seconds to import; only this needs it. Under the
+        # heavy-imports lock: the app's job threads reach it while the warm-up thread imports scikit-learn
+        umap = import_module("umap")
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # umap warns that a seed disables parallelism

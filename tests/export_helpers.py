@@ -1,4 +1,5 @@
-"""A figure's tidy CSV table, checked the way a download would read it (shared by the CSV tests)."""
+"""A figure's tidy CSV table, checked the way a download would read it (shared by the CSV tests), and the records a
+page's figures export."""
 
 from __future__ import annotations
 
@@ -22,3 +23,19 @@ def tidy_rows(data: Any, name: str) -> tuple[list[dict[str, Any]], list[dict[str
     for row, back in zip(rows, parsed):
         assert back == {k: "" if v is None else str(v) for k, v in row.items()}
     return rows, parsed
+
+
+def capture_records(monkeypatch: Any) -> dict[str, Any]:
+    """{figure name: the provenance record its exports carry, as the download buttons read it}, filled as pages
+    draw (`app.export.export_buttons` wrapped for the test)."""
+    from app import export
+
+    records: dict[str, Any] = {}
+    original = export.export_buttons
+
+    def record(fig, data, name, provenance=None, figure=None):
+        records[name] = export.record_of(data, provenance)
+        return original(fig, data, name, provenance, figure)
+
+    monkeypatch.setattr(export, "export_buttons", record)
+    return records

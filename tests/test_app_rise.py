@@ -165,15 +165,9 @@ def test_steering_and_confidence_figures_name_the_run_whose_saes_they_use(monkey
     carried the page's record alone, which said nothing of the SAEs. They carry it with `sae_run`: the command,
     date, data and settings of the run the harvest and SAE figures export."""
     from app import export
+    from tests.export_helpers import capture_records
 
-    seen: dict = {}
-    original = export.export_buttons
-
-    def record(fig, data, name, provenance=None, figure=None):
-        seen[name] = export.record_of(data, provenance)  # as the download buttons read it
-        return original(fig, data, name, provenance, figure)
-
-    monkeypatch.setattr(export, "export_buttons", record)
+    seen = capture_records(monkeypatch)
     at = harvested()
     at.radio(key="rise_steer_source").set_value(page.FROM_LATENT).run()
     finish_jobs(at)

@@ -111,15 +111,9 @@ def test_cot_page_on_smollm2_opens_on_the_shipped_calibration_with_the_known_ans
     assert stored, stored.reason
     data = stored.json(cot_ship.FILE)
     from app import export
+    from tests.export_helpers import capture_records
 
-    records: dict = {}
-    original = export.export_buttons
-
-    def record(fig, data, name, provenance=None, figure=None):
-        records[name] = export.record_of(data, provenance)  # as the download buttons read it
-        return original(fig, data, name, provenance, figure)
-
-    monkeypatch.setattr(export, "export_buttons", record)
+    records = capture_records(monkeypatch)
     at = helpers.open_page("cot_entropy", None)  # the sidebar's defaults: 48 tokens, the example question
     helpers.assert_clean(at)
     assert not jobs.registry().running()

@@ -1,6 +1,6 @@
 """Reasoning tasks with checkable answers: problem sets, prompts, answer extraction and scoring.
 
-Three sources of problems:
+Four sources of problems:
 
 - seeded arithmetic word problems (one or two steps), easy enough that the embedded
   SmolLM2-135M gets about half of the one-step ones right, so its traces contain both
@@ -9,7 +9,11 @@ Three sources of problems:
   MIT licence, shipped in ``analyses/data``), real but hard for small models;
 - the `toy-reasoner` organism's generator (``toy-reasoner``, ``toy-reasoner:small``, see
   ``analyses.organism``), whose calibration / dev / eval splits are disjoint by construction and
-  whose problems carry their planted ground truth.
+  whose problems carry their planted ground truth;
+- a problem file of the user's (``PATH.jsonl``): one JSON object a line with a ``question`` and a numeric
+  ``answer`` (GSM8K's ``"... #### 18"`` solutions are read as the number after ``####``). The command line
+  names it by its content too (``canonical_task``: ``PATH.jsonl#sha256=<12 hex>``), so a result keyed by the
+  task is never reused for a file that has changed since.
 
 ``load_splits`` gives the calibration / development / evaluation parts of a task the evaluation
 protocol asks for (``analyses.evaluation``): the organism's own splits, or a seeded three-way cut of
@@ -28,12 +32,14 @@ True
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
 from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 from analyses.evaluation import Splits, mean_pass_at_k, pass_at_k, split_three
@@ -46,6 +52,9 @@ TASK_NAMES = ("arith", "arith2", "arith-mixed", "gsm8k", "toy-reasoner", "toy-re
 ORGANISM_TASKS = ("toy-reasoner", "toy-reasoner:small")
 
 GSM8K_FILE = "gsm8k_test.jsonl"
+TASK_FILE_SUFFIX = ".jsonl"  # a task name ending so (optionally with DIGEST_MARK + hex) is the user's problem file
+DIGEST_MARK = "#sha256="
+MAX_TASK_FILE_BYTES = 64 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -269,11 +278,104 @@ def _gsm8k_problem(index: int, line: str) -> Problem:
     )
 
 
+# --------------------------------------------------------------------------- the user's problem file
+
+
+def is_task_file(name: Any) -> bool:
+    """Whether a task name is a problem file (``PATH.jsonl``, with or without its digest)."""
+    return isinstance(name, str) and name.partition(DIGEST_MARK)[0].endswith(TASK_FILE_SUFFIX)
+
+
+def _task_file_bytes(path: str) -> bytes:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise BadInputError(f"no problem file {path!r}: a task is one of {', '.join(TASK_NAMES)} or a .jsonl file")
+    if file.stat().st_size > MAX_TASK_FILE_BYTES:
+        raise BadInputError(f"{path} has {file.stat().st_size:,} bytes; a problem file may have at most "
+                            f"{MAX_TASK_FILE_BYTES:,}")
+    try:
+        return file.read_bytes()
+    except OSError as err:
+        raise BadInputError(f"cannot read {path}: {err}") from err
+
+
+def canonical_task(name: str) -> str:
+    """A task name as results are keyed by it: a problem file with its content's digest
+    (``PATH.jsonl#sha256=<first 12 hex>``; the file is read and checked here), any other name unchanged.
+    The command line's ``--task`` options pass through it."""
+    if not is_task_file(name):
+        return name
+    path = name.partition(DIGEST_MARK)[0]
+    data = _task_file_bytes(path)
+    _file_problems(path, data)  # a malformed file is refused before any model work
+    return f"{path}{DIGEST_MARK}{hashlib.sha256(data).hexdigest()[:12]}"
+
+
+def task_size(name: str) -> int | None:
+    """How many problems a task holds: a problem file's count, GSM8K's 1,319; None for the generated tasks."""
+    if is_task_file(name):
+        path = name.partition(DIGEST_MARK)[0]
+        return len(_file_problems(path, _task_file_bytes(path)))
+    return len(_gsm8k_lines()) if name == "gsm8k" else None
+
+
+def load_task_file(name: str, n: int, seed: int | None = 0) -> list[Problem]:
+    """`n` problems of a problem file (shuffled by `seed` first, as GSM8K's; ids follow the file's order). A
+    name with a digest is checked against the file's content: a file changed since is refused."""
+    _check_count(n)
+    path, _, digest = name.partition(DIGEST_MARK)
+    data = _task_file_bytes(path)
+    now = hashlib.sha256(data).hexdigest()
+    if digest and not now.startswith(digest):
+        raise BadInputError(f"{path} has changed since this run was set up (sha256 {digest}..., now {now[:12]}...): "
+                            "start it again to use the new problems")
+    problems = _file_problems(path, data)
+    if seed is not None:
+        random.Random(seed).shuffle(problems)
+    if n > len(problems):
+        raise BadInputError(f"{path} holds {len(problems)} problems; ask for at most that many")
+    return problems[:n]
+
+
+def _file_problems(path: str, data: bytes) -> list[Problem]:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadInputError(f"{path} is not UTF-8 text ({err})") from err
+    stem = Path(path).name.removesuffix(TASK_FILE_SUFFIX)
+    problems: list[Problem] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise BadInputError(f"{where} is not JSON ({err.msg}): a problem file holds one JSON object a line") from err
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
+            raise BadInputError(f'{where}: each line is an object with a "question" (text) and an "answer" (a number)')
+        answer = row.get("answer")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise BadInputError(f'{where}: "answer" is a number or text ending in one (GSM8K\'s "... #### 18"), '
+                                f"not {type(answer).__name__}")
+        solution, _, final = str(answer).rpartition("####")
+        value = normalize_answer(final.strip())
+        if value is None:
+            raise BadInputError(f"{where}: the answer {final.strip()!r} is not a number (answers are scored by exact "
+                                "match on a number)")
+        problems.append(Problem(id=f"{stem}-{len(problems):04d}", question=row["question"], answer=value,
+                                source=stem, steps=max(1, len(solution.strip().splitlines())),
+                                meta={"solution": solution.strip()} if solution.strip() else {}))
+    if not problems:
+        raise BadInputError(f"{path} holds no problem")
+    return problems
+
+
 # --------------------------------------------------------------------------- task registry
 
 
 def load_task(name: str, n: int, seed: int = 0, split: str = "eval") -> list[Problem]:
-    """`n` problems of the task `name` (one of ``TASK_NAMES``), chosen by `seed`.
+    """`n` problems of the task `name` (one of ``TASK_NAMES``, or a problem file), chosen by `seed`.
 
     `split` only matters for the organism's tasks, which draw from the generator's own split
     (calibration, dev or eval; never the problems the organism was trained on).
@@ -296,7 +398,9 @@ def load_task(name: str, n: int, seed: int = 0, split: str = "eval") -> list[Pro
         return mixed_arithmetic(n, seed=seed)
     if name == "gsm8k":
         return load_gsm8k(n, seed=seed)
-    raise BadInputError(f"Unknown task {name!r}; choose one of: {', '.join(TASK_NAMES)}.")
+    if is_task_file(name):
+        return load_task_file(name, n, seed=seed)
+    raise BadInputError(f"Unknown task {name!r}; choose one of: {', '.join(TASK_NAMES)}, or a .jsonl problem file.")
 
 
 def load_splits(name: str, n_calibration: int, n_development: int, n_evaluation: int, seed: int = 0):

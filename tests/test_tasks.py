@@ -363,3 +363,100 @@ def test_load_splits_cuts_a_pool_three_ways_for_the_other_tasks():
     assert splits.to_dict()["sizes"] == {"calibration": 3, "development": 4, "evaluation": 5}
     with pytest.raises(BadInputError):
         load_task("toy-reasoner:tiny", 1)
+
+
+# --------------------------------------------------------------------------- a problem file of the user's
+
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_a_problem_file_reads_like_gsm8k_and_is_named_by_its_content(tmp_path):
+    """A copy of the shipped GSM8K test set as a problem file gives the same problems, in the same seeded order,
+    as the `gsm8k` task; the command line's name for it carries the file's digest."""
+    import hashlib
+    from importlib.resources import files
+
+    from analyses.tasks import DIGEST_MARK, GSM8K_FILE, canonical_task, load_task, task_size
+
+    data = files("analyses.data").joinpath(GSM8K_FILE).read_bytes()
+    path = tmp_path / "mine.jsonl"
+    path.write_bytes(data)
+    name = canonical_task(str(path))
+    assert name == f"{path}{DIGEST_MARK}{hashlib.sha256(data).hexdigest()[:12]}" and canonical_task("arith") == "arith"
+    mine, shipped = load_task(name, 7, seed=3), load_task("gsm8k", 7, seed=3)
+    assert [(p.question, p.answer, p.steps) for p in mine] == [(p.question, p.answer, p.steps) for p in shipped]
+    assert [p.id.replace("mine-", "gsm8k-") for p in mine] == [p.id for p in shipped]
+    assert task_size(name) == task_size("gsm8k") == 1319
+
+
+def test_plain_numeric_answers_and_a_changed_file(tmp_path):
+    from analyses.tasks import canonical_task, is_correct, load_task
+
+    path = _write(tmp_path / "two.jsonl", ['{"question": "What is 2 + 3?", "answer": 5}', "",
+                                           '{"question": "Half of 9?", "answer": "4.5"}'])
+    name = canonical_task(path)
+    problems = load_task(name, 2, seed=None)
+    assert [(p.id, p.answer, p.steps, p.source) for p in problems] == [("two-0000", "5", 1, "two"),
+                                                                        ("two-0001", "4.5", 1, "two")]
+    assert is_correct("so the answer is 4.50", problems[1])
+    _write(tmp_path / "two.jsonl", ['{"question": "What is 2 + 3?", "answer": 6}'])
+    with pytest.raises(BadInputError, match="has changed since this run was set up"):
+        load_task(name, 1)  # a run keyed by the old content never reads the new one
+    assert load_task(canonical_task(path), 1)[0].answer == "6"
+
+
+@pytest.mark.parametrize("lines, says", [
+    (['{"question": "a?", "answer": 1}', "{not json"], r"line 2 is not JSON"),
+    (['{"answer": 1}'], r'line 1: each line is an object with a "question"'),
+    (['["a?", 1]'], r'line 1: each line is an object'),
+    (['{"question": "a?", "answer": "Paris"}'], r"line 1: the answer 'Paris' is not a number"),
+    (['{"question": "a?", "answer": null}'], r'line 1: "answer" is a number or text'),
+    (['{"question": "a?", "answer": true}'], r'line 1: "answer" is a number or text'),
+    (["", "  "], r"holds no problem"),
+])
+def test_a_malformed_problem_file_is_refused_with_its_line(tmp_path, lines, says):
+    from analyses.tasks import canonical_task
+
+    with pytest.raises(BadInputError, match=says):
+        canonical_task(_write(tmp_path / "bad.jsonl", lines))
+
+
+def test_a_missing_binary_or_short_problem_file_is_a_clear_error(tmp_path):
+    from analyses.tasks import canonical_task, load_task
+
+    with pytest.raises(BadInputError, match="no problem file"):
+        canonical_task(str(tmp_path / "absent.jsonl"))
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(BadInputError, match="not UTF-8"):
+        canonical_task(str(tmp_path / "bin.jsonl"))
+    one = _write(tmp_path / "one.jsonl", ['{"question": "a?", "answer": 1}'])
+    with pytest.raises(BadInputError, match="holds 1 problems; ask for at most that many"):
+        load_task(canonical_task(one), 2)
+
+
+def test_the_command_line_takes_a_problem_file_and_refuses_a_bad_one_before_the_model(tmp_path, monkeypatch, capsys):
+    """`--task FILE.jsonl` on the methods' commands: RISE harvests the file's questions; a malformed file is
+    refused by the option itself, naming the line, before any model loads."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from thoughtscope import cli as cli_module
+
+    questions = [f"Tom has {k} apples. He buys 2 more. How many apples does Tom have now?" for k in range(3, 9)]
+    path = _write(tmp_path / "apples.jsonl", [json.dumps({"question": q, "answer": k + 2})
+                                              for q, k in zip(questions, range(3, 9))])
+    app = cli_module.build()
+    result = CliRunner().invoke(app, ["rise", "harvest", "--model", "tiny-random:llama", "--task", path, "--n", "4",
+                                      "--max-new-tokens", "8", "--store", str(tmp_path / "store"), "--quiet", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["n_traces"] == 4
+    bad = _write(tmp_path / "bad.jsonl", ['{"question": "a?", "answer": "many"}'])
+    monkeypatch.setattr("sys.argv", ["thoughtscope", "rise", "harvest", "--model", "no-such-model", "--task", bad])
+    with pytest.raises(SystemExit):
+        cli_module.main()
+    err = " ".join(capsys.readouterr().err.split())
+    assert "line 1: the answer 'many' is not a number" in err and "no-such-model" not in err  # rich wraps the path

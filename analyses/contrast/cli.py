@@ -22,6 +22,7 @@ import typer
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, group
 from analyses.contrast.core import ContrastSettings, export_direction, save_direction
 from analyses.contrast.run import run_contrast
+from analyses.tasks import canonical_task
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance, with_provenance
 
@@ -39,8 +40,9 @@ def register(cli: typer.Typer) -> None:
                 prompts_a: Optional[str] = typer.Option(None, "--prompts-a", help="a prompt file (one a line)"),
                 prompts_b: Optional[str] = typer.Option(None, "--prompts-b"),
                 harvest: Optional[str] = typer.Option(None, "--harvest", help="steps of a RISE harvest of this task "
-                                                      "(auto: the model's own) instead of the organism's or two "
-                                                      "prompt files"),
+                                                      "(auto: the model's own; or a .jsonl problem file) instead "
+                                                      "of the organism's or two prompt files",
+                                                      callback=canonical_task),
                 harvest_n: int = typer.Option(64, "--harvest-n", help="problems the RISE harvest generates traces for"),
                 store: Optional[str] = typer.Option(None, "--store", help="the harvest's activation store folder "
                                                                           "(default: user cache)"),

@@ -30,6 +30,7 @@ from analyses.cot_entropy import evaluate_cot_exit, evaluate_cot_vote
 from analyses.cot_entropy.settling import evaluate_settling
 from analyses.distributed.options import RAY_OPTION, REPLICAS_OPTION, ray_runner
 from analyses.families import default_task, family_for
+from analyses.tasks import canonical_task
 from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 
@@ -92,7 +93,8 @@ def register(cli: typer.Typer) -> None:
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
         task: str = typer.Option("auto", help="auto (the model's own task, else arith) | arith | arith2 | "
-                                              "arith-mixed | gsm8k | toy-reasoner | toy-reasoner:small"),
+                                              "arith-mixed | gsm8k | toy-reasoner | toy-reasoner:small | "
+                                              "PROBLEMS.jsonl", callback=canonical_task),
         n: int = typer.Option(100, help="evaluation problems (each method runs once on them)"),
         n_calibration: int = typer.Option(60, help="calibration problems (f0/f1 are fitted on them)"),
         n_dev: int = typer.Option(60, help="development problems (every setting is chosen on them)"),
@@ -199,7 +201,8 @@ def register(cli: typer.Typer) -> None:
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
         task: str = typer.Option("auto", help="auto (the model's own task, else arith) | arith | arith2 | "
-                                              "arith-mixed | gsm8k | toy-reasoner | toy-reasoner:small"),
+                                              "arith-mixed | gsm8k | toy-reasoner | toy-reasoner:small | "
+                                              "PROBLEMS.jsonl", callback=canonical_task),
         n: int = typer.Option(20, help="evaluation problems"),
         n_calibration: int = typer.Option(20, help="calibration problems (disjoint)"),
         samples: int = typer.Option(8, help="sampled trajectories per problem"),

@@ -24,7 +24,7 @@ from typing import Any
 
 from analyses.evaluation import split_three
 from analyses.families import family_for, task_prompt
-from analyses.tasks import TASK_NAMES, extract_answer, is_correct, load_task
+from analyses.tasks import TASK_NAMES, extract_answer, is_correct, is_task_file, load_task, task_size
 from probes.backend import Backend
 from probes.toys import moe
 from thoughtscope import checks
@@ -67,8 +67,9 @@ def resolve_task(task: str, backend: Backend | None = None) -> str:
         if name == "toy-moe":
             return "toy-moe:small" if size == "small" else "toy-moe"
         return "arith"
-    if task not in (*TOY_TASKS, *TASK_NAMES):
-        raise BadInputError(f"unknown task {task!r}; use auto, {', '.join(TOY_TASKS)} or one of {', '.join(TASK_NAMES)}")
+    if task not in (*TOY_TASKS, *TASK_NAMES) and not is_task_file(task):
+        raise BadInputError(f"unknown task {task!r}; use auto, {', '.join(TOY_TASKS)}, one of {', '.join(TASK_NAMES)} "
+                            "or a .jsonl problem file")
     return task
 
 
@@ -93,7 +94,7 @@ def _toy_items(task: str, split: str, n: int, seed: int) -> list[Item]:
 
 def _shared_items(task: str, split: str, n: int, seed: int, backend: Backend) -> list[Item]:
     # one pool and one seeded cut whichever split is asked for, so development and evaluation never overlap
-    pool = load_task(task, SHARED_POOL, seed=seed)
+    pool = load_task(task, min(SHARED_POOL, task_size(task) or SHARED_POOL), seed=seed)
     halves = split_three(pool, 0, len(pool) // 2, seed=seed, key=lambda p: p.id)
     problems = (halves.development if split == "development" else halves.evaluation)[:n]
     if len(problems) < n:

@@ -34,6 +34,7 @@ from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalP
 from analyses.families import default_task
 from analyses.rise.evaluate import DEFAULT_ALPHAS, DEFAULT_PROJECTION_ALPHAS, evaluate_rise_organism
 from analyses.rise.pipeline import RiseOptions, RisePipeline, saved_saes
+from analyses.tasks import canonical_task
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance
 
@@ -116,7 +117,8 @@ def _pipeline(model, server, token, task, n, seed, layers, max_new_tokens, batch
 
 
 _TASK = typer.Option("auto", "--task", help="auto (the model's own task, else arith), arith, arith2, arith-mixed, "
-                                            "gsm8k, toy-reasoner or toy-reasoner:small")
+                                            "gsm8k, toy-reasoner, toy-reasoner:small, or a .jsonl problem file",
+                     callback=canonical_task)
 _N = typer.Option(200, "--n", help="problems to harvest")
 _SEED = typer.Option(0, "--seed")
 _LAYERS = typer.Option(None, "--layers", help="layers, e.g. --layers 9 15 21 (default: 1/3, 1/2, 3/4 depth)")

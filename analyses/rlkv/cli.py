@@ -29,6 +29,7 @@ from analyses.rlkv.data import task_problems
 from analyses.rlkv.evaluate import evaluate_rlkv, report_table
 from analyses.rlkv.head_map import HeadMap
 from analyses.rlkv.probe import HeadGateProbe
+from analyses.tasks import canonical_task
 from probes.backend import Backend
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance
@@ -61,7 +62,8 @@ def register(cli: typer.Typer) -> None:
     @app.command("train")
     def train(
         model: str = MODEL_OPTION,
-        task: str = typer.Option("arith", help="arith | arith2 | arith-mixed | gsm8k (analyses.tasks)"),
+        task: str = typer.Option("arith", help="arith | arith2 | arith-mixed | gsm8k | PROBLEMS.jsonl (analyses.tasks)",
+                                 callback=canonical_task),
         ops: Optional[str] = typer.Option(None, help="arithmetic operators only, e.g. '+' (arith, arith2)"),
         n_train: int = typer.Option(96, help="training problems (disjoint from evaluation: `eval rlkv` drops them)"),
         seed: int = typer.Option(0, help="problems and rollouts"),
@@ -107,7 +109,8 @@ def register(cli: typer.Typer) -> None:
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
         gates: Optional[Path] = typer.Option(None, help="a gates file or folder (learned map)"),
-        task: str = typer.Option("arith", help="problems whose traces give the attention statistics"),
+        task: str = typer.Option("arith", help="problems whose traces give the attention statistics",
+                                 callback=canonical_task),
         ops: Optional[str] = typer.Option(None),
         n: int = typer.Option(8, help="traces for the attention statistics"),
         sink: int = typer.Option(4),
@@ -142,7 +145,7 @@ def register(cli: typer.Typer) -> None:
         model: str = MODEL_OPTION,
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
-        task: str = typer.Option("arith"),
+        task: str = typer.Option("arith", callback=canonical_task),
         ops: Optional[str] = typer.Option(None, help="arithmetic operators only, e.g. '+'"),
         gates: Optional[Path] = typer.Option(None, help="learned gates (file or folder); without: RLKV is skipped"),
         sparsity: list[str] = typer.Option(["0.2", "0.4", "0.6", "0.8"], "--sparsity",

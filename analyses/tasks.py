@@ -311,6 +311,24 @@ def canonical_task(name: str) -> str:
     return f"{path}{DIGEST_MARK}{hashlib.sha256(data).hexdigest()[:12]}"
 
 
+def store_problem_file(data: bytes, name: str = "problems.jsonl", folder: Path | None = None) -> str:
+    """An uploaded problem file (its bytes), checked line by line and kept in `folder` (default: the user
+    cache's `problems/`) under its digest, as the task name a run uses (`canonical_task`)."""
+    from probes.paths import user_cache_dir
+
+    if len(data) > MAX_TASK_FILE_BYTES:
+        raise BadInputError(f"the file has {len(data):,} bytes; a problem file may have at most {MAX_TASK_FILE_BYTES:,}")
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(name)).name).removesuffix(TASK_FILE_SUFFIX)[:60] or "problems"
+    _file_problems(f"{stem}{TASK_FILE_SUFFIX}", bytes(data))  # refused, naming the line, before it is kept
+    target = (folder or user_cache_dir() / "problems") / f"{stem}-{hashlib.sha256(data).hexdigest()[:12]}{TASK_FILE_SUFFIX}"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        partial.write_bytes(data)
+        partial.replace(target)  # whole or absent: a page run never reads half a file
+    return canonical_task(str(target))
+
+
 def task_size(name: str) -> int | None:
     """How many problems a task holds: a problem file's count, GSM8K's 1,319; None for the generated tasks."""
     if is_task_file(name):

@@ -189,3 +189,32 @@ def test_the_evaluations_draw_the_pareto_plot_and_the_voting_bars():
     titles = chart_titles(at)
     assert any(t.startswith("Accuracy vs tokens") for t in titles)  # kept while voting runs
     assert any(t.startswith("Voting over 2 samples") for t in titles)
+
+
+def test_the_task_can_be_the_users_own_problem_file(monkeypatch, tmp_path):
+    """The task box's last choice uploads a problem file: the held-out problems to generate for are the file's;
+    a malformed file says which line is wrong, and the model's own task stands."""
+    import app.sections.tasks as tasks_section
+    from analyses import tasks
+
+    monkeypatch.setattr(tasks_section, "store_problem_file",
+                        lambda data, name: tasks.store_problem_file(data, name, folder=tmp_path))
+    lines = [json.dumps({"question": f"What is {k} + 1?", "answer": f"{k} + 1 = {k + 1}\n#### {k + 1}"})
+             for k in range(40)]
+    at = open_page()
+    at.selectbox(key="cot_task").set_value(tasks_section.OWN_PROBLEMS).run()
+    assert any("until then the task is" in i.value for i in at.info)
+    at.file_uploader(key="cot_task_file").set_value(("sums.jsonl", "\n".join(lines).encode(), "application/json"))
+    at.run()
+    assert_clean(at)
+    at.radio(key="cot_source").set_value(page.FROM_TASK).run()
+    assert_clean(at)
+    problem = next(s for s in at.selectbox if s.key and s.key.startswith("cot_problem_"))
+    assert problem.key.startswith(f"cot_problem_{tmp_path}/sums-") and "#sha256=" in problem.key
+    assert problem.value.question.startswith("What is ") and problem.value.answer == str(
+        int(problem.value.question.split()[2]) + 1)
+    at.file_uploader(key="cot_task_file").set_value(("bad.jsonl", b'{"question": "a?", "answer": "lots"}\n',
+                                                    "application/json"))
+    at.run()
+    assert not at.exception
+    assert any("bad.jsonl: " in e.value and "line 1: the answer 'lots' is not a number" in e.value for e in at.error)

@@ -182,3 +182,32 @@ def test_steering_and_confidence_figures_name_the_run_whose_saes_they_use(monkey
         own = seen[name]
         assert own["command"] == "thoughtscope app" and own["model"] == MODEL, name
         assert own["sae_run"] == {k: run[k] for k in export.RUN_FIELDS} and "settings" in export.RUN_FIELDS, name
+
+
+def test_a_harvest_of_the_users_own_problem_file(monkeypatch, tmp_path):
+    """RISE harvests an uploaded problem file: its questions are the traces' problems, and the run's record names
+    the file by its content."""
+    import app.sections.tasks as tasks_section
+    from analyses import tasks
+    from tests.export_helpers import capture_records
+
+    monkeypatch.setattr(tasks_section, "store_problem_file",
+                        lambda data, name: tasks.store_problem_file(data, name, folder=tmp_path / "problems"))
+    seen = capture_records(monkeypatch)
+    rows = [{"question": f"Ada has {k} pens. She buys 2 more. How many pens does Ada have now?", "answer": k + 2}
+            for k in range(3, 13)]
+    at = open_page()
+    at.selectbox(key="rise_task").set_value(tasks_section.OWN_PROBLEMS).run()
+    at.file_uploader(key="rise_task_file").set_value(
+        ("pens.jsonl", "\n".join(json.dumps(r) for r in rows).encode(), "application/json"))
+    at.number_input(key="rise_n").set_value(4)
+    at.number_input(key="rise_sae_steps").set_value(20)
+    at.radio(key="rise_projection").set_value("pca")
+    at.run()
+    at.button(key="rise_run").click().run()
+    finish_jobs(at)
+    assert_clean(at)
+    assert int(metric(at, "Traces")) == 4
+    record = seen["rise_timeline"]
+    assert record["data"].startswith(str(tmp_path / "problems" / "pens-")) and "#sha256=" in record["data"]
+    assert record["settings"]["rise"]["task"] == record["data"]

@@ -11,11 +11,11 @@ import streamlit as st
 from analyses.families import default_task
 from analyses.rise import BEHAVIOURS, RiseOptions, confidence_vectors, feature_dashboard, quality_warning, saved_saes
 from analyses.rise import ship as rise_ship
-from analyses.tasks import TASK_NAMES
 from app import jobs
 from app.export import show_figure
 from app.figures.rise import (confidence_curve, feature_histogram, feature_labels, feature_tokens, silhouette_curve,
                               step_timeline)
+from app.sections.tasks import task_picker
 
 
 def options_widgets(ctx) -> RiseOptions:
@@ -24,7 +24,7 @@ def options_widgets(ctx) -> RiseOptions:
     own = default_task(ctx.model_id)
     defaults = rise_ship.page_options(ctx.model_id, n_layers, ctx.settings.max_new_tokens, ctx.seed)
     c1, c2, c3 = st.columns(3)
-    task = c1.selectbox("Task", [own] + [t for t in TASK_NAMES if t != own], key="rise_task")
+    task = task_picker(c1, "Task", own, "rise_task")
     n = c2.number_input("Problems", 2, 2000, defaults.n, key="rise_n",
                         help="the paper uses hundreds; a dozen keeps a CPU quick")
     sae_steps = c3.number_input("SAE training steps", 10, 5000, 300, 10, key="rise_sae_steps")

@@ -23,12 +23,13 @@ from analyses.cot_entropy import run_with_rule
 from analyses.cot_entropy import ship as cot_ship
 from analyses.cot_entropy.calibration import PageCalibration, calibrate, held_out_problems
 from analyses.families import ModelFamily, default_task, family_for
-from analyses.tasks import TASK_NAMES, known_answer
+from analyses.tasks import known_answer
 from app import jobs
 from app.context import compute, shows_errors
 from app.export import page_provenance, run_summary
 from app.registry import PageSpec
 from app.sections.cot_entropy import draw_calibration, evaluation_section, live_run, show_trace
+from app.sections.tasks import task_picker
 from thoughtscope import shipped
 
 PAGE = PageSpec("CoT entropy phases", ":material/ssid_chart:", 30, requires=("generate", "fork"))
@@ -173,8 +174,7 @@ def render(ctx) -> None:
                "could stop.")
     left, right = st.columns([1, 2])
     own = default_task(ctx.model_id)
-    task = left.selectbox("Task (calibration and evaluation problems)", [own] + [t for t in TASK_NAMES if t != own],
-                          key="cot_task")
+    task = task_picker(left, "Task (calibration and evaluation problems)", own, "cot_task")
     delimiter = right.text_input("Step delimiter (regex; empty: the model family's)", key="cot_delimiter",
                                  placeholder=family_for(ctx.model_id).step_delimiter)
     family = family_for(ctx.model_id).with_delimiter(delimiter.strip() or None)

@@ -60,6 +60,7 @@ def test_the_page_contrasts_the_steps_of_a_rise_harvest(monkeypatch, tmp_path):
     at.radio(key="ct_source").set_value("a RISE harvest (the judge's step kinds)").run()
     helpers.assert_clean(at)
     assert at.multiselect(key="ct_harvest_sites").value == ["direction:resid_post.1"]
+    assert at.selectbox(key="ct_harvest_task").value == TOY  # the model's own task first; a problem file is a choice
     assert not any(o.startswith("heads:") for o in at.multiselect(key="ct_harvest_sites").options)
     assert "backtracking steps vs the rest" in at.selectbox(key="ct_harvest_rule").options
     at.slider(key="ct_harvest_n").set_value(40)

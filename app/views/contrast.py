@@ -19,6 +19,7 @@ from analyses.contrast import ContrastSettings, export_direction, save_direction
 from analyses.contrast import ship as contrast_ship
 from analyses.contrast.run import run_contrast
 from analyses.contrast.steps import default_question_sets
+from analyses.families import default_task
 from analyses.feature_browser import VectorDirection
 from analyses.organism import is_organism
 from analyses.rise import saved_saes
@@ -27,6 +28,7 @@ from app import jobs
 from app.export import plain, show_figure
 from app.figures.contrast import top_table
 from app.registry import PageSpec
+from app.sections.tasks import task_picker
 from app.steering_stack_ui import add_button
 from probes.interventions import load_vector_bytes
 from thoughtscope import shipped
@@ -64,8 +66,10 @@ def controls(ctx, organism: bool) -> tuple[dict[str, Any], bool]:
     layer = n_layers - 1 if organism else n_layers // 2
     source = st.radio("Steps from", ["planted traces" if organism else "two question sets", HARVEST], horizontal=True,
                       key="ct_source")
-    harvest_n = 0
+    harvest_n, harvest_task = 0, None
     if source == HARVEST:  # the harvest reads the residual stream only: directions and SAEs there
+        harvest_task = task_picker(st, "Task the harvest generates traces of", default_task(ctx.model_id),
+                                   "ct_harvest_task")
         options = {k: v for k, v in options.items() if not k.startswith("heads:")}
         sites = st.multiselect("Sites", list(options), default=[f"direction:resid_post.{layer}"],
                                format_func=options.get, key="ct_harvest_sites")
@@ -79,7 +83,7 @@ def controls(ctx, organism: bool) -> tuple[dict[str, Any], bool]:
         first = "reflection steps vs the rest" if organism else "correct vs wrong traces"
         labels = [first, *(r for r in HARVEST_RULES if r != first)]
         rule = HARVEST_RULES[cols[0].selectbox("Sets", labels, key="ct_harvest_rule")]
-        harvest_n = cols[1].slider("Problems harvested (the model's task)", 8, 400, 64, 8, key="ct_harvest_n",
+        harvest_n = cols[1].slider("Problems harvested", 8, 400, 64, 8, key="ct_harvest_n",
                                    help="RISE generates a trace of each, cuts it into steps and labels them; stored, "
                                         "so the next contrast of this harvest reads it back")
         traces = 0
@@ -95,7 +99,7 @@ def controls(ctx, organism: bool) -> tuple[dict[str, Any], bool]:
     run = st.button("Contrast", type="primary", key="ct_run", icon=":material/compare_arrows:",
                     help="runs as a job: reads the steps at the sites, then ranks every feature")
     return {"sites": sites, "rule": rule, "traces": int(traces), "lines": lines, "resamples": int(resamples),
-            "harvest_n": int(harvest_n)}, run
+            "harvest_n": int(harvest_n), "harvest_task": harvest_task}, run
 
 
 def own_result(ctx, chosen: dict[str, Any], run: bool) -> Any:
@@ -105,7 +109,7 @@ def own_result(ctx, chosen: dict[str, Any], run: bool) -> Any:
     def work(job: jobs.Job) -> Any:
         settings = ContrastSettings(n_resamples=chosen["resamples"])
         a, b = chosen["lines"]
-        harvest = "auto" if chosen["harvest_n"] else None  # the model's own task
+        harvest = chosen["harvest_task"] if chosen["harvest_n"] else None
         return run_contrast(backend, chosen["sites"], chosen["rule"], settings, organism=chosen["traces"],
                             prompts_a=a, prompts_b=b, on_progress=job.progress, harvest=harvest,
                             harvest_n=chosen["harvest_n"] or 64)

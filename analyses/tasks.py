@@ -319,14 +319,15 @@ def store_problem_file(data: bytes, name: str = "problems.jsonl", folder: Path |
     if len(data) > MAX_TASK_FILE_BYTES:
         raise BadInputError(f"the file has {len(data):,} bytes; a problem file may have at most {MAX_TASK_FILE_BYTES:,}")
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(name)).name).removesuffix(TASK_FILE_SUFFIX)[:60] or "problems"
-    _file_problems(f"{stem}{TASK_FILE_SUFFIX}", bytes(data))  # refused, naming the line, before it is kept
-    target = (folder or user_cache_dir() / "problems") / f"{stem}-{hashlib.sha256(data).hexdigest()[:12]}{TASK_FILE_SUFFIX}"
-    if not target.is_file():
+    digest = hashlib.sha256(data).hexdigest()[:12]
+    target = (folder or user_cache_dir() / "problems") / f"{stem}-{digest}{TASK_FILE_SUFFIX}"
+    if not target.is_file():  # kept only once checked; a page's reruns find it and check nothing again
+        _file_problems(f"{stem}{TASK_FILE_SUFFIX}", bytes(data))  # refused, naming the line, before it is kept
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
         partial.write_bytes(data)
         partial.replace(target)  # whole or absent: a page run never reads half a file
-    return canonical_task(str(target))
+    return f"{target}{DIGEST_MARK}{digest}"
 
 
 def task_size(name: str) -> int | None:

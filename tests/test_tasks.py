@@ -460,3 +460,17 @@ def test_the_command_line_takes_a_problem_file_and_refuses_a_bad_one_before_the_
         cli_module.main()
     err = " ".join(capsys.readouterr().err.split())
     assert "line 1: the answer 'many' is not a number" in err and "no-such-model" not in err  # rich wraps the path
+
+
+def test_an_uploaded_problem_file_is_kept_once_under_its_digest_and_a_bad_one_not_at_all(tmp_path):
+    from analyses.tasks import load_task, store_problem_file
+
+    data = b'{"question": "What is 1 + 1?", "answer": 2}\n{"question": "What is 2 + 2?", "answer": 4}\n'
+    name = store_problem_file(data, "../My Sums.jsonl", folder=tmp_path)
+    (kept,) = tmp_path.iterdir()
+    assert kept.name.startswith("My_Sums-") and kept.read_bytes() == data and name == f"{kept}#sha256={kept.stem[-12:]}"
+    assert store_problem_file(data, "../My Sums.jsonl", folder=tmp_path) == name  # the same bytes: the same task
+    assert [p.answer for p in load_task(name, 2, seed=None)] == ["2", "4"]
+    with pytest.raises(BadInputError, match="line 2 is not JSON"):
+        store_problem_file(data + b"{oops\n", "more.jsonl", folder=tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [kept.name]  # nothing kept of the malformed file

@@ -471,6 +471,6 @@ def test_an_uploaded_problem_file_is_kept_once_under_its_digest_and_a_bad_one_no
     assert kept.name.startswith("My_Sums-") and kept.read_bytes() == data and name == f"{kept}#sha256={kept.stem[-12:]}"
     assert store_problem_file(data, "../My Sums.jsonl", folder=tmp_path) == name  # the same bytes: the same task
     assert [p.answer for p in load_task(name, 2, seed=None)] == ["2", "4"]
-    with pytest.raises(BadInputError, match="line 2 is not JSON"):
+    with pytest.raises(BadInputError, match="more.jsonl line 3 is not JSON"):
         store_problem_file(data + b"{oops\n", "more.jsonl", folder=tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [kept.name]  # nothing kept of the malformed file

@@ -192,7 +192,7 @@ def test_loading_an_sae_in_a_thread_imports_sae_lens_under_the_heavy_imports_loc
                 time.sleep(0.01)
             print("waiting", waiting, "imported", "sae_lens" in sys.modules)
         thread.join(300)
-        print("equal", torch.equal(out["sae"].W_dec, torch.load({str(tmp_path / "w_dec.pt")!r})))
+        print("equal", torch.equal(out["sae"].W_dec, torch.load({str(tmp_path / "w_dec.pt")!r}, weights_only=True)))
     """)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

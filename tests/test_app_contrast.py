@@ -185,3 +185,25 @@ def test_the_shipped_contrast_is_rebuilt_exactly_by_its_command(tmp_path):
     if numerics.same_numerics(stored.manifest):
         assert (folder / "contrast.json").read_bytes() == stored.path("contrast.json").read_bytes()
     assert stored.command == "thoughtscope ship contrast"
+
+
+def test_a_harvest_of_an_uploaded_problem_file_takes_at_most_what_it_holds(monkeypatch, tmp_path):
+    """The harvest's problem count stops at the file's size (64 asked of a 5-problem file once failed after the
+    press: "holds 5 problems; ask for at most that many")."""
+    import json
+
+    import app.sections.tasks as tasks_section
+    from analyses import tasks
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
+    monkeypatch.setattr(tasks_section, "store_problem_file",
+                        lambda data, name: tasks.store_problem_file(data, name, folder=tmp_path))
+    at = helpers.open_page("contrast", None)
+    at.radio(key="ct_source").set_value("a RISE harvest (the judge's step kinds)").run()
+    at.selectbox(key="ct_harvest_task").set_value(tasks_section.OWN_PROBLEMS).run()
+    lines = [json.dumps({"question": f"What is {k} + 1?", "answer": k + 1}) for k in range(5)]
+    at.file_uploader(key="ct_harvest_task_file").set_value(("five.jsonl", "\n".join(lines).encode(), "application/json"))
+    at.run()
+    helpers.assert_clean(at)
+    assert at.slider(key="ct_harvest_n").value == 64
+    assert any(c.value == "The file holds 5 problems: the harvest takes all of them." for c in at.caption)

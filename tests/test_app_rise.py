@@ -200,14 +200,15 @@ def test_a_harvest_of_the_users_own_problem_file(monkeypatch, tmp_path):
     at.selectbox(key="rise_task").set_value(tasks_section.OWN_PROBLEMS).run()
     at.file_uploader(key="rise_task_file").set_value(
         ("pens.jsonl", "\n".join(json.dumps(r) for r in rows).encode(), "application/json"))
-    at.number_input(key="rise_n").set_value(4)
+    at.number_input(key="rise_n").set_value(12)  # more than the file holds: the harvest takes all 10
     at.number_input(key="rise_sae_steps").set_value(20)
     at.radio(key="rise_projection").set_value("pca")
     at.run()
+    assert any(c.value == "The file holds 10 problems: the harvest takes all of them." for c in at.caption)
     at.button(key="rise_run").click().run()
     finish_jobs(at)
     assert_clean(at)
-    assert int(metric(at, "Traces")) == 4
+    assert int(metric(at, "Traces")) == 10
     record = seen["rise_timeline"]
     assert record["data"].startswith(str(tmp_path / "problems" / "pens-")) and "#sha256=" in record["data"]
     assert record["settings"]["rise"]["task"] == record["data"]

@@ -24,6 +24,7 @@ from analyses.feature_browser import VectorDirection
 from analyses.organism import is_organism
 from analyses.rise import saved_saes
 from analyses.steering_stack import from_feature_browser
+from analyses.tasks import is_task_file, task_size
 from app import jobs
 from app.export import plain, show_figure
 from app.figures.contrast import top_table
@@ -87,6 +88,10 @@ def controls(ctx, organism: bool) -> tuple[dict[str, Any], bool]:
                                    help="RISE generates a trace of each, cuts it into steps and labels them; stored, "
                                         "so the next contrast of this harvest reads it back")
         traces = 0
+        size = task_size(harvest_task) if is_task_file(harvest_task) else None
+        if size is not None and harvest_n > size:  # a problem file holds what it holds
+            st.caption(f"The file holds {size} problems: the harvest takes all of them.")
+            harvest_n = size
     elif organism:
         rule = RULES[cols[0].selectbox("Sets", list(RULES), key="ct_rule")]
         traces = cols[1].slider("Planted traces (dev split)", 8, 400, 60, 4, key="ct_traces")

@@ -32,6 +32,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -331,29 +332,44 @@ def store_problem_file(data: bytes, name: str = "problems.jsonl", folder: Path |
 
 
 def task_size(name: str) -> int | None:
-    """How many problems a task holds: a problem file's count, GSM8K's 1,319; None for the generated tasks."""
+    """How many problems a task holds: a problem file's count, GSM8K's 1,319; None for the generated tasks. A
+    name with its digest is counted once per process (the pages ask on every rerun; the digest fixes the
+    content)."""
     if is_task_file(name):
+        if DIGEST_MARK in name:
+            return _digest_named_size(name)
         path = name.partition(DIGEST_MARK)[0]
         return len(_file_problems(path, _task_file_bytes(path)))
     return len(_gsm8k_lines()) if name == "gsm8k" else None
+
+
+@functools.lru_cache(maxsize=32)
+def _digest_named_size(name: str) -> int:
+    return len(_checked_problems(name))
 
 
 def load_task_file(name: str, n: int, seed: int | None = 0) -> list[Problem]:
     """`n` problems of a problem file (shuffled by `seed` first, as GSM8K's; ids follow the file's order). A
     name with a digest is checked against the file's content: a file changed since is refused."""
     _check_count(n)
+    problems = _checked_problems(name)
+    path = name.partition(DIGEST_MARK)[0]
+    if seed is not None:
+        random.Random(seed).shuffle(problems)
+    if n > len(problems):
+        raise BadInputError(f"{path} holds {len(problems)} problems; ask for at most that many")
+    return problems[:n]
+
+
+def _checked_problems(name: str) -> list[Problem]:
+    """Every problem of a problem file, in file order; a name with a digest is checked against the content."""
     path, _, digest = name.partition(DIGEST_MARK)
     data = _task_file_bytes(path)
     now = hashlib.sha256(data).hexdigest()
     if digest and not now.startswith(digest):
         raise BadInputError(f"{path} has changed since this run was set up (sha256 {digest}..., now {now[:12]}...): "
                             "start it again to use the new problems")
-    problems = _file_problems(path, data)
-    if seed is not None:
-        random.Random(seed).shuffle(problems)
-    if n > len(problems):
-        raise BadInputError(f"{path} holds {len(problems)} problems; ask for at most that many")
-    return problems[:n]
+    return _file_problems(path, data)
 
 
 def _file_problems(path: str, data: bytes) -> list[Problem]:

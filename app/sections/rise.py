@@ -11,12 +11,11 @@ import streamlit as st
 from analyses.families import default_task
 from analyses.rise import BEHAVIOURS, RiseOptions, confidence_vectors, feature_dashboard, quality_warning, saved_saes
 from analyses.rise import ship as rise_ship
-from analyses.tasks import is_task_file, task_size
 from app import jobs
 from app.export import show_figure
 from app.figures.rise import (confidence_curve, feature_histogram, feature_labels, feature_tokens, silhouette_curve,
                               step_timeline)
-from app.sections.tasks import task_picker
+from app.sections.tasks import at_most_held, task_picker
 
 
 def options_widgets(ctx) -> RiseOptions:
@@ -28,10 +27,7 @@ def options_widgets(ctx) -> RiseOptions:
     task = task_picker(c1, "Task", own, "rise_task")
     n = c2.number_input("Problems", 2, 2000, defaults.n, key="rise_n",
                         help="the paper uses hundreds; a dozen keeps a CPU quick")
-    size = task_size(task) if is_task_file(task) else None
-    if size is not None and n > size:  # a problem file holds what it holds
-        c2.caption(f"The file holds {size} problems: the harvest takes all of them.")
-        n = size
+    n = at_most_held(c2, task, int(n))
     sae_steps = c3.number_input("SAE training steps", 10, 5000, 300, 10, key="rise_sae_steps")
     c1, c2, c3 = st.columns(3)
     d_sae = c1.number_input("Dictionary size d_sae (0: scaled to the data)", 0, 16384, 0, 16, key="rise_d_sae",

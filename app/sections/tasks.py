@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from analyses.tasks import TASK_NAMES, store_problem_file
+from analyses.tasks import TASK_NAMES, is_task_file, store_problem_file, task_size
 
 OWN_PROBLEMS = "your own problems (.jsonl)"
 
@@ -32,3 +32,13 @@ def task_picker(container: Any, label: str, own: str, key: str) -> str:
         return own
     container.caption(f"Problems from `{upload.name}` (kept as `{task}`).")
     return task
+
+
+def at_most_held(container: Any, task: str, n: int) -> int:
+    """`n` problems, or all a problem file holds when it holds fewer, said under the widget (64 asked of a
+    60-problem file once failed only after the press)."""
+    size = task_size(task) if is_task_file(task) else None
+    if size is None or n <= size:
+        return n
+    container.caption(f"The file holds {size} problems: the harvest takes all of them.")
+    return size

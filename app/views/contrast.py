@@ -24,12 +24,11 @@ from analyses.feature_browser import VectorDirection
 from analyses.organism import is_organism
 from analyses.rise import saved_saes
 from analyses.steering_stack import from_feature_browser
-from analyses.tasks import is_task_file, task_size
 from app import jobs
 from app.export import plain, show_figure
 from app.figures.contrast import top_table
 from app.registry import PageSpec
-from app.sections.tasks import task_picker
+from app.sections.tasks import at_most_held, task_picker
 from app.steering_stack_ui import add_button
 from probes.interventions import load_vector_bytes
 from thoughtscope import shipped
@@ -88,10 +87,7 @@ def controls(ctx, organism: bool) -> tuple[dict[str, Any], bool]:
                                    help="RISE generates a trace of each, cuts it into steps and labels them; stored, "
                                         "so the next contrast of this harvest reads it back")
         traces = 0
-        size = task_size(harvest_task) if is_task_file(harvest_task) else None
-        if size is not None and harvest_n > size:  # a problem file holds what it holds
-            st.caption(f"The file holds {size} problems: the harvest takes all of them.")
-            harvest_n = size
+        harvest_n = at_most_held(st, harvest_task, harvest_n)
     elif organism:
         rule = RULES[cols[0].selectbox("Sets", list(RULES), key="ct_rule")]
         traces = cols[1].slider("Planted traces (dev split)", 8, 400, 60, 4, key="ct_traces")

@@ -223,7 +223,8 @@ def register(cli: typer.Typer) -> None:
         try:
             fig = build_figure(figure, data)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
-            raise ExportError(f"{source} does not hold a {figure} result ({type(err).__name__}: {err})") from err
+            what = f"missing field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+            raise ExportError(f"{source} does not hold a result the '{figure}' figure draws ({what})") from err
         for path in save_figure(fig, data, figure.replace(".", "-"), out, wanted, figure=figure):
             print(path)
 

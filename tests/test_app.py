@@ -388,6 +388,28 @@ def test_export_command_rebuilds_a_figure_from_result_json(engine, tmp_path):
     assert (tmp_path / "figs" / "logit_lens.csv").read_text().startswith("layer,position,input_token")
 
 
+def test_export_command_says_what_a_result_file_lacks(tmp_path):
+    """A JSON file that is not the figure's result is refused with the field it lacks, not a traceback."""
+    import typer
+    from typer.testing import CliRunner
+
+    from app.cli import register
+    from app.export import ExportError
+
+    cli = typer.Typer()
+    register(cli)
+    (tmp_path / "other.json").write_text('{"figure": "entropy"}')
+    (tmp_path / "cut.json").write_text('{"tokens": ')
+    lacks = CliRunner().invoke(cli, ["export", "entropy", "--from", str(tmp_path / "other.json")])
+    assert isinstance(lacks.exception, ExportError)
+    assert str(lacks.exception) == f"{tmp_path / 'other.json'} does not hold a result the 'entropy' figure draws " \
+                                   "(missing field 'tokens')"
+    cut = CliRunner().invoke(cli, ["export", "entropy", "--from", str(tmp_path / "cut.json")])
+    assert isinstance(cut.exception, ExportError) and str(cut.exception).startswith(
+        f"could not read {tmp_path / 'cut.json'}: ")
+    assert not list(tmp_path.glob("*.svg"))
+
+
 # ----------------------------------------------------------------- the other backend, the SAE source
 
 @pytest.fixture(scope="module")

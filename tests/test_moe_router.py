@@ -371,6 +371,36 @@ def test_the_page_routes_a_generation_and_draws_every_figure(page_on_tiny_moe, m
     assert any("cannot read" in e.value for e in at.error)
 
 
+def test_the_page_runs_on_an_uploaded_problem_file(page_on_tiny_moe, moe, monkeypatch, tmp_path):
+    """On an MoE model other than a toy the task can be the user's own problems: the task prompt is the file's
+    first development problem, and the router profile is the one of that file's development half."""
+    import app.sections.tasks as tasks_section
+    from analyses import tasks
+    from analyses.moe_router.ship import router_profile, task_prompt
+    from app.sections.moe_router import prompt_text
+    from tests import apptest_helpers as helpers
+
+    monkeypatch.setattr(tasks_section, "store_problem_file",
+                        lambda data, name: tasks.store_problem_file(data, name, folder=tmp_path))
+    data = "\n".join(json.dumps({"question": f"What is {k} + 1?", "answer": k + 1}) for k in range(6)).encode()
+    task = tasks.store_problem_file(data, "six.jsonl", folder=tmp_path)
+    at = helpers.open_page("moe_router", max_new_tokens=3)
+    assert at.selectbox(key="moe_task").value == "arith"  # the model's own task first
+    at.selectbox(key="moe_task").set_value(tasks_section.OWN_PROBLEMS).run()
+    at.file_uploader(key="moe_task_file").set_value(("six.jsonl", data, "application/json"))
+    at.run()
+    helpers.assert_clean(at)
+    prompt, _, answer = task_prompt(moe, 0, task=task)
+    assert answer in {str(k + 1) for k in range(6)}
+    assert f"prompt: {prompt_text(prompt)} (answer {answer})" in [c.value for c in at.caption]
+    helpers.finish_jobs(at.button(key="moe_profile_run").click().run())
+    helpers.assert_clean(at)
+    expected = router_profile(moe, task=task)
+    assert expected["task"] == task and expected["n_problems"] == 3  # the development half of six problems
+    top1 = ", ".join(f"{v:.2f}" for v in expected["top1"])
+    assert any(c.value.startswith(f"top-1 mean probability per layer: {top1};") for c in at.caption)
+
+
 def test_a_grid_setting_the_router_cannot_run_is_refused_before_the_evaluation_job(page_on_tiny_moe, moe):
     from app import jobs
     from tests import apptest_helpers as helpers

@@ -517,6 +517,52 @@ def test_the_page_maps_binarises_generates_and_loads_gates(tmp_path, monkeypatch
     jobs.registry.clear()
 
 
+def test_the_page_maps_heads_on_an_uploaded_problem_file(tmp_path, monkeypatch):
+    """The attention statistics read traces of the task chosen at the top (here the user's own file, four
+    problems, so eight traces asked take four): the same scores as the map read directly, named by the file."""
+    from tests import apptest_helpers as helpers
+
+    import app.sections.tasks as tasks_section
+    from analyses import tasks
+    from analyses.rlkv.data import task_problems
+    from analyses.rlkv.head_map import HeadMap
+    from app import export, jobs
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
+    monkeypatch.setattr(tasks_section, "store_problem_file",
+                        lambda data, name: tasks.store_problem_file(data, name, folder=tmp_path))
+    drawn: dict[str, tuple] = {}  # figure name: (its data, its provenance record), as its downloads read them
+    original = export.export_buttons
+
+    def keep(fig, data, name, provenance=None, figure=None):
+        drawn[name] = (data, provenance)
+        return original(fig, data, name, provenance, figure)
+
+    monkeypatch.setattr(export, "export_buttons", keep)
+    data = "\n".join(json.dumps({"question": f"What is {k} + 2?", "answer": k + 2}) for k in range(4)).encode()
+    task = tasks.store_problem_file(data, "four.jsonl", folder=tmp_path)
+    jobs.registry.clear()
+    at = helpers.open_page("rlkv", 4)
+    assert at.selectbox(key="rlkv_task").value == "arith"
+    at.selectbox(key="rlkv_task").set_value(tasks_section.OWN_PROBLEMS).run()
+    at.file_uploader(key="rlkv_task_file").set_value(("four.jsonl", data, "application/json"))
+    at.radio(key="rlkv_source").set_value("attention statistics (no training)").run()
+    at.number_input(key="rlkv_sink").set_value(1)
+    at.number_input(key="rlkv_recent").set_value(4)
+    at.slider(key="rlkv_attn_n").set_value(8)
+    at.run()
+    assert "The file holds 4 problems: the map takes all of them." in [c.value for c in at.caption]
+    helpers.finish_jobs(at.button(key="rlkv_attn_run").click().run())
+    helpers.assert_clean(at)
+    expected = HeadMap.from_attention(Engine.from_id("tiny-random:llama"), task_problems(task, 4), 1, 4,
+                                      max_new_tokens=4)
+    shown, record = drawn["rlkv_head_map"]
+    np.testing.assert_allclose(shown["scores"], expected.scores, rtol=1e-5)
+    assert shown["task"] == task and shown["n"] == 4
+    assert record["data"] == task and record["settings"]["head_map"]["task"] == task
+    jobs.registry.clear()
+
+
 def test_the_page_trains_gates_as_a_job_and_offers_them_to_the_head_map(tmp_path, monkeypatch):
     """One GRPO step on tiny-random:llama from the page: a job whose checkpoint lands in the user cache, then
     the head map offers "gates trained on this page", drawing exactly the gates and log that checkpoint holds;

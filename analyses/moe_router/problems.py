@@ -92,6 +92,13 @@ def _toy_items(task: str, split: str, n: int, seed: int) -> list[Item]:
             for i, p in enumerate(problems)]
 
 
+def file_split_size(task: str, split: str) -> int:
+    """How many problems of a problem file one split holds (the pool's seeded halves, `_shared_items`)."""
+    checks.choice("split", split, SPLITS)
+    pool = min(SHARED_POOL, task_size(task) or SHARED_POOL)
+    return pool // 2 if split == "development" else pool - pool // 2
+
+
 def _shared_items(task: str, split: str, n: int, seed: int, backend: Backend) -> list[Item]:
     # one pool and one seeded cut whichever split is asked for, so development and evaluation never overlap
     pool = load_task(task, min(SHARED_POOL, task_size(task) or SHARED_POOL), seed=seed)

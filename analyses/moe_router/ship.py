@@ -27,7 +27,8 @@ import torch
 
 from analyses.moe_router.evaluate import ExpertSetting, evaluate_expert_sample
 from analyses.moe_router.maps import RouterMap, generation_map, profile_task
-from analyses.moe_router.problems import load_items, resolve_task
+from analyses.moe_router.problems import file_split_size, load_items, resolve_task
+from analyses.tasks import is_task_file
 from probes import Engine
 from probes.backend import Backend
 from thoughtscope import shipped
@@ -47,9 +48,9 @@ def default_setting(k: int, n_experts: int) -> ExpertSetting:
     return ExpertSetting(k_h, max(1, min(n_experts - k_h, 2 * k)), 1.0, "displaced")
 
 
-def task_prompt(backend: Backend, index: int = 0, seed: int = 0) -> tuple[Any, bool, str]:
-    """(prompt, chat, answer) of development problem `index` of the model's own task."""
-    items = load_items(resolve_task("auto", backend), "development", index + 1, seed=seed, backend=backend)
+def task_prompt(backend: Backend, index: int = 0, seed: int = 0, task: str = "auto") -> tuple[Any, bool, str]:
+    """(prompt, chat, answer) of development problem `index` of `task` (`auto`: the model's own task)."""
+    items = load_items(resolve_task(task, backend), "development", index + 1, seed=seed, backend=backend)
     item = items[index]
     return item.prompt, bool(item.chat), str(getattr(item, "answer", ""))
 
@@ -62,11 +63,13 @@ def map_from_dict(d: dict[str, Any]) -> RouterMap:
                      as_float(d["gates"]), d.get("rule"))
 
 
-def router_profile(backend: Backend, progress: Callable[..., None] | None = None) -> dict[str, Any]:
+def router_profile(backend: Backend, progress: Callable[..., None] | None = None, task: str = "auto") -> dict[str, Any]:
     """The router profile the page draws and the shipped result stores: mean sorted router probabilities over
-    PROFILE_N development problems of the model's task (greedy answers, 48 new tokens, seed 0), with the task."""
-    profile, task = profile_task(backend, "auto", PROFILE_N, max_new_tokens=48, seed=0, progress=progress)
-    return {**profile.to_dict(), "task": task, "n_problems": PROFILE_N}
+    PROFILE_N development problems of `task` (`auto`: the model's own; greedy answers, 48 new tokens, seed 0),
+    with the task; a problem file with fewer development problems gives all it has."""
+    n = PROFILE_N if not is_task_file(task) else max(1, min(PROFILE_N, file_split_size(task, "development")))
+    profile, task = profile_task(backend, task, n, max_new_tokens=48, seed=0, progress=progress)
+    return {**profile.to_dict(), "task": task, "n_problems": n}
 
 
 def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None) -> Path:

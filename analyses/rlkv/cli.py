@@ -129,7 +129,7 @@ def register(cli: typer.Typer) -> None:
         else:
             with TerminalProgress() as progress:
                 hm = HeadMap.from_attention(engine, task_problems(task, n, seed=seed, ops=ops), sink, recent,
-                                            max_new_tokens=48, progress=progress)
+                                            max_new_tokens=48, progress=progress, task=task)
         payload = hm.to_dict(sparsity)
         if sparsity is not None:
             payload.update(kv_bytes_4096=hm.kv_bytes(sparsity, 4096), full_kv_bytes_4096=hm.kv_bytes(0.0, 4096))

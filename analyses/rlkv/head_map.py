@@ -49,6 +49,7 @@ class HeadMap:
     gates_file: str | None = None
     trained_on: str | None = None
     n: int | None = None  # traces the attention statistics were read from
+    task: str | None = None  # the task those traces solved
     training: dict[str, Any] | None = None  # learned gates: the run's model, fingerprint and settings (its log.json)
 
     @classmethod
@@ -63,15 +64,16 @@ class HeadMap:
 
     @classmethod
     def from_attention(cls, backend: Backend, problems: Sequence[Any], sink: int = 4, recent: int = 32,
-                       max_new_tokens: int = 48, progress: Callable[..., None] | None = None) -> "HeadMap":
+                       max_new_tokens: int = 48, progress: Callable[..., None] | None = None,
+                       task: str | None = None) -> "HeadMap":
         """Each KV head's attention mass outside its sink + recent window over greedy traces of `problems`
-        (no training)."""
+        (of `task`, named in the map; no training)."""
         if progress is not None:
             progress("greedy traces", 0, len(problems))
         texts = problem_texts(backend, problems, max_new_tokens=max_new_tokens)
         scores = attention_head_scores(backend, texts, int(sink), int(recent), progress=progress)
         return cls(ATTENTION, np.asarray(scores, dtype=np.float32), int(sink), int(recent),
-                   bytes_per_entry(backend), n=len(problems))
+                   bytes_per_entry(backend), n=len(problems), task=task)
 
     def full_heads(self, sparsity: float) -> np.ndarray:
         """bool [layers, kv_heads]: the top (1 - sparsity) fraction by score keeps the full cache."""
@@ -100,7 +102,7 @@ class HeadMap:
         """The map as JSON (with the heads `sparsity` keeps full, when given); the training log apart."""
         out: dict[str, Any] = {"kind": self.kind, "scores": self.scores.tolist(), "sink": self.sink,
                                "recent": self.recent, "bytes_per_entry": self.bytes_per_entry}
-        for name in ("gates_file", "trained_on", "n"):
+        for name in ("gates_file", "trained_on", "n", "task"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.tiebreak is not None:

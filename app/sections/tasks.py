@@ -34,11 +34,11 @@ def task_picker(container: Any, label: str, own: str, key: str) -> str:
     return task
 
 
-def at_most_held(container: Any, task: str, n: int) -> int:
+def at_most_held(container: Any, task: str, n: int, what: str = "the harvest") -> int:
     """`n` problems, or all a problem file holds when it holds fewer, said under the widget (64 asked of a
-    60-problem file once failed only after the press)."""
+    60-problem file once failed only after the press); `what` names the work that takes them."""
     size = task_size(task) if is_task_file(task) else None
     if size is None or n <= size:
         return n
-    container.caption(f"The file holds {size} problems: the harvest takes all of them.")
+    container.caption(f"The file holds {size} problems: {what} takes all of them.")
     return size

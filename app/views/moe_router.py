@@ -8,6 +8,9 @@ pass@n curves with intervals, from an `eval expert-sample` JSON or a small run h
 as the active experts shrink. The computations live in `analyses.moe_router`; this page reads widgets,
 calls them and draws (`app.sections.moe_router` draws the reports and the stored result elsewhere).
 
+The task (for the profile, the task prompt and the evaluation) is the model's own; on a model other than a
+toy it can be a built-in task or the user's own problem file (`app.sections.tasks.task_picker`).
+
 It opens on the shipped result of the toy MoE (`thoughtscope ship moe-router`: a router profile, the
 default generation's map and a small evaluation), labelled as stored; on a model without a router it
 shows that toy's result, labelled as the toy's, with a button that switches to it. The profile, the
@@ -23,12 +26,14 @@ import streamlit as st
 
 from analyses.moe_router.evaluate import ExpertSetting, evaluate_expert_sample
 from analyses.moe_router.maps import RouterMap, generation_map
+from analyses.moe_router.problems import TOY_TASKS, resolve_task
 from analyses.moe_router.ship import (EVAL_SETTINGS, MAP_SETTINGS, NAME, PROFILE_N, map_from_dict, router_profile,
                                       task_prompt)
 from app.context import read_json, shows_errors
 from app.export import show_figure
 from app.jobs import run_job
 from app.registry import PageSpec
+from app.sections.tasks import task_picker
 from app.sections.moe_router import (active_section, draw_evaluation, elsewhere_section, expert_setting_widgets,
                                      prompt_text, scores_section, stored_evaluation)
 from thoughtscope import shipped
@@ -38,39 +43,51 @@ PAGE = PageSpec("MoE router & Expert-Sample", ":material/alt_route:", 65, requir
 
 OWN = "the model's own top-k"
 EXPERT_SAMPLE = "Expert-Sample"
-TASK_PROMPT = "a problem of the model's task"
+TASK_PROMPT = "a problem of the task"
 SIDEBAR_PROMPT = "the sidebar's prompt"
 PAGE_NAME = "moe_router"
 
 
-def profile_section(ctx, stored: Any) -> None:
-    st.subheader("0. Router profile over the model's task")
+def task_section(ctx) -> tuple[str, str]:
+    """(the task the sections run on, the model's own task). A toy reads only its own task (its tokenizer and
+    context hold nothing else); any other MoE model also takes the built-in tasks and the user's problems."""
+    own = resolve_task("auto", ctx.backend)
+    if own in TOY_TASKS:
+        st.caption(f"Task: **{own}**, the toy's own problems (its tokenizer reads no other task).")
+        return own, own
+    return task_picker(st, "Task (the profile, the task prompt and the evaluation)", own, "moe_task"), own
+
+
+def profile_section(ctx, stored: Any, task: str) -> None:
+    st.subheader("0. Router profile over the task")
     backend = ctx.backend
     start = st.button("Profile the router again" if stored else "Profile the router", key="moe_profile_run",
-                      icon=":material/play_arrow:", help=f"{PROFILE_N} development problems, greedy answers read "
+                      icon=":material/play_arrow:", help=f"{PROFILE_N} development problems (or all a problem file's "
+                                                         "development half holds), greedy answers read "
                                                          "teacher-forced at every MoE layer")
-    data = run_job(ctx.result_key("moe-profile", n=PROFILE_N, seed=0),
-                   lambda job: router_profile(backend, progress=job.progress), label=f"Router profile on {PROFILE_N} "
-                   "problems", kind="moe-profile", page=PAGE_NAME, start=start)
-    provenance = None if data is None else ctx.provenance(settings={"n": PROFILE_N}, data=data.get("task"))
+    data = run_job(ctx.result_key("moe-profile", n=PROFILE_N, seed=0, task=task),
+                   lambda job: router_profile(backend, progress=job.progress, task=task),
+                   label=f"Router profile on {PROFILE_N} problems", kind="moe-profile", page=PAGE_NAME, start=start)
+    provenance = None if data is None else ctx.provenance(settings={"n": data.get("n_problems", PROFILE_N)},
+                                                          data=data.get("task"))
     if data is None and stored:
         data, provenance = stored.json("profile.json"), stored.provenance
     if data is None:
-        st.info("Press **Profile the router** for the mean sorted router probabilities over the model's task.")
+        st.info("Press **Profile the router** for the mean sorted router probabilities over the task.")
         return
     show_figure(None, data, "moe_profile", provenance=provenance)
     st.caption(f"top-1 mean probability per layer: {', '.join(f'{v:.2f}' for v in data['top1'])}; mass of the "
                f"top-{data['k']}: {', '.join(f'{v:.2f}' for v in data['topk_mass'])}")
 
 
-def generation_section(ctx, stored: Any) -> tuple[RouterMap, dict[str, Any]] | None:
+def generation_section(ctx, stored: Any, task: str) -> tuple[RouterMap, dict[str, Any]] | None:
     st.subheader("1. A generation, routed")
     arch = ctx.backend.arch()
     k, n_experts = int(arch.experts_top_k), int(arch.n_experts)
     c1, c2, c3 = st.columns(3)
     source = c1.radio("Prompt", [TASK_PROMPT, SIDEBAR_PROMPT], key="moe_prompt_source",
-                      help="a development problem of the model's own task (toy-moe: chained arithmetic; other "
-                           "models: arith), or the prompt typed in the sidebar")
+                      help="the first development problem of the task chosen above (toy-moe: chained "
+                           "arithmetic), or the prompt typed in the sidebar")
     routing = c2.radio("Routing", [EXPERT_SAMPLE, OWN], key="moe_routing",
                        help="with greedy tokens and the model's own routing all N samples are the same; "
                             "Expert-Sample samples the tail experts, so the samples' routing (and text) can part")
@@ -78,7 +95,7 @@ def generation_section(ctx, stored: Any) -> tuple[RouterMap, dict[str, Any]] | N
     setting = expert_setting_widgets(k, n_experts) if routing == EXPERT_SAMPLE else None
     if source == TASK_PROMPT:
         with shows_errors() as spot:
-            prompt, chat, answer = task_prompt(ctx.backend, 0, seed=0)
+            prompt, chat, answer = task_prompt(ctx.backend, 0, seed=0, task=task)
         if spot.failed:
             return None
         st.caption(f"prompt: {prompt_text(prompt)} (answer {answer})")
@@ -103,7 +120,7 @@ def generation_section(ctx, stored: Any) -> tuple[RouterMap, dict[str, Any]] | N
         job.progress("generate with the routing captured", 1, 1)
         return rmap, {"rule": rule, "setting": setting}
 
-    found = run_job(ctx.result_key("moe-map", **settings, chat=chat), work, label=f"Generating {n_samples} samples "
+    found = run_job(ctx.result_key("moe-map", **settings, chat=chat, task=task), work, label=f"Generating {n_samples} samples "
                     "with the routing captured", kind="moe-map", page=PAGE_NAME, start=run)
     if found is not None:
         return found
@@ -118,7 +135,7 @@ def generation_section(ctx, stored: Any) -> tuple[RouterMap, dict[str, Any]] | N
     return None
 
 
-def evaluation_section(ctx, stored: Any) -> None:
+def evaluation_section(ctx, stored: Any, task: str) -> None:
     st.subheader("3. pass@n: Expert-Sample against temperature sampling")
     path = st.text_input("An evaluation JSON (`thoughtscope eval expert-sample --json > es.json`)",
                          key="moe_eval_path").strip()
@@ -146,12 +163,12 @@ def evaluation_section(ctx, stored: Any) -> None:
 
     def work(job):
         grid = _grid(grid_text) or None
-        return evaluate_expert_sample(backend, "auto", n, n_dev=settings["n_dev"], n_samples=n_samples, grid=grid,
+        return evaluate_expert_sample(backend, task, n, n_dev=settings["n_dev"], n_samples=n_samples, grid=grid,
                                       max_new_tokens=settings["max_new_tokens"], seed=settings["seed"],
                                       n_resamples=500, progress=job.progress).to_dict()
 
     if report is None:
-        report = run_job(ctx.result_key("moe-eval", **settings), work, label=f"Expert-Sample evaluation on {n} "
+        report = run_job(ctx.result_key("moe-eval", **settings, task=task), work, label=f"Expert-Sample evaluation on {n} "
                          "problems", kind="moe-eval", page=PAGE_NAME, start=run)
     if report is None and matches:
         st.success(stored.label(), icon=":material/inventory_2:")
@@ -180,9 +197,11 @@ def render(ctx) -> None:
     stored = shipped.find(NAME, ctx.model_id, ctx.backend.info()["fingerprint"])
     if not stored and (stored.damaged or "other weights" in stored.reason):
         st.warning(stored.reason + " Every section below can run its work here.")
-    profile_section(ctx, stored)
-    found = generation_section(ctx, stored)
+    task, own = task_section(ctx)
+    stored = stored if task == own else None  # the shipped result is of the model's own task
+    profile_section(ctx, stored, task)
+    found = generation_section(ctx, stored, task)
     if found is not None:
         scores_section(ctx, *found)
-    evaluation_section(ctx, stored)
+    evaluation_section(ctx, stored, task)
     active_section()

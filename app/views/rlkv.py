@@ -21,12 +21,13 @@ import streamlit as st
 from analyses.rlkv.evaluate import compressed_generation, evaluate_rlkv
 from analyses.rlkv.head_map import HeadMap
 from analyses.rlkv.train import SHIPPED_RUN, train_gates, training_folder
-from analyses.tasks import load_task
+from analyses.rlkv.data import task_problems
 from app.context import read_json, shows_errors
 from app.export import show_figure
 from app.figures.rlkv import head_map_figure, memory_figure, training_figure
 from app.jobs import one_step, run_job
 from app.registry import PageSpec
+from app.sections.tasks import at_most_held, task_picker
 from app.sections.rlkv import draw_evaluation, draw_generation
 
 PAGE = PageSpec("RLKV head maps", ":material/memory:", 60, requires=("generate", "kv_policy"))
@@ -47,7 +48,7 @@ def shipped(model_id: str, which: int) -> str:
     return str(paths[which]) if paths and paths[which].exists() else ""
 
 
-def head_map_section(ctx) -> HeadMap | None:
+def head_map_section(ctx, task: str) -> HeadMap | None:
     st.subheader("1. Head map")
     trained = st.session_state.get("rlkv_trained")
     source = st.radio("Map from", [LEARNED, ATTENTION, *([TRAINED] if trained else [])], horizontal=True,
@@ -69,13 +70,15 @@ def head_map_section(ctx) -> HeadMap | None:
         st.warning("This backend cannot capture attention patterns; load a gates file instead.")
         return None
     left, right = st.columns([3, 1])
-    n = left.slider("Traces (task problems, greedy, full cache)", 1, 32, 4, key="rlkv_attn_n")
+    n = at_most_held(left, task, left.slider("Traces (task problems, greedy, full cache)", 1, 32, 4,
+                                             key="rlkv_attn_n"), "the map")
     right.write("")
     run = right.button("Compute", key="rlkv_attn_run", icon=":material/play_arrow:")
     backend, seed, max_new = ctx.backend, ctx.seed, ctx.settings.max_new_tokens
-    key = ctx.result_key("rlkv-attention", n=n, sink=sink, recent=recent, seed=seed, tokens=max_new)
-    found = run_job(key, lambda job: HeadMap.from_attention(backend, load_task("arith", n, seed=seed), sink, recent,
-                                                            max_new_tokens=max_new, progress=job.progress),
+    key = ctx.result_key("rlkv-attention", n=n, sink=sink, recent=recent, seed=seed, tokens=max_new, task=task)
+    found = run_job(key, lambda job: HeadMap.from_attention(backend, task_problems(task, n, seed=seed), sink, recent,
+                                                            max_new_tokens=max_new, progress=job.progress,
+                                                            task=task),
                     label=f"Reading attention on {n} traces", kind="rlkv-attention", page=PAGE_NAME, start=run)
     if found is None:
         st.info("Press **Compute** for each KV head's attention mass outside its sink + recent window.")
@@ -101,13 +104,14 @@ def sparsity_section(ctx, head_map: HeadMap) -> float:
 def map_record(ctx, head_map: HeadMap, sparsity: float | None = None) -> dict[str, Any]:
     """The provenance of a figure drawn from the head map: where its scores came from (the gates file and the
     training run that wrote it, or the attention statistics' traces), the window and the sparsity."""
-    source = {k: v for k, v in head_map.to_dict().items() if k in ("kind", "gates_file", "trained_on", "n")}
+    source = {k: v for k, v in head_map.to_dict().items() if k in ("kind", "gates_file", "trained_on", "n", "task")}
     if head_map.training is not None:
         source["training"] = head_map.training
     settings: dict[str, Any] = {"head_map": source, "sink": head_map.sink, "recent": head_map.recent}
     if sparsity is not None:
         settings["sparsity"] = sparsity
-    return ctx.provenance(settings=settings, data="arith", prompt=None)
+    data = head_map.task or (head_map.training or {}).get("task") or None
+    return ctx.provenance(settings=settings, data=data, prompt=None)
 
 
 def generation_section(ctx, head_map: HeadMap, sparsity: float) -> None:
@@ -163,7 +167,7 @@ def training_section(ctx, head_map: HeadMap | None) -> None:
             st.caption(f"Trained gates in `{done}`: pick \"{TRAINED}\" in the head map above.")
 
 
-def evaluation_section(ctx, head_map: HeadMap | None) -> None:
+def evaluation_section(ctx, head_map: HeadMap | None, task: str) -> None:
     st.subheader("4. Accuracy against sparsity")
     path = st.text_input("An evaluation JSON (`thoughtscope eval rlkv --json > eval.json`)",
                          value=shipped(ctx.model_id, 1), key="rlkv_eval_path").strip()
@@ -176,17 +180,20 @@ def evaluation_section(ctx, head_map: HeadMap | None) -> None:
     c3.write("")
     run = c3.button("Run evaluation", key="rlkv_eval_run", icon=":material/play_arrow:")
     gates = head_map.gates_file if head_map else None
-    key = ctx.result_key("rlkv-eval", n=n, levels=levels, gates=gates, tokens=ctx.settings.max_new_tokens)
+    key = ctx.result_key("rlkv-eval", n=n, levels=levels, gates=gates, tokens=ctx.settings.max_new_tokens, task=task)
     backend, max_new = ctx.backend, ctx.settings.max_new_tokens
     sink, recent = (head_map.sink, head_map.recent) if head_map else (4, 32)
 
     def work(job):
-        return evaluate_rlkv(backend, "arith", levels, gates=gates, n=n, n_dev=2, n_calibration=2, random_seeds=1,
+        return evaluate_rlkv(backend, task, levels, gates=gates, n=n, n_dev=2, n_calibration=2, random_seeds=1,
                              snapkv_windows=[4], max_new_tokens=max_new, sink=sink, recent=recent,
                              progress=job.progress).to_dict()
 
     found = run_job(key, work, label=f"RLKV evaluation on {n} problems", kind="rlkv-eval", page=PAGE_NAME,
                     start=bool(run and levels))
+    if report is not None and found is None and report.get("task") not in (None, task):
+        st.caption(f"The evaluation file was run on **{report['task']}**, not on the task chosen above; press **Run "
+                   "evaluation** for that task.")
     if (report or found) is not None:
         draw_evaluation(report or found)
 
@@ -195,7 +202,9 @@ def render(ctx) -> None:
     st.title("RLKV head maps")
     st.caption("Du et al. 2025: gates learned with RL mix each KV head's full and local attention; heads whose gates "
                "stay high are the reasoning heads that keep the full cache, the others keep a sink + recent window.")
-    head_map = head_map_section(ctx)
+    task = task_picker(st, "Task (problems for the attention statistics and the evaluation; training draws its own "
+                           "one-step arithmetic)", "arith", "rlkv_task")
+    head_map = head_map_section(ctx, task)
     if head_map is not None:
         sparsity = sparsity_section(ctx, head_map)
         generation_section(ctx, head_map, sparsity)
@@ -204,4 +213,4 @@ def render(ctx) -> None:
             show_figure(training_figure({"log": head_map.log}), {"log": head_map.log}, "rlkv_training",
                         provenance=map_record(ctx, head_map))
     training_section(ctx, head_map)
-    evaluation_section(ctx, head_map)
+    evaluation_section(ctx, head_map, task)

@@ -287,6 +287,22 @@ def is_task_file(name: Any) -> bool:
     return isinstance(name, str) and name.partition(DIGEST_MARK)[0].endswith(TASK_FILE_SUFFIX)
 
 
+def task_label(name: Any) -> str:
+    """A task's name as a figure's title shows it: a problem file by its file name (with its digest when the name
+    does not hold it), since the full path would fill the title; provenance keeps the full name.
+
+    >>> task_label("/home/me/.cache/problems/six-e2953bbe3166.jsonl#sha256=e2953bbe3166"), task_label("gsm8k")
+    ('six-e2953bbe3166.jsonl', 'gsm8k')
+    >>> task_label("runs/mine.jsonl#sha256=e2953bbe3166")
+    'mine.jsonl (sha256 e2953bbe3166)'
+    """
+    if not is_task_file(name):
+        return str(name)
+    path, _, digest = name.partition(DIGEST_MARK)
+    file = Path(path).name
+    return file if not digest or digest in file else f"{file} (sha256 {digest})"
+
+
 def _task_file_bytes(path: str) -> bytes:
     file = Path(path).expanduser()
     if not file.is_file():

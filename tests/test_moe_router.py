@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -399,6 +400,8 @@ def test_the_page_runs_on_an_uploaded_problem_file(page_on_tiny_moe, moe, monkey
     assert expected["task"] == task and expected["n_problems"] == 3  # the development half of six problems
     top1 = ", ".join(f"{v:.2f}" for v in expected["top1"])
     assert any(c.value.startswith(f"top-1 mean probability per layer: {top1};") for c in at.caption)
+    # the title names the file, not its path in the user cache (which filled the title in a browser)
+    assert helpers.chart_titles(at)[0].startswith(f"Router profile on {Path(task.partition('#')[0]).name}: mean")
 
 
 def test_a_grid_setting_the_router_cannot_run_is_refused_before_the_evaluation_job(page_on_tiny_moe, moe):

@@ -474,3 +474,12 @@ def test_an_uploaded_problem_file_is_kept_once_under_its_digest_and_a_bad_one_no
     with pytest.raises(BadInputError, match="more.jsonl line 3 is not JSON"):
         store_problem_file(data + b"{oops\n", "more.jsonl", folder=tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [kept.name]  # nothing kept of the malformed file
+
+
+def test_a_figure_title_names_a_problem_file_by_its_file_name():
+    from analyses.tasks import task_label
+
+    assert task_label("/home/me/.cache/problems/six-e2953bbe3166.jsonl#sha256=e2953bbe3166") == "six-e2953bbe3166.jsonl"
+    assert task_label("runs/mine.jsonl#sha256=e2953bbe3166") == "mine.jsonl (sha256 e2953bbe3166)"
+    assert task_label("runs/mine.jsonl") == "mine.jsonl"
+    assert task_label("gsm8k") == "gsm8k"

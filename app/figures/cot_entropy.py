@@ -18,6 +18,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from analyses.tasks import task_label
 from app.figures.template import PALETTE, export_size, styled
 
 UNCERTAIN_COLOUR, CONFIDENT_COLOUR = PALETTE[1], PALETTE[2]  # orange, green
@@ -195,7 +196,7 @@ def pareto_figure(report: Any, measure: str | None = None) -> go.Figure:
                       legend=dict(orientation="h", yanchor="top", y=-0.22, x=0))
     export_size(fig, height=480)
     n = d.get("n_eval", "")
-    return styled(fig, f"Accuracy vs tokens: {d.get('model', '')} on {d.get('task', '')} "
+    return styled(fig, f"Accuracy vs tokens: {d.get('model', '')} on {task_label(d.get('task', ''))} "
                        f"(evaluation split, n={n}; 95% intervals)")
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from analyses.tasks import task_label
 from app.figures.template import CELL_SCALE, PALETTE, export_size, styled
 
 PART_COLOURS = {"head": PALETTE[0], "routed": PALETTE[5], "pool": PALETTE[1], "rest": "#c8c8c8"}
@@ -207,7 +208,7 @@ def profile_figure(data: Any) -> go.Figure:
                   annotation_position="top right")
     fig.update_layout(xaxis_title="rank of the expert (sorted router probability)",
                       yaxis_title="mean router probability (log)", yaxis_type="log", legend=dict(orientation="h", y=-0.3))
-    where = f" on {d['task']}" if d.get("task") else ""
+    where = f" on {task_label(d['task'])}" if d.get("task") else ""
     return export_size(styled(fig, f"Router profile{where}: mean sorted probabilities over {d['n_tokens']} tokens"),
                        height=420)
 

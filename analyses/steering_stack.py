@@ -426,7 +426,8 @@ def _resolve(ref: Any, site: str, what: str, d_model: int | None) -> torch.Tenso
     wanted = ("folder", "latent", "sha256") if how == "sae" else ("path", "tensor", "sha256")
     if not isinstance(body, dict) or set(body) != set(wanted):
         raise BadInputError(f"{what}: a {how} reference holds exactly {list(wanted)}")
-    path = Path(str(body["folder"])) / WEIGHTS_FILENAME if how == "sae" else Path(str(body["path"]))
+    path = (checks.user_path(f"{what}'s SAE folder", body["folder"]) / WEIGHTS_FILENAME if how == "sae" else
+            checks.user_path(f"{what}'s vector file", body["path"]))
     if not path.is_file():
         raise BadInputError(f"{what}: the stored {'SAE' if how == 'sae' else 'vector'} {path} does not exist here")
     if sha256_file(path) != body["sha256"]:
@@ -496,7 +497,7 @@ def preset_from_bytes(data: bytes, d_model: int | None = None) -> SteeringStack:
 
 
 def load_preset(path: str | Path, d_model: int | None = None) -> SteeringStack:
-    path = Path(path)
+    path = checks.user_path("preset file", path)
     if not path.is_file():
         raise BadInputError(f"preset file {path} does not exist")
     return preset_from_bytes(path.read_bytes(), d_model)

@@ -304,7 +304,7 @@ def task_label(name: Any) -> str:
 
 
 def _task_file_bytes(path: str) -> bytes:
-    file = Path(path).expanduser()
+    file = checks.user_path("problem file", path)
     if not file.is_file():
         raise BadInputError(f"no problem file {path!r}: a task is one of {', '.join(TASK_NAMES)} or a .jsonl file")
     if file.stat().st_size > MAX_TASK_FILE_BYTES:

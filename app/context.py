@@ -27,6 +27,7 @@ from typing import Any
 from probes.backend import Backend
 from probes.engine import Sampling
 from probes.tokens import MAX_PROMPT_CHARS
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError, ThoughtscopeError
 
 ChatMessages = list[dict[str, str]]
@@ -400,7 +401,8 @@ def compute(key: str, work: Callable[[], Any], *, start: bool, spinner: str | No
 
 def read_json(path: str | Path) -> Any:
     """A JSON file the user named (an evaluation report): its content, or a `BadInputError` saying why not."""
+    file = checks.user_path("JSON file", path)
     try:
-        return json.loads(Path(path).expanduser().read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8 (UnicodeDecodeError)
         raise BadInputError(f"cannot read {path}: {err}") from err

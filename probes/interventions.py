@@ -290,7 +290,7 @@ def load_vector(path: str | Path, key: str | None = None) -> torch.Tensor:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(path)
+    path = checks.user_path("vector file", path)
     if not path.is_file():
         raise BadInputError(f"vector file {path} does not exist")
     try:

@@ -37,6 +37,7 @@ import torch
 from probes.arch import ArchInfo, arch_from_config  # noqa: F401  (re-exported; the type lives in a leaf module)
 from probes.paths import user_cache_dir  # noqa: F401  (re-exported; a leaf the toys use without the zoo)
 from probes.sharding import dispatch, input_device, parse_device_map
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError, ModelLoadError, UnknownModelError
 
 log = logging.getLogger(__name__)
@@ -526,7 +527,7 @@ def _load_hf(ref: str, dtype: torch.dtype, device_map: Any, trust_remote_code: b
     kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     if device_map:
         kwargs["device_map"] = device_map
-    local = Path(ref).expanduser()
+    local = checks.user_path("hf: model id or folder", ref)
     if local.exists() and not (local / "config.json").is_file():
         raise UnknownModelError(
             f"hf:{ref} is not a model folder (it has no config.json). Pass a folder saved with "

@@ -23,6 +23,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from thoughtscope.imports import import_from, import_module  # sae_lens under the heavy-imports lock: jobs run in threads
 
@@ -47,7 +48,10 @@ def save_sae(sae: Any, folder: str | Path) -> Path:
 
 
 def is_sae_folder(path: str | Path) -> bool:
-    path = Path(path)
+    try:
+        path = checks.user_path("SAE folder", path)
+    except BadInputError:  # empty, NUL or over-long: no folder at all
+        return False
     return (path / CFG_FILENAME).is_file() and (path / WEIGHTS_FILENAME).is_file()
 
 
@@ -55,7 +59,7 @@ def load_sae(ref: str | Path, sae_id: str | None = None, device: str = "cpu") ->
     """An inference SAE from a SAELens folder, or from a pretrained release in the local HF cache."""
     SAE = import_from("sae_lens", "SAE")
 
-    path = Path(ref).expanduser()
+    path = checks.user_path("SAE folder or release", ref)
     if path.is_dir():
         if not is_sae_folder(path):
             raise BadInputError(

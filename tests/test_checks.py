@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -102,3 +103,24 @@ def test_a_check_never_mutates_the_object_it_reads():
     checks.window(p.sink, p.recent, 64)
     checks.integer("sink", p.sink, low=0)
     assert (p.sink, p.recent) == (4, 8)
+
+
+def test_user_path_refuses_what_the_file_system_would_raise_on(tmp_path):
+    """An over-long name raised OSError ("File name too long") from `Path.is_file()`, a NUL ValueError from
+    `open`: tracebacks on the RLKV page's gates box and in `thoughtscope rlkv map --gates`."""
+    import os
+    from pathlib import Path
+
+    long_name = "x" * 300
+    cases = {"x" * 5000: "is 5,000 bytes long ('xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'...); a path has at most 4,096",
+             f"{tmp_path}/{long_name}/f": "holds a name of 300 bytes",
+             "a\x00b": "holds a NUL character",
+             "  ": "is empty",
+             "~no-such-user-here/x": "starts with an unknown user's home"}
+    for value, says in cases.items():
+        with pytest.raises(BadInputError, match=re.escape(says)) as caught:
+            checks.user_path("gates file", value)
+        assert str(caught.value).startswith("the gates file ") and len(str(caught.value)) < 300
+    assert checks.user_path("gates file", "~/g.safetensors") == Path(os.path.expanduser("~/g.safetensors"))
+    assert checks.user_path("gates file", tmp_path / "g") == tmp_path / "g"
+    assert checks.user_path("gates file", "é" * 127) == Path("é" * 127)  # 254 bytes: a name may hold that

@@ -77,6 +77,25 @@ def test_an_error_message_with_brackets_is_printed_as_it_is(monkeypatch, capsys)
     assert "error: unknown rule 'foo'; use one of kind:<A>[/<B>], correct, alarm, source:<A>/<B>, random" in err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["rlkv", "map", "--model", "tiny-random:llama", "--gates", "g" * 5000],
+     "error: the gates file or folder is 5,000 bytes long"),
+    (["router", "profile", "--model", "toy-moe", "--task", "t" * 300 + ".jsonl"],
+     "error: the problem file holds a name of 306 bytes"),
+    (["features", "top", "--model", "tiny-random:llama", "--site", "resid_post.0", "--neuron", "0",
+      "--corpus", "c" * 5000], "error: the --corpus is 5,000 bytes long"),
+])
+def test_an_over_long_path_is_a_message_not_a_traceback(monkeypatch, capsys, argv, says):
+    """`Path.is_file()` raises "File name too long" (OSError) past 255 bytes a name: these commands printed a
+    traceback before `checks.user_path` looked at what the user typed."""
+    monkeypatch.setattr("sys.argv", ["thoughtscope", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main()
+    err = " ".join(capsys.readouterr().err.split())
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert says in err
+
+
 def test_every_command_prints_its_help(app):
     """`--help` of every command and group renders (a help text with rich markup such as `[/x]` once
     crashed `thoughtscope contrast run --help` with a traceback)."""

@@ -563,6 +563,22 @@ def test_the_page_maps_heads_on_an_uploaded_problem_file(tmp_path, monkeypatch):
     jobs.registry.clear()
 
 
+def test_the_page_says_what_is_wrong_with_a_path_the_file_system_cannot_take(monkeypatch):
+    """A 5,000-character gates path raised "File name too long" and a NUL in the evaluation path "embedded null
+    byte": tracebacks on the page, now an error box each (and the page goes on)."""
+    from tests import apptest_helpers as helpers
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
+    at = helpers.open_page("rlkv", 4)
+    at.text_input(key="rlkv_gates_path").set_value("g" * 5000)
+    at.text_input(key="rlkv_eval_path").set_value("eval\x00.json").run()
+    helpers.assert_clean(at, no_errors=False)
+    errors = [e.value for e in at.error]
+    assert any(e.startswith("the gates file or folder is 5,000 bytes long") for e in errors), errors
+    assert "the JSON file holds a NUL character, which no path can" in errors
+    assert at.button(key="rlkv_eval_run")  # the sections below still drew
+
+
 def test_the_page_trains_gates_as_a_job_and_offers_them_to_the_head_map(tmp_path, monkeypatch):
     """One GRPO step on tiny-random:llama from the page: a job whose checkpoint lands in the user cache, then
     the head map offers "gates trained on this page", drawing exactly the gates and log that checkpoint holds;

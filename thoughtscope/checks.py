@@ -11,6 +11,7 @@ mutated: a check never writes back into the object it was asked about.
     rule = checks.choice("rule", rule, ("fixed", "nucleus"))
     layers = checks.int_list("layers", layers, low=0, high=n_layers - 1)
     sink, recent = checks.window(sink, recent, context_length)
+    folder = checks.user_path("SAE folder", text)        # before any file-system call on it
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from thoughtscope.errors import BadInputError
 
 T = TypeVar("T")
 
-__all__ = ["integer", "number", "choice", "int_list", "window", "is_integer"]
+__all__ = ["integer", "number", "choice", "int_list", "window", "is_integer", "user_path"]
+
+PATH_MAX_BYTES = 4096  # Linux's PATH_MAX
+NAME_MAX_BYTES = 255  # the longest file name the common file systems hold
 
 
 def is_integer(value: Any) -> bool:
@@ -132,3 +137,28 @@ def window(sink: Any, recent: Any, context_length: int, *, owner: str = "",
         raise BadInputError(f"sink + recent = {sink + recent} reaches this model's context ({context_length}): "
                             f"{hint}")
     return sink, recent
+
+
+def user_path(name: str, value: Any) -> Path:
+    """A path the user typed (a text box, a command-line option, a stored preset), checked before any file-system
+    call on it, with `~` expanded. The file system's own refusals are tracebacks otherwise: `Path.is_file()` raises
+    `OSError` ("File name too long") for a name over 255 bytes, and `open` a `ValueError` for a NUL character.
+    The message never repeats an over-long value whole."""
+    text = "" if value is None else str(value)
+    if not text.strip():
+        raise BadInputError(f"the {name} is empty")
+    if "\x00" in text:
+        raise BadInputError(f"the {name} holds a NUL character, which no path can")
+    size = len(text.encode("utf-8", "surrogateescape"))
+    if size > PATH_MAX_BYTES:
+        raise BadInputError(f"the {name} is {size:,} bytes long ({text[:40]!r}...); a path has at most "
+                            f"{PATH_MAX_BYTES:,}")
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError as err:  # "~someone/..." for a user this machine does not know
+        raise BadInputError(f"the {name} {text[:80]!r} starts with an unknown user's home (~): {err}") from err
+    for part in path.parts:
+        if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX_BYTES:
+            raise BadInputError(f"the {name} holds a name of {len(part.encode('utf-8', 'surrogateescape')):,} bytes "
+                                f"({part[:40]!r}...); a file or folder name has at most {NAME_MAX_BYTES}")
+    return path

@@ -34,6 +34,7 @@ from analyses.rise.harvest import HarvestSettings, generate_traces, judge_for, r
 from analyses.rise.labels import label_step
 from probes.backend import Backend
 from probes.toys.reasoner import ANSWER_SUFFIX, PROMPT_END, PROMPT_START, STEP_DELIMITER, extract_answer
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 RULES = ("kind:<A>[/<B>]", "correct", "alarm", "source:<A>/<B>", "random")
@@ -243,7 +244,7 @@ def questions_of(lines: Sequence[str] | None, name: str) -> list[str]:
 
 def read_questions(path: str) -> tuple[list[str], str]:
     """(the questions of a prompt file, its name), checked as `questions_of` does."""
-    file = Path(path).expanduser()
+    file = checks.user_path("prompt file", path)
     if not file.is_file():
         raise BadInputError(f"prompt file {path} does not exist (one question a line)")
     return questions_of(file.read_text(encoding="utf-8", errors="replace").splitlines(), file.name), file.name

@@ -23,6 +23,7 @@ from analyses.feature_browser import (CORPORA, IndexSettings, Neuron, VectorDire
 from analyses.feature_browser.search_cli import register_search
 from probes.interventions import load_vector
 from probes.sites import site_width
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance, with_provenance
 
@@ -33,7 +34,7 @@ SITE_OPTION = typer.Option(..., "--site", help="hook site, e.g. resid_post.15")
 def _corpus(name: str, n: Optional[int], unit: str) -> Any:
     if name in CORPORA:
         return load_corpus(name, n=n)
-    if Path(name).expanduser().is_file():
+    if checks.user_path("--corpus", name).is_file():
         corpus = file_corpus(name, unit)
         return corpus if n is None else type(corpus)(corpus.name, corpus.texts[:n], corpus.split, corpus.source)
     raise BadInputError(f"--corpus {name!r} is neither a corpus ({', '.join(CORPORA)}) nor a text file")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from analyses.tasks import load_gsm8k, load_task
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 CORPORA = ("gsm8k-questions", "gsm8k-solutions", "gsm8k-sentences", "arith-problems")
@@ -91,7 +92,7 @@ def text_corpus(text: str, name: str = "text", unit: str = "paragraph") -> Corpu
 
 def file_corpus(path: str | Path, unit: str = "paragraph") -> Corpus:
     """A UTF-8 text file on disk as a corpus (see `text_corpus`)."""
-    path = Path(path).expanduser()
+    path = checks.user_path("text file", path)
     if not path.is_file():
         raise BadInputError(f"no text file at {path}")
     try:

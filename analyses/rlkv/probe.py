@@ -296,7 +296,7 @@ def save_checkpoint(directory: str | Path, gates: np.ndarray, optimizer: dict | 
 def read_gates(path: str | Path, backend: Backend | None = None) -> dict[str, Any]:
     """{gates (numpy [layers, kv_heads]), meta, log} of a gates file or folder; with `backend`, checked against
     its model's shape before any model work (a file for another model is refused)."""
-    p = Path(path)
+    p = checks.user_path("gates file or folder", path)
     gates_path = p / GATES_FILE if p.is_dir() else p
     if not gates_path.is_file():
         raise BadInputError(f"no gates file at {gates_path}; train one with `thoughtscope rlkv train --out DIR`")

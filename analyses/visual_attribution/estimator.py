@@ -145,7 +145,7 @@ class AmortizedAttribution:
         """Write `<path>.safetensors` (weights, mean, scale) and `<path>.json` (settings); returns the JSON path."""
         if not hasattr(self, "weights_"):
             raise BadInputError("fit the estimator before saving it")
-        stem = Path(path).with_suffix("")
+        stem = checks.user_path("saved estimator", path).with_suffix("")
         stem.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: torch.as_tensor(getattr(self, f"{k}_")) for k in ("weights", "mean", "scale")},
                   str(stem.with_suffix(".safetensors")))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -23,6 +25,32 @@ MODEL_OPTION = typer.Option("smollm2-135m", "--model", help="model id (see `thou
 SERVER_OPTION = typer.Option(None, "--server", help="URL of a `thoughtscope serve` model server (instead of --model)")
 TOKEN_OPTION = typer.Option(None, "--token", envvar="THOUGHTSCOPE_TOKEN", help="the server's bearer token")
 JSON_OPTION = typer.Option(False, "--json", help="print one JSON object")
+
+
+def path_check(option: str, use: str = "read") -> Callable[[Any], Any]:
+    """A typer callback that checks a path option as typed, when the command line is parsed (before any model
+    loads): `read` a path to read (`checks.user_path`), `folder` a folder to write into, `file` a file (or a
+    file stem) to write, whose folder must be writable (`checks.writable_folder`). None stays None; the value
+    keeps its type (str or Path)."""
+    from thoughtscope import checks
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return None
+        if use == "folder":
+            checks.writable_folder(option, value)
+        elif use == "file":
+            path = checks.user_path(option, value)
+            if path.is_dir():
+                from thoughtscope.errors import BadInputError
+
+                raise BadInputError(f"the {option} {path} is a folder; give a file name")
+            checks.writable_folder(f"folder of the {option}", path.parent if str(path.parent) else Path("."))
+        else:
+            checks.user_path(option, value)
+        return value
+
+    return check
 
 
 def group(cli: typer.Typer, name: str, help_text: str) -> typer.Typer:

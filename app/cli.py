@@ -181,6 +181,8 @@ def run_app(cmd: list[str], env: dict[str, str], on_start: Any = None, grace_s: 
 
 
 def register(cli: typer.Typer) -> None:
+    from analyses.clikit import path_check  # here: `python -m app.cli` (the Streamlit launch) needs none of it
+
     @cli.command("app")
     def app_command(
         server: Optional[str] = typer.Option(None, help="URL of a `thoughtscope serve` model server"),
@@ -204,9 +206,10 @@ def register(cli: typer.Typer) -> None:
     def export_command(
         figure: str = typer.Argument(..., help="figure name: entropy, logit_lens, attention, residual_norms, steering, "
                                               "or any name in an app/figures module's FIGURES"),
-        source: Path = typer.Option(..., "--from", help="RESULT.json exported by the app (a result's to_dict())"),
+        source: Path = typer.Option(..., "--from", help="RESULT.json exported by the app (a result's to_dict())",
+                                    callback=path_check("--from")),
         formats: str = typer.Option("svg,pdf", "--format", help="comma-separated: png, svg, pdf, csv, json"),
-        out: Path = typer.Option(Path("."), "--out", help="folder to write into"),
+        out: Path = typer.Option(Path("."), "--out", help="folder to write into", callback=path_check("--out", "folder")),
     ) -> None:
         """Rebuild a figure from a saved result and write it as PNG/SVG/PDF (and its data as CSV/JSON).
 

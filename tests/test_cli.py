@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -79,7 +81,7 @@ def test_an_error_message_with_brackets_is_printed_as_it_is(monkeypatch, capsys)
 
 @pytest.mark.parametrize("argv, says", [
     (["rlkv", "map", "--model", "tiny-random:llama", "--gates", "g" * 5000],
-     "error: the gates file or folder is 5,000 bytes long"),
+     "error: the --gates is 5,000 bytes long"),
     (["router", "profile", "--model", "toy-moe", "--task", "t" * 300 + ".jsonl"],
      "error: the problem file holds a name of 306 bytes"),
     (["features", "top", "--model", "tiny-random:llama", "--site", "resid_post.0", "--neuron", "0",
@@ -94,6 +96,44 @@ def test_an_over_long_path_is_a_message_not_a_traceback(monkeypatch, capsys, arg
     err = " ".join(capsys.readouterr().err.split())
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert says in err
+
+
+def test_a_place_to_write_that_cannot_be_written_is_refused_before_the_work(monkeypatch, capsys, tmp_path):
+    """An output folder under a file, or a file name that is a folder, is refused when the command line is read:
+    `rlkv train --out` (80 s a GRPO step here) and `eval vis-attr --save` once reached their write at the end, and
+    `export --out` raised NotADirectoryError with a traceback."""
+    import app.export as export_module
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    curve = Path(__file__).resolve().parents[1] / "docs" / "curves" / "batch_rows.json"
+    cases = [(["rlkv", "train", "--model", "tiny-random:llama", "--out", str(a_file)],
+              f"error: the --out {a_file} is a file, not a folder"),
+             (["eval", "vis-attr", "--model", "toy-vlm", "--save", str(tmp_path)],
+              f"error: the --save {tmp_path} is a folder; give a file name"),
+             (["export", "growth_curve", "--from", str(curve), "--out", str(a_file / "figs")],
+              f"error: the --out {a_file / 'figs'} cannot be made: {a_file} is a file, not a folder")]
+    loads = []
+    monkeypatch.setattr("analyses.clikit.backend", lambda *a, **k: loads.append(a))  # no model may load
+    for argv, says in cases:
+        monkeypatch.setattr("sys.argv", ["thoughtscope", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            cli_module.main()
+        err = " ".join(capsys.readouterr().err.split())
+        assert exit_info.value.code == 2 and "Traceback" not in err and says in err, (argv, err)
+    assert loads == []
+    # what no check can foresee (a full disk, a folder made read-only meanwhile): the file system's refusal, said
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "figs" / "growth_curve.json"))
+
+    monkeypatch.setattr(export_module, "save_figure", refuse)
+    monkeypatch.setattr("sys.argv", ["thoughtscope", "export", "growth_curve", "--from", str(curve), "--out",
+                                     str(tmp_path / "figs"), "--format", "json"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main()
+    err = "".join(capsys.readouterr().err.split())  # rich wraps a long line anywhere
+    assert exit_info.value.code == 2
+    assert err == "".join(f"error: Permission denied: {tmp_path / 'figs' / 'growth_curve.json'}".split())
 
 
 def test_every_command_prints_its_help(app):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,7 +27,7 @@ from thoughtscope.errors import BadInputError
 
 T = TypeVar("T")
 
-__all__ = ["integer", "number", "choice", "int_list", "window", "is_integer", "user_path"]
+__all__ = ["integer", "number", "choice", "int_list", "window", "is_integer", "user_path", "writable_folder"]
 
 PATH_MAX_BYTES = 4096  # Linux's PATH_MAX
 NAME_MAX_BYTES = 255  # the longest file name the common file systems hold
@@ -161,4 +162,21 @@ def user_path(name: str, value: Any) -> Path:
         if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX_BYTES:
             raise BadInputError(f"the {name} holds a name of {len(part.encode('utf-8', 'surrogateescape')):,} bytes "
                                 f"({part[:40]!r}...); a file or folder name has at most {NAME_MAX_BYTES}")
+    return path
+
+
+def writable_folder(name: str, value: Any) -> Path:
+    """A folder the user named for writing into (made later if missing), checked before the work that fills it:
+    a long run that ends by writing into a file's place, or under a folder it may not write, loses its result.
+    The nearest existing folder on the way must be a folder this process may write in."""
+    path = user_path(name, value)
+    if path.exists() and not path.is_dir():
+        raise BadInputError(f"the {name} {path} is a file, not a folder")
+    ancestor = path.absolute()
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise BadInputError(f"the {name} {path} cannot be made: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise BadInputError(f"the {name} {path}: this process may not write in {ancestor}")
     return path

@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, group
+from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, group, path_check
 from analyses.contrast.core import ContrastSettings, export_direction, save_direction
 from analyses.contrast.run import run_contrast
 from analyses.tasks import canonical_task
@@ -37,19 +37,22 @@ def register(cli: typer.Typer) -> None:
                                                help="direction:<site>, heads:<layer>, sae:<folder> or sae:<folder>@<site>"),
                 organism: int = typer.Option(60, "--organism", help="planted toy-reasoner traces to read"),
                 split: str = typer.Option("dev", "--split", help="the organism split the traces come from"),
-                prompts_a: Optional[str] = typer.Option(None, "--prompts-a", help="a prompt file (one a line)"),
-                prompts_b: Optional[str] = typer.Option(None, "--prompts-b"),
+                prompts_a: Optional[str] = typer.Option(None, "--prompts-a", help="a prompt file (one a line)",
+                                                        callback=path_check("--prompts-a")),
+                prompts_b: Optional[str] = typer.Option(None, "--prompts-b", callback=path_check("--prompts-b")),
                 harvest: Optional[str] = typer.Option(None, "--harvest", help="steps of a RISE harvest of this task "
                                                       "(auto: the model's own; or a .jsonl problem file) instead "
                                                       "of the organism's or two prompt files",
                                                       callback=canonical_task),
                 harvest_n: int = typer.Option(64, "--harvest-n", help="problems the RISE harvest generates traces for"),
                 store: Optional[str] = typer.Option(None, "--store", help="the harvest's activation store folder "
-                                                                          "(default: user cache)"),
+                                                                          "(default: user cache)",
+                                                    callback=path_check("--store", "folder")),
                 top_k: int = typer.Option(20, "--top-k"), n_resamples: int = typer.Option(1000, "--resamples"),
                 seed: int = typer.Option(0, "--seed"),
                 export: Optional[Path] = typer.Option(None, "--export", help="write the top exportable direction "
-                                                                             "here (.safetensors)"),
+                                                                             "here (.safetensors)",
+                                                      callback=path_check("--export", "file")),
                 model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION, token: Optional[str] = TOKEN_OPTION,
                 as_json: bool = typer.Option(False, "--json")) -> None:
         """Contrast the steps of set A against set B at the chosen sites."""

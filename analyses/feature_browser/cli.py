@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import typer
 
-from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, group
+from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, group, path_check
 from analyses.feature_browser import (CORPORA, IndexSettings, Neuron, VectorDirection, browse, build_index,
                                       file_corpus, load_corpus, sae_latent)
 from analyses.feature_browser.search_cli import register_search
@@ -79,10 +79,11 @@ def register(cli: typer.Typer) -> None:
                 n: Optional[int] = typer.Option(None, "--n", help="keep the first n texts"),
                 max_tokens: int = typer.Option(64, "--max-tokens"),
                 unit: str = typer.Option("paragraph", "--unit"),
-                sae: Optional[str] = typer.Option(None, "--sae", help="SAELens folder"),
+                sae: Optional[str] = typer.Option(None, "--sae", help="SAELens folder", callback=path_check("--sae")),
                 latent: int = typer.Option(0, "--latent", help="latent of --sae"),
                 neuron: Optional[int] = typer.Option(None, "--neuron", help="a coordinate of the site"),
-                vector: Optional[Path] = typer.Option(None, "--vector", help=".safetensors file with the vector"),
+                vector: Optional[Path] = typer.Option(None, "--vector", help=".safetensors file with the vector",
+                                                      callback=path_check("--vector")),
                 tensor: Optional[str] = typer.Option(None, "--tensor", help="tensor name in --vector"),
                 k: int = typer.Option(20, "--k", help="top contexts"),
                 model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION, token: Optional[str] = TOKEN_OPTION,

@@ -17,7 +17,7 @@ from typing import Optional
 
 import typer
 
-from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TerminalProgress, backend, emit, eval_group
+from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TerminalProgress, backend, emit, eval_group, path_check
 from analyses.fuzzy_concepts.study import FuzzyOptions, run_study
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance, with_provenance
@@ -43,7 +43,8 @@ def fuzzy_concepts_cmd(
     source: str = typer.Option("generate", "--source",
                                help="generate, gsm8k, arith, texts, or toy-vlm-scenes (a VLM: images read at the "
                                     "answer mark, AMI against the asked object's colour and shape)"),
-    texts: Optional[Path] = typer.Option(None, "--texts", help="a file of texts, one per line (--source texts)"),
+    texts: Optional[Path] = typer.Option(None, "--texts", help="a file of texts, one per line (--source texts)",
+                                         callback=path_check("--texts")),
     n: int = typer.Option(200, "--n", help="samples to generate (or corpus texts to take)"),
     where: str = typer.Option("generated", "--where", help="generated: only occurrences in generated text; any"),
     seeds: int = typer.Option(5, "--seeds", help="fits per method (intervals over seeds)"),
@@ -57,8 +58,10 @@ def fuzzy_concepts_cmd(
     max_new_tokens: int = typer.Option(40, "--max-new-tokens"),
     batch_size: int = typer.Option(16, "--batch-size"),
     seed: int = typer.Option(0, "--seed"),
-    store: Optional[str] = typer.Option(None, "--store", help="activation store folder (default: user cache)"),
-    save: Optional[Path] = typer.Option(None, "--save", help="save the seed-0 fuzzy rules here (safetensors + JSON)"),
+    store: Optional[str] = typer.Option(None, "--store", help="activation store folder (default: user cache)",
+                                        callback=path_check("--store", "folder")),
+    save: Optional[Path] = typer.Option(None, "--save", help="save the seed-0 fuzzy rules here (safetensors + JSON)",
+                                        callback=path_check("--save", "folder")),
     model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION, server_token: Optional[str] = SERVER_TOKEN_OPTION,
     quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),

@@ -30,7 +30,7 @@ import typer.core
 from rich.console import Console
 from rich.table import Table
 
-from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group
+from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group, path_check
 from analyses.families import default_task
 from analyses.rise.evaluate import DEFAULT_ALPHAS, DEFAULT_PROJECTION_ALPHAS, evaluate_rise_organism
 from analyses.rise.pipeline import RiseOptions, RisePipeline, saved_saes
@@ -127,8 +127,10 @@ _BATCH = typer.Option(16, "--batch-size")
 _DELIM = typer.Option("auto", "--delimiter", help="auto (the model family's), sentence, paragraph, or a regex")
 _PROMPT = typer.Option("auto", "--prompt", help="auto (the model family's), one-shot, cot, chat or question")
 _AUG = typer.Option("none", "--augment", help="none, or templated (splice reflection/backtracking sentences)")
-_STORE = typer.Option(None, "--store", help="activation store folder (default: user cache)")
-_SAES = typer.Option(None, "--saes", help="folder for the SAEs and vectors (SAELens format; default: user cache)")
+_STORE = typer.Option(None, "--store", help="activation store folder (default: user cache)",
+                      callback=path_check("--store", "folder"))
+_SAES = typer.Option(None, "--saes", help="folder for the SAEs and vectors (SAELens format; default: user cache)",
+                     callback=path_check("--saes", "folder"))
 _ARCH = typer.Option("standard", "--arch", help="standard (ReLU + L1) or topk")
 _QUIET = typer.Option(False, "--quiet", help="no progress bars")
 _JSON = typer.Option(False, "--json", help="one JSON object on stdout")

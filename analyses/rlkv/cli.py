@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
-                             group)
+                             group, path_check)
 from analyses.rlkv.data import task_problems
 from analyses.rlkv.evaluate import evaluate_rlkv, report_table
 from analyses.rlkv.head_map import HeadMap
@@ -78,7 +78,8 @@ def register(cli: typer.Typer) -> None:
         sink: int = typer.Option(4, help="local attention's sink tokens in training"),
         recent: int = typer.Option(32, help="local attention's recent tokens in training"),
         micro_batch: int = typer.Option(8, help="sequences per backward pass (memory)"),
-        out: Path = typer.Option(..., help="folder for gates.safetensors and log.json (resumed if present)"),
+        out: Path = typer.Option(..., help="folder for gates.safetensors and log.json (resumed if present)",
+                                 callback=path_check("--out", "folder")),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Learn RLKV gates with GRPO (in this process); saves and resumes in --out."""
@@ -108,7 +109,8 @@ def register(cli: typer.Typer) -> None:
         model: str = MODEL_OPTION,
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
-        gates: Optional[Path] = typer.Option(None, help="a gates file or folder (learned map)"),
+        gates: Optional[Path] = typer.Option(None, help="a gates file or folder (learned map)",
+                                             callback=path_check("--gates")),
         task: str = typer.Option("arith", help="problems whose traces give the attention statistics",
                                  callback=canonical_task),
         ops: Optional[str] = typer.Option(None),
@@ -147,7 +149,8 @@ def register(cli: typer.Typer) -> None:
         token: Optional[str] = TOKEN_OPTION,
         task: str = typer.Option("arith", callback=canonical_task),
         ops: Optional[str] = typer.Option(None, help="arithmetic operators only, e.g. '+'"),
-        gates: Optional[Path] = typer.Option(None, help="learned gates (file or folder); without: RLKV is skipped"),
+        gates: Optional[Path] = typer.Option(None, help="learned gates (file or folder); without: RLKV is skipped",
+                                             callback=path_check("--gates")),
         sparsity: list[str] = typer.Option(["0.2", "0.4", "0.6", "0.8"], "--sparsity",
                                            help="fractions of heads made local: --sparsity 0.2 0.4 0.6 0.8"),
         n: int = typer.Option(60, help="evaluation problems"),

@@ -21,7 +21,7 @@ from typing import Optional
 
 import typer
 
-from analyses.clikit import SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group
+from analyses.clikit import SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group, path_check
 from analyses.visual_attribution.evaluate import REGION_KINDS, run_study
 from thoughtscope import checks
 from thoughtscope.provenance import provenance, with_provenance
@@ -50,7 +50,8 @@ def register(cli: typer.Typer) -> None:
                                     "true box and the background (the same table)"),
         seed: int = typer.Option(0, "--seed"),
         save: Optional[str] = typer.Option(None, "--save", help="write the fitted estimator to PATH.safetensors + "
-                                           "PATH.json (AmortizedAttribution.load reads it back)"),
+                                           "PATH.json (AmortizedAttribution.load reads it back)",
+                                           callback=path_check("--save", "file")),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Amortized attribution, raw attention and exhaustive ablation against the true regions."""

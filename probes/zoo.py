@@ -293,7 +293,7 @@ def load_model(
         return rehearse(load_model(inner, device=device, dtype=dtype))
     else:
         raise UnknownModelError(
-            f"unknown model id {model_id!r}. Known: {DEFAULT_MODEL}, {', '.join(toy_model_ids())}, "
+            f"unknown model id {model_id[:80]!r}{'...' if len(model_id) > 80 else ''}. Known: {DEFAULT_MODEL}, {', '.join(toy_model_ids())}, "
             f"tiny-random:<{'|'.join(TINY_ARCHS)}>, "
             "hf:<repo id or local folder>, ndif:<repo id>. Run `thoughtscope models` for the list."
         )

@@ -115,3 +115,14 @@ def test_the_zoo_lists_every_toy_with_its_small_variant():
     assert {"toy-reasoner:small", "toy-moe:small", "toy-vlm:small"} <= set(ids)
 
 
+
+
+def test_an_unknown_or_over_long_model_id_is_said_in_a_line_not_echoed_whole():
+    from probes.zoo import load_model
+
+    with pytest.raises(UnknownModelError) as unknown:
+        load_model("m" * 5000)
+    assert str(unknown.value).startswith(f"unknown model id '{'m' * 80}'.... Known: ")
+    assert len(str(unknown.value)) < 600
+    with pytest.raises(BadInputError, match=r"^the hf: model id or folder is 5,003 bytes long"):
+        load_model("hf:" + "x" * 5003)

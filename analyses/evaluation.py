@@ -43,6 +43,7 @@ import numpy as np
 
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import importing
 
 CONFIDENCE = 0.95
 N_RESAMPLES = 2000
@@ -347,7 +348,8 @@ def _binomial_two_sided(k: int, n: int) -> float:
     """Exact two-sided binomial p-value of k successes in n at p = 1/2 (0 successes in 0 trials: 1)."""
     if n == 0:
         return 1.0
-    from scipy.stats import binomtest  # lazy: scipy.stats takes seconds to import; only this needs it
+    with importing("scipy.stats"):  # lazy: scipy takes seconds to import
+        from scipy.stats import binomtest
 
     return float(binomtest(k, n, 0.5, alternative="two-sided").pvalue)
 
@@ -402,7 +404,8 @@ def sign_test(method: Sequence[float], baseline: Sequence[float], *, lower_is_be
 def wilcoxon_test(method: Sequence[float], baseline: Sequence[float], *, lower_is_better: bool = True,
                   alpha: float = ALPHA, seed: int = 0, n_resamples: int = N_RESAMPLES, what: str = "") -> PairedTest:
     """Wilcoxon signed-rank test of paired values (zero differences dropped; scipy's exact or normal p)."""
-    from scipy.stats import wilcoxon  # lazy: scipy.stats takes seconds to import; only this needs it
+    with importing("scipy.stats"):  # lazy: scipy takes seconds to import
+        from scipy.stats import wilcoxon
 
     a, b = _paired(method, baseline)
     d = a - b
@@ -423,7 +426,8 @@ def wilcoxon_test(method: Sequence[float], baseline: Sequence[float], *, lower_i
 
 
 def _z(q: float) -> float:
-    from scipy.stats import norm  # lazy: scipy.stats takes seconds to import; only this needs it
+    with importing("scipy.stats"):  # lazy: scipy takes seconds to import
+        from scipy.stats import norm
 
     return float(norm.ppf(q))
 

@@ -10,9 +10,10 @@ a browser test, 2026-12-07.
 
 Each background thread takes `HEAVY_IMPORTS` around such an import (`app.warm` per module, the bridge in
 `probes.zoo`, sae_lens in `saes.io`, `saes.train` and `analyses.rise.quality`, umap in `analyses.rise.columns`:
-the app's job threads reach them), so those imports run one at a time. The methods' other lazy imports (scipy.stats,
-scikit-learn's estimators) are left to Python's per-module import locks: none has broken in a test yet. A module already imported costs a dictionary lookup, and
-the lock is not taken again for it.
+the app's job threads reach them), so those imports run one at a time. The methods' lazy imports of scipy and
+scikit-learn (both deep package graphs with imports among their submodules, reached from job threads) run inside
+`importing(...)`, which keeps the `from ... import ...` statement and its types. A module already imported costs a
+dictionary lookup, and the lock is not taken again for it.
 """
 
 from __future__ import annotations
@@ -20,17 +21,37 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 HEAVY_IMPORTS = threading.RLock()
 
 
+def _loaded(name: str) -> bool:
+    module = sys.modules.get(name)
+    return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
+@contextmanager
+def importing(*names: str) -> Iterator[None]:
+    """Hold `HEAVY_IMPORTS` around the import statements in the block unless every module in `names` is already
+    loaded whole (then nothing is taken):
+
+        with importing("scipy.stats"):
+            from scipy.stats import rankdata
+    """
+    if all(_loaded(name) for name in names):
+        yield
+        return
+    with HEAVY_IMPORTS:
+        yield
+
+
 def import_module(name: str) -> Any:
     """`importlib.import_module(name)`, under `HEAVY_IMPORTS` unless the module is already loaded."""
-    module = sys.modules.get(name)
-    spec = getattr(module, "__spec__", None)
-    if module is not None and not getattr(spec, "_initializing", False):
-        return module
+    if _loaded(name):
+        return sys.modules[name]
     with HEAVY_IMPORTS:
         return importlib.import_module(name)
 

@@ -36,6 +36,7 @@ from analyses.evaluation import CONFIDENCE, Interval
 from saes.io import check_fits
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import importing
 
 KINDS = ("sae", "heads", "direction")
 MIN_STEPS = 2  # per set and part: a contrast needs a spread on both sides
@@ -113,7 +114,8 @@ def smd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def auroc(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """P(a random A step scores above a random B step) per column (ties count half), via ranks."""
-    from scipy.stats import rankdata  # lazy: scipy.stats takes seconds to import; only this needs it
+    with importing("scipy.stats"):  # lazy: scipy takes seconds to import
+        from scipy.stats import rankdata
 
     na, nb = a.shape[-2], b.shape[-2]
     ranks = rankdata(np.concatenate([a, b], axis=-2), axis=-2)
@@ -122,7 +124,8 @@ def auroc(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def mann_whitney_p(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Two-sided Mann-Whitney p-values per column; 1 for a column constant over both sets."""
-    from scipy.stats import mannwhitneyu  # lazy: scipy.stats takes seconds to import; only this needs it
+    with importing("scipy.stats"):  # lazy: scipy takes seconds to import
+        from scipy.stats import mannwhitneyu
 
     with np.errstate(invalid="ignore", divide="ignore"):
         p = mannwhitneyu(a, b, axis=0, alternative="two-sided").pvalue
@@ -285,7 +288,8 @@ def contrast(acts: dict[str, torch.Tensor], traces: np.ndarray, in_a: np.ndarray
         features[site.name] = _column_stats(f_dev[a_rows[rows]], f_dev[~a_rows[rows]])
         cols[site.name] = (keep[rows], f_dev, a_rows[rows], f_held, a_rows[held])
         labels += [(site, j) for j in range(f_dev.shape[1])]
-    from scipy.stats import false_discovery_control  # lazy: scipy.stats takes seconds to import; only this needs it
+    with importing("scipy.stats"):  # lazy: scipy takes seconds to import
+        from scipy.stats import false_discovery_control
 
     p_all = np.concatenate([features[s.name]["p"] for s in sites])
     q_all = false_discovery_control(p_all, method="bh")

@@ -37,6 +37,7 @@ from analyses.families import ModelFamily
 from analyses.steps import StepSegmenter
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import importing
 
 # ----------------------------------------------------------------------------- entropy curve
 
@@ -143,7 +144,8 @@ class _Density:
             self.hist = (self.counts + smoothing) / (self.counts.sum() + smoothing * bins) / width
             self.bandwidth = None
         else:
-            from sklearn.neighbors import KernelDensity  # lazy: scikit-learn takes seconds to import
+            with importing("sklearn.neighbors"):  # lazy: scikit-learn takes seconds to import
+                from sklearn.neighbors import KernelDensity
 
             self.bandwidth = float(bandwidth if bandwidth is not None else silverman_bandwidth(values))
             self.kde = KernelDensity(kernel="gaussian", bandwidth=self.bandwidth).fit(values[:, None]) \

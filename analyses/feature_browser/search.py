@@ -24,6 +24,7 @@ import numpy as np
 
 from analyses.feature_browser.labels import LatentLabels
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import importing
 
 MAX_QUERY_CHARS = 500
 TOKEN_PATTERN = r"(?u)\b\w+\b|[^\w\s]"  # words (of one letter too) and single punctuation marks
@@ -58,7 +59,8 @@ class LabelSearch:
     """A TF-IDF index over the labels of one SAE; `search(query, k)` ranks latents by cosine similarity."""
 
     def __init__(self, labels: LatentLabels):
-        from sklearn.feature_extraction.text import TfidfVectorizer  # lazy: scikit-learn takes seconds to import
+        with importing("sklearn.feature_extraction.text"):  # lazy: scikit-learn takes seconds to import
+            from sklearn.feature_extraction.text import TfidfVectorizer
 
         self.labels = labels
         self.latents_ = np.array([lab.latent for lab in labels.labels if lab.quality != "dead"], dtype=np.int64)

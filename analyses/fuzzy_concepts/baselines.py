@@ -30,6 +30,7 @@ import torch
 
 from analyses.fuzzy_concepts.rules import as_matrix, check_rules_fit, standardiser
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import importing
 
 
 class _Standardised:
@@ -95,8 +96,9 @@ class SemiNMFConcepts(_Standardised):
         return {**super().get_params(), "alpha": self.alpha, "max_iter": self.max_iter}
 
     def _fit_x(self, x: np.ndarray) -> np.ndarray:
-        from sklearn.decomposition import DictionaryLearning  # lazy: scikit-learn takes seconds to import
-        from sklearn.exceptions import ConvergenceWarning  # lazy: scikit-learn takes seconds to import
+        with importing("sklearn.decomposition", "sklearn.exceptions"):  # lazy: scikit-learn takes seconds to import
+            from sklearn.decomposition import DictionaryLearning
+            from sklearn.exceptions import ConvergenceWarning
 
         self.model_ = DictionaryLearning(n_components=self.n_concepts, alpha=self.alpha, max_iter=self.max_iter,
                                          fit_algorithm="cd", transform_algorithm="lasso_cd",
@@ -108,7 +110,8 @@ class SemiNMFConcepts(_Standardised):
         return self.model_.components_
 
     def _codes(self, x: np.ndarray) -> np.ndarray:
-        from sklearn.exceptions import ConvergenceWarning  # lazy: scikit-learn takes seconds to import
+        with importing("sklearn.exceptions"):  # lazy: scikit-learn takes seconds to import
+            from sklearn.exceptions import ConvergenceWarning
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
@@ -121,7 +124,8 @@ class KMeansConcepts(_Standardised):
     name = "k-means"
 
     def _fit_x(self, x: np.ndarray) -> np.ndarray:
-        from sklearn.cluster import KMeans  # lazy: scikit-learn takes seconds to import; only this needs it
+        with importing("sklearn.cluster"):  # lazy: scikit-learn takes seconds to import
+            from sklearn.cluster import KMeans
 
         self.model_ = KMeans(n_clusters=self.n_concepts, n_init=3, random_state=self.seed).fit(x)
         return self.model_.cluster_centers_
@@ -138,7 +142,8 @@ class PCAConcepts(_Standardised):
     name = "PCA"
 
     def _fit_x(self, x: np.ndarray) -> np.ndarray:
-        from sklearn.decomposition import PCA  # lazy: scikit-learn takes seconds to import; only this needs it
+        with importing("sklearn.decomposition"):  # lazy: scikit-learn takes seconds to import
+            from sklearn.decomposition import PCA
 
         k = min(self.n_concepts, *x.shape)
         self.model_ = PCA(n_components=k, svd_solver="full").fit(x)

@@ -31,6 +31,7 @@ import torch
 from english_words import get_english_words_set
 
 from probes.backend import Backend
+from thoughtscope.imports import importing
 
 TOP_K = 50
 KEEP = 15
@@ -41,7 +42,8 @@ _EXTRA_STOPWORDS = {"im", "ll", "ve", "re", "don", "didn", "doesn", "isn", "wasn
 
 
 def stopwords() -> frozenset[str]:
-    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # lazy: scikit-learn takes seconds to import
+    with importing("sklearn.feature_extraction.text"):  # lazy: scikit-learn takes seconds to import
+        from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 
     return frozenset(ENGLISH_STOP_WORDS) | _EXTRA_STOPWORDS
 

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from thoughtscope.imports import importing
+
 
 def _np(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy().astype(np.float64) if isinstance(x, torch.Tensor) else np.asarray(x, np.float64)
@@ -83,7 +85,8 @@ def word_overlap(words: Sequence[Sequence[str]]) -> tuple[np.ndarray, float]:
 
 def matched_similarity(a: Any, b: Any) -> float:
     """Mean cosine similarity of two concept sets [K, d] after a one-to-one (Hungarian) matching."""
-    from scipy.optimize import linear_sum_assignment  # lazy: scipy.stats takes seconds to import; only this needs it
+    with importing("scipy.optimize"):  # lazy: scipy takes seconds to import
+        from scipy.optimize import linear_sum_assignment
 
     x, y = _np(a), _np(b)
     x = x / np.clip(np.linalg.norm(x, axis=1, keepdims=True), 1e-12, None)
@@ -95,7 +98,8 @@ def matched_similarity(a: Any, b: Any) -> float:
 
 def adjusted_mutual_information(codes: Any, labels: Sequence[Any]) -> float:
     """AMI between the strongest concept of each sample and its label."""
-    from sklearn.metrics import adjusted_mutual_info_score  # lazy: scikit-learn takes seconds to import
+    with importing("sklearn.metrics"):  # lazy: scikit-learn takes seconds to import
+        from sklearn.metrics import adjusted_mutual_info_score
 
     return float(adjusted_mutual_info_score([str(x) for x in labels], assignments(codes)))
 
@@ -108,7 +112,8 @@ def seed_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, 
     mean = float(v.mean())
     if v.size < 2 or float(v.std(ddof=1)) == 0.0:
         return mean, mean, mean
-    from scipy import stats  # lazy: scipy.stats takes seconds to import; only this needs it
+    with importing("scipy"):  # lazy: scipy takes seconds to import
+        from scipy import stats
 
     half = float(stats.t.ppf(0.5 + level / 2, v.size - 1) * v.std(ddof=1) / math.sqrt(v.size))
     return mean, mean - half, mean + half

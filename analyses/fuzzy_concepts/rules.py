@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import importing
 
 MEMBERSHIPS = ("gaussian", "product")
 WEIGHTS_FILE = "fuzzy_rules.safetensors"
@@ -253,7 +254,8 @@ class FuzzyRuleLayer:
     def _init(self, x: torch.Tensor, m: int):
         """P from PCA, centres from k-means on the projected samples, widths from the cluster spread and
         consequents from the cluster means: gradient descent then refines a sensible start."""
-        from sklearn.cluster import KMeans  # lazy: scikit-learn takes seconds to import; only this needs it
+        with importing("sklearn.cluster"):  # lazy: scikit-learn takes seconds to import
+            from sklearn.cluster import KMeans
 
         # principal directions from the d x d covariance (cheaper than an SVD of the n x d matrix)
         _, vecs = torch.linalg.eigh((x.T @ x).double())

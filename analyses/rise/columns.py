@@ -23,7 +23,7 @@ from analyses.rise.quality import latent_auroc, sae_quality, step_silhouette
 from saes.io import check_fits
 from saes.stats import encode_all, sae_stats
 from thoughtscope.errors import BadInputError
-from thoughtscope.imports import import_module
+from thoughtscope.imports import import_module, importing
 
 @dataclass
 class ColumnAssociation:
@@ -108,7 +108,8 @@ def _project(w: np.ndarray, method: str, seed: int, n_neighbors: int) -> np.ndar
 
 
 def _silhouette(x: np.ndarray, groups: Sequence[str], metric: str) -> float | None:
-    from sklearn.metrics import silhouette_score  # lazy: scikit-learn takes seconds to import; only this needs it
+    with importing("sklearn.metrics"):  # lazy: scikit-learn takes seconds to import
+        from sklearn.metrics import silhouette_score
 
     n_groups = len(set(groups))
     if n_groups < 2 or n_groups > len(groups) - 1:

@@ -43,6 +43,7 @@ from analyses.rise.steer import SteeringResult, check_steering, steer
 from probes.backend import Backend
 from saes.stats import encode_all
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import importing
 from thoughtscope.provenance import provenance
 
 DEFAULT_ALPHAS = (-0.4, -0.2, -0.1, 0.0, 0.1, 0.2, 0.4)
@@ -100,10 +101,12 @@ def probe_auroc(pipeline: RisePipeline, found: dict[str, Any], seed: int = 0) ->
     """The ceiling for `kind_auroc`: a logistic-regression probe on the raw step vectors (one per kind, fitted
     on the training steps), scored by AUROC on the held-out steps. A latent far below it means the
     information is in the residual stream but the SAE spread it over several latents."""
-    from sklearn.linear_model import LogisticRegression  # lazy: scikit-learn takes seconds to import
-    from sklearn.metrics import roc_auc_score  # lazy: scikit-learn takes seconds to import; only this needs it
-    from sklearn.pipeline import make_pipeline  # lazy: scikit-learn takes seconds to import; only this needs it
-    from sklearn.preprocessing import StandardScaler  # lazy: scikit-learn takes seconds to import; only this needs it
+    # lazy: scikit-learn takes seconds to import
+    with importing("sklearn.linear_model", "sklearn.metrics", "sklearn.pipeline", "sklearn.preprocessing"):
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.metrics import roc_auc_score
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import StandardScaler
 
     h = found["harvest"]
     kinds, train, rows = _kinds_and_rows(pipeline, found)

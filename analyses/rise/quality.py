@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from thoughtscope.imports import import_from
+from thoughtscope.imports import import_from, importing
 
 POOR_EXPLAINED_VARIANCE = 0.5  # below this on held-out steps, the page warns that the SAE reconstructs poorly
 
@@ -74,7 +74,8 @@ def quality_warning(heldout_ev: float | None, threshold: float = POOR_EXPLAINED_
 
 
 def _auroc(scores: np.ndarray, positive: np.ndarray) -> float | None:
-    from sklearn.metrics import roc_auc_score  # lazy: scikit-learn takes seconds to import; only this needs it
+    with importing("sklearn.metrics"):  # lazy: scikit-learn takes seconds to import
+        from sklearn.metrics import roc_auc_score
 
     if positive.all() or not positive.any():
         return None
@@ -85,7 +86,8 @@ def latent_auroc(train_latents: torch.Tensor, train_labels: Sequence[str], heldo
                  heldout_labels: Sequence[str], classes: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Per class: the latent with the highest training AUROC (class vs rest), its training AUROC, and
     its AUROC on the held-out steps (None where a split lacks positives or negatives)."""
-    from sklearn.metrics import roc_auc_score  # lazy: scikit-learn takes seconds to import; only this needs it
+    with importing("sklearn.metrics"):  # lazy: scikit-learn takes seconds to import
+        from sklearn.metrics import roc_auc_score
 
     z_train = torch.as_tensor(train_latents).float().numpy()
     z_held = torch.as_tensor(heldout_latents).float().numpy()
@@ -110,7 +112,8 @@ def latent_auroc(train_latents: torch.Tensor, train_labels: Sequence[str], heldo
 def step_silhouette(latents: torch.Tensor, labels: Sequence[str]) -> float | None:
     """Silhouette (cosine) of steps' latent codes grouped by label; None when undefined (one group,
     or as many groups as steps). Steps where no latent fires have no direction and are left out."""
-    from sklearn.metrics import silhouette_score  # lazy: scikit-learn takes seconds to import; only this needs it
+    with importing("sklearn.metrics"):  # lazy: scikit-learn takes seconds to import
+        from sklearn.metrics import silhouette_score
 
     z = torch.as_tensor(latents).float().numpy()
     keep = np.linalg.norm(z, axis=1) > 0

@@ -51,6 +51,7 @@ from probes.toys import vlm
 from probes.vision import expand, image_token_groups, spec_of
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import importing
 
 
 @dataclass
@@ -249,7 +250,8 @@ def choose_settings(train: list[SceneResult], dev: list[SceneResult], seed: int 
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
-    from scipy.stats import spearmanr  # lazy: scipy.stats takes seconds to import; only this needs it
+    with importing("scipy.stats"):  # lazy: scipy takes seconds to import
+        from scipy.stats import spearmanr
 
     if np.std(a) == 0 or np.std(b) == 0:
         return 0.0

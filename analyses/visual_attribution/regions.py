@@ -33,6 +33,7 @@ import numpy as np
 from probes.image_regions import check_box, check_mask, check_min_coverage, region_cells
 from probes.vision import VisionSpec, image_token_groups
 from thoughtscope.errors import BadInputError
+from thoughtscope.imports import importing
 
 MAX_REGIONS = 256  # per image: each region is one masked row of the exhaustive effects
 MAX_REGIONS_JSON_BYTES = 8 * 1024 * 1024
@@ -72,8 +73,9 @@ def grid_regions(spec: VisionSpec, rows: int, cols: int) -> list[Region]:
 
 def cluster_regions(spec: VisionSpec, features: Any, k: int) -> list[Region]:
     """`k` connected clusters of the visual tokens by Ward linkage on their features [grid^2, d]."""
-    from sklearn.cluster import AgglomerativeClustering  # lazy: scikit-learn takes seconds to import
-    from sklearn.feature_extraction.image import grid_to_graph  # lazy: scikit-learn takes seconds to import
+    with importing("sklearn.cluster", "sklearn.feature_extraction.image"):  # lazy: scikit-learn takes seconds to import
+        from sklearn.cluster import AgglomerativeClustering
+        from sklearn.feature_extraction.image import grid_to_graph
 
     n = spec.grid * spec.grid
     x = np.asarray(features, dtype=np.float64)

@@ -185,3 +185,27 @@ def test_a_servers_nonsense_limit_is_refused_at_start(app, monkeypatch, option, 
     result = CliRunner().invoke(app, ["serve", "--model", "tiny-random:llama", "--port", "8799", option, value])
     assert result.exit_code != 0 and says in str(result.exception) + result.output
     assert loaded == []
+
+
+def test_a_bad_count_or_window_is_refused_before_the_model_works(monkeypatch, capsys):
+    """`features top --k -1` was refused only after the whole corpus was indexed (1,823 texts), and `rlkv map
+    --sink -1` drew a head map from a negative window."""
+    from analyses.feature_browser import cli as features_cli
+    from analyses.rlkv import head_map
+
+    indexed, traced = [], []
+    monkeypatch.setattr(features_cli, "build_index", lambda *a, **k: indexed.append(a))
+    monkeypatch.setattr(head_map, "problem_texts", lambda *a, **k: traced.append(a))
+    for argv, code, says in (
+            (["features", "top", "--model", "tiny-random:llama", "--site", "resid_post.0", "--neuron", "0", "--k", "-1"],
+             2, "Invalid value for '--k': Input should be greater than or equal to 1"),
+            (["rlkv", "map", "--model", "tiny-random:llama", "--sink", "-1"], 2,
+             "error: sink must be an integer >= 0, got -1"),
+            (["rlkv", "map", "--model", "tiny-random:llama", "--sink", "100000"], 2,
+             "a local head would read everything; choose a smaller window")):
+        monkeypatch.setattr("sys.argv", ["thoughtscope", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            cli_module.main()
+        err = " ".join(capsys.readouterr().err.replace("│", " ").split())
+        assert exit_info.value.code == code and "Traceback" not in err and says in err, (argv, err)
+    assert indexed == [] and traced == []

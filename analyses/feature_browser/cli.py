@@ -85,7 +85,7 @@ def register(cli: typer.Typer) -> None:
                 vector: Optional[Path] = typer.Option(None, "--vector", help=".safetensors file with the vector",
                                                       callback=path_check("--vector")),
                 tensor: Optional[str] = typer.Option(None, "--tensor", help="tensor name in --vector"),
-                k: int = typer.Option(20, "--k", help="top contexts"),
+                k: int = typer.Option(20, "--k", min=1, help="top contexts"),  # said before the corpus is indexed
                 model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION, token: Optional[str] = TOKEN_OPTION,
                 as_json: bool = typer.Option(False, "--json")) -> None:
         """The top contexts of a direction, its histogram and the logits it promotes and suppresses."""

@@ -47,8 +47,8 @@ from analyses.evaluation import (Splits, bootstrap_interval, choose_on_dev, comp
                                  mcnemar_exact, paired_difference_interval, split_three)
 from analyses.families import family_for, task_prompt
 from analyses.rlkv.data import task_problems
-from analyses.rlkv.heads import (attention_head_scores, full_heads_from_scores, matched_entries, problem_texts,
-                                 random_full_heads)
+from analyses.rlkv.heads import (LOCAL_HINT, attention_head_scores, full_heads_from_scores, matched_entries,
+                                 problem_texts, random_full_heads)
 from analyses.rlkv.probe import read_gates
 from analyses.tasks import is_correct
 from probes.backend import Backend, require
@@ -269,7 +269,7 @@ def evaluate_rlkv(backend: Backend, task: str, sparsities: Sequence[float], *, g
     levels = sorted(dict.fromkeys(float(s) for s in sparsities))
     if not levels or any(not (0 <= s < 1) for s in levels):
         raise BadInputError(f"sparsities must lie in [0, 1) (the fraction of heads made local), got {list(sparsities)}")
-    checks.window(sink, recent, arch.context_length, hint="a local head would read everything; choose a smaller window")
+    checks.window(sink, recent, arch.context_length, hint=LOCAL_HINT)
     for name, value, low in (("n", n, 1), ("n_dev", n_dev, 1), ("n_calibration", n_calibration, 1),
                              ("random_seeds", random_seeds, 0), ("max_new_tokens", max_new_tokens, 1),
                              ("batch_size", batch_size, 1)):

@@ -19,10 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from analyses.rlkv.heads import attention_head_scores, full_heads_from_scores, kv_fraction, problem_texts
+from analyses.rlkv.heads import (LOCAL_HINT, attention_head_scores, full_heads_from_scores, kv_fraction,
+                                 problem_texts)
 from analyses.rlkv.probe import read_gates
 from probes.backend import Backend
 from probes.kv_policy import HeadBudget
+from thoughtscope import checks
 
 LEARNED, ATTENTION = "learned", "attention"
 
@@ -55,6 +57,7 @@ class HeadMap:
     @classmethod
     def from_gates(cls, path: str | Path, backend: Backend, sink: int = 4, recent: int = 32) -> "HeadMap":
         """Learned gates from a `thoughtscope rlkv train` file or folder, checked against the backend's model."""
+        sink, recent = checks.window(sink, recent, backend.arch().context_length, hint=LOCAL_HINT)
         found = read_gates(path, backend)
         meta = found["meta"]
         training = {k: meta[k] for k in ("model", "fingerprint", "settings", "task") if k in meta}
@@ -67,7 +70,8 @@ class HeadMap:
                        max_new_tokens: int = 48, progress: Callable[..., None] | None = None,
                        task: str | None = None) -> "HeadMap":
         """Each KV head's attention mass outside its sink + recent window over greedy traces of `problems`
-        (of `task`, named in the map; no training)."""
+        (of `task`, named in the map; no training). The window is checked before any trace is generated."""
+        sink, recent = checks.window(sink, recent, backend.arch().context_length, hint=LOCAL_HINT)
         if progress is not None:
             progress("greedy traces", 0, len(problems))
         texts = problem_texts(backend, problems, max_new_tokens=max_new_tokens)

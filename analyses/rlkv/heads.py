@@ -34,6 +34,8 @@ from probes.gates import binarised
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
+LOCAL_HINT = "a local head would read everything; choose a smaller window"  # a too-wide sink + recent window
+
 
 def random_full_heads(shape: tuple[int, int], sparsity: float, seed: int = 0) -> np.ndarray:
     """bool [layers, kv_heads]: a random (1 - sparsity) fraction of heads keeps the full cache."""

@@ -19,6 +19,7 @@ from app.context import (CONFIRM_LABEL, FinishedGenerations, GenerationSettings,
 from app.persist import keep, kept, mirror_to_url, seed_from_url
 from app.switch import apply_request
 from probes.engine import Engine
+from thoughtscope import checks
 from thoughtscope.errors import ThoughtscopeError
 from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, local_hf_models, needs_training, prepare_model, toy_model_ids
 
@@ -106,7 +107,7 @@ SETTING_DEFAULTS = {"max_new_tokens": 48, "temperature": 0.0, "top_p": 1.0, "top
 # Each setting's widget range, in one place: the widgets below, and the values a URL may bring (a value outside,
 # from a hand-edited or an old link, was handed to the widget and stopped the page with a traceback)
 SETTING_RANGES = {"max_new_tokens": (1, 256), "temperature": (0.0, 2.0), "top_p": (0.05, 1.0), "top_k": (0, 1000),
-                  "alternatives": (1, 10), "seed": (0, 2**31 - 1)}
+                  "alternatives": (1, 10), "seed": (0, checks.SEED_MAX)}
 # The sidebar's widgets: they take their held value through `value=` (app/persist.py).
 SIDEBAR_KEYS = ("backend_kind", "server_url", "server_token", "model_pick", "model_custom", "chat", "one_shot", "prompt",
                 *SETTING_DEFAULTS, "prompt_warn_tokens")

@@ -13,6 +13,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from thoughtscope import checks
+
 
 def register(cli: typer.Typer) -> None:
     cli.command()(models)
@@ -88,7 +90,7 @@ def generate(
     model: str = typer.Option("smollm2-135m", help="model id"),
     max_new_tokens: int = typer.Option(64, help="tokens to generate"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
     chat: bool = typer.Option(True, help="wrap the prompt in the model's chat template"),
     capture: list[str] = typer.Option([], help="site to capture, e.g. resid_post.12 (repeatable)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON record per token"),

@@ -209,3 +209,30 @@ def test_a_bad_count_or_window_is_refused_before_the_model_works(monkeypatch, ca
         err = " ".join(capsys.readouterr().err.replace("│", " ").split())
         assert exit_info.value.code == code and "Traceback" not in err and says in err, (argv, err)
     assert indexed == [] and traced == []
+
+
+def test_every_seed_option_takes_the_apps_range_when_the_command_line_is_read(app):
+    """`eval vis-attr --seed -1` raised numpy's ValueError with a traceback, `contrast run --seed -1` was refused
+    after its steps were read, `eval expert-sample --seed -1` named a derived seed (-100003) and `rlkv map --seed -1`
+    ran (seeded like --seed 1). Every command's --seed now takes 0..2**31 - 1, as the app's seed box does."""
+    import click
+    import typer
+
+    from app.sidebar import SETTING_RANGES
+    from thoughtscope import checks
+
+    assert SETTING_RANGES["seed"] == (0, checks.SEED_MAX)
+    seen = []
+
+    def walk(command: click.Command, path: list[str]) -> None:
+        for param in getattr(command, "params", []):
+            if "--seed" in getattr(param, "opts", []):
+                seen.append(" ".join(path))
+                for bad in ("-1", str(checks.SEED_MAX + 1)):
+                    result = runner.invoke(app, [*path, "--seed", bad])
+                    assert result.exit_code == 2 and "Invalid value for '--seed'" in result.output, (path, bad)
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    assert len(seen) >= 14, seen  # generate, rise (harvest, ...), contrast run, eval cot-*, rlkv, moe, vis-attr, fuzzy

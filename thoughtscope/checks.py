@@ -29,6 +29,7 @@ T = TypeVar("T")
 
 __all__ = ["integer", "number", "choice", "int_list", "window", "is_integer", "user_path", "writable_folder"]
 
+SEED_MAX = 2**31 - 1  # a seed the user gives (the app's and the command line's range): derived seeds stay in int64
 PATH_MAX_BYTES = 4096  # Linux's PATH_MAX
 NAME_MAX_BYTES = 255  # the longest file name the common file systems hold
 

@@ -23,6 +23,7 @@ from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalP
 from analyses.contrast.core import ContrastSettings, export_direction, save_direction
 from analyses.contrast.run import run_contrast
 from analyses.tasks import canonical_task
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance, with_provenance
 
@@ -49,7 +50,7 @@ def register(cli: typer.Typer) -> None:
                                                                           "(default: user cache)",
                                                     callback=path_check("--store", "folder")),
                 top_k: int = typer.Option(20, "--top-k"), n_resamples: int = typer.Option(1000, "--resamples"),
-                seed: int = typer.Option(0, "--seed"),
+                seed: int = typer.Option(0, "--seed", min=0, max=checks.SEED_MAX),
                 export: Optional[Path] = typer.Option(None, "--export", help="write the top exportable direction "
                                                                              "here (.safetensors)",
                                                       callback=path_check("--export", "file")),

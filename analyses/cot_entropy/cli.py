@@ -32,6 +32,7 @@ from analyses.distributed.options import RAY_OPTION, REPLICAS_OPTION, ray_runner
 from analyses.families import default_task, family_for
 from analyses.tasks import canonical_task
 from probes.backend import Backend
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
 
@@ -111,7 +112,7 @@ def register(cli: typer.Typer) -> None:
         cost: str = typer.Option("generated", help="token count the choice minimises: generated | with_probes"),
         max_new_tokens: int = typer.Option(96, help="longest trace"),
         batch_size: int = typer.Option(16, help="traces generated together"),
-        seed: int = typer.Option(0),
+        seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
         step_delimiter: Optional[str] = typer.Option(None, help="regex ending a step (default: per family)"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
         per_problem: bool = typer.Option(True, help="include per-problem rows in the JSON"),
@@ -171,7 +172,7 @@ def register(cli: typer.Typer) -> None:
         h: list[str] = typer.Option(["0.5,1,2,4,8"], "--h", help="CUSUM thresholds to choose from"),
         bound: int = typer.Option(2, help="an alarm 0..bound steps after the settling step counts as on time"),
         density: str = typer.Option("kde", help="kde | histogram"),
-        seed: int = typer.Option(0),
+        seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Detection delay of the CUSUM alarm against the organism's planted settling step."""
@@ -210,7 +211,7 @@ def register(cli: typer.Typer) -> None:
         h: float = typer.Option(2.0, "--h", help="CUSUM threshold (the weights do not depend on it)"),
         max_new_tokens: int = typer.Option(96),
         batch_size: int = typer.Option(16),
-        seed: int = typer.Option(0),
+        seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
         step_delimiter: Optional[str] = typer.Option(None, help="regex ending a step (default: per family)"),
         as_json: bool = typer.Option(False, "--json"),
     ) -> None:

@@ -19,6 +19,7 @@ import typer
 
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TerminalProgress, backend, emit, eval_group, path_check
 from analyses.fuzzy_concepts.study import FuzzyOptions, run_study
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance, with_provenance
 
@@ -57,7 +58,7 @@ def fuzzy_concepts_cmd(
     max_active: float = typer.Option(2.0, "--max-active", help="the development rule's bound on active concepts"),
     max_new_tokens: int = typer.Option(40, "--max-new-tokens"),
     batch_size: int = typer.Option(16, "--batch-size"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", min=0, max=checks.SEED_MAX),
     store: Optional[str] = typer.Option(None, "--store", help="activation store folder (default: user cache)",
                                         callback=path_check("--store", "folder")),
     save: Optional[Path] = typer.Option(None, "--save", help="save the seed-0 fuzzy rules here (safetensors + JSON)",

@@ -28,6 +28,7 @@ from analyses.moe_router.evaluate import ExpertSetting, evaluate_active_experts,
 from analyses.moe_router.maps import profile_task
 from analyses.moe_router.stats import HeadTail
 from analyses.tasks import canonical_task
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance, with_provenance
 
@@ -85,7 +86,7 @@ def register(cli: typer.Typer) -> None:
                                                                   "Expert-Sample + temperature (default: --temperature)"),
         max_new_tokens: int = typer.Option(48, help="longest answer"),
         batch_rows: int = typer.Option(128, help="sequences generated together (whole problems of N samples)"),
-        seed: int = typer.Option(0),
+        seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
         n_resamples: int = typer.Option(2000, help="bootstrap resamples"),
         per_problem: bool = typer.Option(False, help="include per-problem rows in the JSON"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -118,7 +119,7 @@ def register(cli: typer.Typer) -> None:
         ks: list[str] = typer.Option([], "--k", help="experts per token to try (default: the model's k down to 1)"),
         max_new_tokens: int = typer.Option(48, help="longest answer"),
         batch_rows: int = typer.Option(128, help="sequences generated together"),
-        seed: int = typer.Option(0),
+        seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
         n_resamples: int = typer.Option(2000, help="bootstrap resamples"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
@@ -144,7 +145,7 @@ def register(cli: typer.Typer) -> None:
         k_h: int = typer.Option(2, "--k-h", help="head size of the fixed rule"),
         p: float = typer.Option(0.5, help="mass of the cumulative-probability rule"),
         max_new_tokens: int = typer.Option(48, help="longest answer"),
-        seed: int = typer.Option(0),
+        seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Sorted router probabilities, entropy, gap and head sizes (fixed / cumulative / gap), per MoE layer."""

@@ -426,6 +426,7 @@ def evaluate_expert_sample(backend: Backend, task: str = "auto", n: int = 100, n
     arch = require_moe(backend)
     for name, value in (("n", n), ("n_dev", n_dev), ("n_samples", n_samples)):
         checks.integer(name, value, low=1)
+    checks.integer("seed", seed, low=0, high=checks.SEED_MAX)  # before the batches' seeds are derived from it
     temperatures = list(temperatures)
     combined = list(combined_temperatures if combined_temperatures is not None else temperatures)
     if not temperatures or not combined:

@@ -35,6 +35,7 @@ from analyses.families import default_task
 from analyses.rise.evaluate import DEFAULT_ALPHAS, DEFAULT_PROJECTION_ALPHAS, evaluate_rise_organism
 from analyses.rise.pipeline import RiseOptions, RisePipeline, saved_saes
 from analyses.tasks import canonical_task
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance
 
@@ -120,7 +121,7 @@ _TASK = typer.Option("auto", "--task", help="auto (the model's own task, else ar
                                             "gsm8k, toy-reasoner, toy-reasoner:small, or a .jsonl problem file",
                      callback=canonical_task)
 _N = typer.Option(200, "--n", help="problems to harvest")
-_SEED = typer.Option(0, "--seed")
+_SEED = typer.Option(0, "--seed", min=0, max=checks.SEED_MAX)
 _LAYERS = typer.Option(None, "--layers", help="layers, e.g. --layers 9 15 21 (default: 1/3, 1/2, 3/4 depth)")
 _MAXNEW = typer.Option(64, "--max-new-tokens")
 _BATCH = typer.Option(16, "--batch-size")

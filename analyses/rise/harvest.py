@@ -75,6 +75,8 @@ class HarvestSettings:
         checks.choice("augment", self.augment, ("none", "templated"))
         if self.batch_size < 1 or self.max_new_tokens < 1:
             raise BadInputError("batch_size and max_new_tokens must be positive")
+        # the user's seed, before the generator's seeds are derived from it (seed * 100003 + batch start)
+        checks.integer("seed", self.seed, low=0, high=checks.SEED_MAX)
 
     @property
     def sites(self) -> list[str]:

@@ -31,6 +31,7 @@ from analyses.rlkv.head_map import HeadMap
 from analyses.rlkv.probe import HeadGateProbe
 from analyses.tasks import canonical_task
 from probes.backend import Backend
+from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance
 
@@ -66,7 +67,7 @@ def register(cli: typer.Typer) -> None:
                                  callback=canonical_task),
         ops: Optional[str] = typer.Option(None, help="arithmetic operators only, e.g. '+' (arith, arith2)"),
         n_train: int = typer.Option(96, help="training problems (disjoint from evaluation: `eval rlkv` drops them)"),
-        seed: int = typer.Option(0, help="problems and rollouts"),
+        seed: int = typer.Option(0, min=0, max=checks.SEED_MAX, help="problems and rollouts"),
         steps: int = typer.Option(24),
         prompts_per_step: int = typer.Option(8),
         group_size: int = typer.Option(4, help="G samples per prompt"),
@@ -117,7 +118,7 @@ def register(cli: typer.Typer) -> None:
         n: int = typer.Option(8, help="traces for the attention statistics"),
         sink: int = typer.Option(4),
         recent: int = typer.Option(32),
-        seed: int = typer.Option(0),
+        seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
         sparsity: Optional[float] = typer.Option(None, help="also give the heads kept full at this sparsity and "
                                                             "their KV bytes at 4,096 tokens"),
         as_json: bool = typer.Option(False, "--json"),
@@ -156,7 +157,8 @@ def register(cli: typer.Typer) -> None:
         n: int = typer.Option(60, help="evaluation problems"),
         n_dev: int = typer.Option(16, help="development problems (budget, SnapKV window)"),
         n_calibration: int = typer.Option(8, help="calibration problems (attention-statistics head scores)"),
-        seed: int = typer.Option(1, help="problem pool (training used --seed 0 by default; its problems are dropped)"),
+        seed: int = typer.Option(1, min=0, max=checks.SEED_MAX,
+                                 help="problem pool (training used --seed 0 by default; its problems are dropped)"),
         sink: int = typer.Option(4, help="local heads' sink tokens"),
         recent: int = typer.Option(32, help="local heads' recent tokens"),
         random_seeds: int = typer.Option(3, help="random head choices per sparsity"),

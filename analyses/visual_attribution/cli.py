@@ -48,7 +48,7 @@ def register(cli: typer.Typer) -> None:
         k: int = typer.Option(0, "--k", help="regions: 0 = --regions; K = K Ward clusters of the visual tokens"),
         regions: str = typer.Option("grid", "--regions", help="grid: the scene's 9 cells; objects: each object's "
                                     "true box and the background (the same table)"),
-        seed: int = typer.Option(0, "--seed"),
+        seed: int = typer.Option(0, "--seed", min=0, max=checks.SEED_MAX),
         save: Optional[str] = typer.Option(None, "--save", help="write the fitted estimator to PATH.safetensors + "
                                            "PATH.json (AmortizedAttribution.load reads it back)",
                                            callback=path_check("--save", "file")),

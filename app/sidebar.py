@@ -19,9 +19,9 @@ from app.context import (CONFIRM_LABEL, FinishedGenerations, GenerationSettings,
 from app.persist import keep, kept, mirror_to_url, seed_from_url
 from app.switch import apply_request
 from probes.engine import Engine
+from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, local_hf_models, needs_training, prepare_model, toy_model_ids
 from thoughtscope import checks
 from thoughtscope.errors import ThoughtscopeError
-from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, local_hf_models, needs_training, prepare_model, toy_model_ids
 
 MODEL_ENV = "THOUGHTSCOPE_MODEL"  # set by `thoughtscope app --model` (or by hand)
 SERVER_ENV = "THOUGHTSCOPE_SERVER"  # set by `thoughtscope app --server`

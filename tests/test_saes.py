@@ -164,36 +164,13 @@ def test_loading_an_sae_in_a_thread_imports_sae_lens_under_the_heavy_imports_loc
     bridge import (two threads entering transformer_lens at once broke one of them; thoughtscope/imports.py).
     In a fresh interpreter the main thread holds the lock: the loading thread must be seen waiting inside
     `import_module`, with sae_lens not imported, until the lock is released; then it loads the SAE."""
-    import subprocess
-    import sys
-    import textwrap
-
     from saes.train import make_training_sae
+    from tests.lock_helpers import run_while_heavy_imports_held
 
     sae = make_training_sae(8, SAETrainSettings(d_sae=16))
     folder = save_sae(sae, tmp_path / "sae")
     torch.save(sae.W_dec.detach().clone(), tmp_path / "w_dec.pt")
-    script = textwrap.dedent(f"""
-        import sys, threading, time
-        import torch
-        from thoughtscope import imports
-        from saes.io import load_sae
-        assert "sae_lens" not in sys.modules
-        out = {{}}
-        with imports.HEAVY_IMPORTS:
-            thread = threading.Thread(target=lambda: out.update(sae=load_sae({str(folder)!r})))
-            thread.start()
-            waiting, deadline = False, time.monotonic() + 120
-            while not waiting and thread.is_alive() and time.monotonic() < deadline:
-                frame = sys._current_frames().get(thread.ident)
-                while frame is not None and not waiting:
-                    waiting = frame.f_code.co_name == "import_module" and frame.f_code.co_filename == imports.__file__
-                    frame = frame.f_back
-                time.sleep(0.01)
-            print("waiting", waiting, "imported", "sae_lens" in sys.modules)
-        thread.join(300)
-        print("equal", torch.equal(out["sae"].W_dec, torch.load({str(tmp_path / "w_dec.pt")!r}, weights_only=True)))
-    """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["waiting", "True", "imported", "False", "equal", "True"]
+    printed = run_while_heavy_imports_held(
+        "import torch\nfrom saes.io import load_sae", f"load_sae({str(folder)!r})", "sae_lens", "import_module",
+        f"'equal', torch.equal(out['value'].W_dec, torch.load({str(tmp_path / 'w_dec.pt')!r}, weights_only=True))")
+    assert printed == ["waiting", "True", "imported", "False", "equal", "True"]

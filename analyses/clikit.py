@@ -33,6 +33,7 @@ def path_check(option: str, use: str = "read") -> Callable[[Any], Any]:
     file stem) to write, whose folder must be writable (`checks.writable_folder`). None stays None; the value
     keeps its type (str or Path)."""
     from thoughtscope import checks
+    from thoughtscope.errors import BadInputError
 
     def check(value: Any) -> Any:
         if value is None:
@@ -42,8 +43,6 @@ def path_check(option: str, use: str = "read") -> Callable[[Any], Any]:
         elif use == "file":
             path = checks.user_path(option, value)
             if path.is_dir():
-                from thoughtscope.errors import BadInputError
-
                 raise BadInputError(f"the {option} {path} is a folder; give a file name")
             checks.writable_folder(f"folder of the {option}", path.parent if str(path.parent) else Path("."))
         else:

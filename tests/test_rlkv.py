@@ -602,6 +602,7 @@ def test_the_page_trains_gates_as_a_job_and_offers_them_to_the_head_map(tmp_path
     assert Path(folder).parent == tmp_path / "rlkv_runs"
     saved = read_gates(folder)
     assert [row["step"] for row in saved["log"]] == [1] and saved["meta"]["settings"]["group_size"] == 2
+    assert saved["meta"]["task"] == "arith ops=+"  # the training data, named in the log (the page's defaults)
     at.radio(key="rlkv_source").set_value(page.TRAINED).run()
     helpers.assert_clean(at)
     titles = helpers.chart_titles(at)
@@ -615,6 +616,24 @@ def test_the_page_trains_gates_as_a_job_and_offers_them_to_the_head_map(tmp_path
     helpers.assert_clean(at)
     assert "Accuracy vs sparsity, 95% intervals (evaluation split, n = 2)" in helpers.chart_titles(at)
     jobs.registry.clear()
+
+
+def test_a_head_map_names_what_its_scores_were_read_from(tmp_path):
+    """The provenance's data of a map: the attention statistics' task, the learned gates' training task from their
+    log, or (a log written before the task was kept there: the shipped SmolLM2 run) the problems the log lists.
+    The page said "arith" for every map, whatever it was read from."""
+    from analyses.rlkv.head_map import HeadMap
+
+    engine = Engine.from_id("tiny-random:llama")
+    gates = np.array([[0.9, 0.1], [0.4, 0.7]], np.float32)
+    problems = [{"id": "arith1-s0-0000", "question": "q"}, {"id": "arith1-s0-0001", "question": "r"}]
+    meta = {"model": "tiny-random:llama", "fingerprint": "x", "shape": [2, 2], "settings": {}, "problems": problems}
+    save_checkpoint(tmp_path / "old", gates, None, [], meta)
+    save_checkpoint(tmp_path / "new", gates, None, [], {**meta, "task": "gsm8k"})
+    assert HeadMap.from_gates(tmp_path / "new", engine, 1, 4).data_name() == "gsm8k"
+    old = HeadMap.from_gates(tmp_path / "old", engine, 1, 4)
+    assert old.data_name() == f"the 2 training problems listed beside {old.gates_file} (log.json)"
+    assert HeadMap("attention", gates, 1, 4, task="arith-mixed").data_name() == "arith-mixed"
 
 
 def test_the_shipped_run_is_offered_only_for_its_own_model():

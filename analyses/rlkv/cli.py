@@ -25,7 +25,7 @@ from rich.console import Console
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
                              group, path_check)
-from analyses.rlkv.data import task_problems
+from analyses.rlkv.data import task_problems, training_task
 from analyses.rlkv.evaluate import evaluate_rlkv, report_table
 from analyses.rlkv.head_map import HeadMap
 from analyses.rlkv.probe import HeadGateProbe
@@ -97,7 +97,7 @@ def register(cli: typer.Typer) -> None:
                 progress("GRPO steps", done, total)
                 print(json.dumps({k: v for k, v in row.items() if k != "problems"}), file=sys.stderr, flush=True)
 
-            probe.fit(engine, problems, on_step=on_step, checkpoint_dir=out)
+            probe.fit(engine, problems, on_step=on_step, checkpoint_dir=out, task=training_task(task, ops))
         last = probe.log_[-1] if probe.log_ else {}
         payload = {"gates_file": str(Path(out) / "gates.safetensors"), "steps": len(probe.log_),
                    "gates": probe.gates_.tolist(), "last_step": last,

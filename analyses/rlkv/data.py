@@ -32,6 +32,11 @@ def parse_ops(ops: str | Iterable[str] | None) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(chars))
 
 
+def training_task(task: str, ops: str | None) -> str:
+    """The training data's name in a gates log and a head map's provenance: the task, with its operators."""
+    return f"{task} ops={ops}" if ops else task
+
+
 def task_problems(task: str, n: int, seed: int = 0, ops: str | Iterable[str] | None = None,
                   exclude: Iterable[str] = ()) -> list[Any]:
     """`n` problems of `task` (seeded), restricted to `ops` for the arithmetic tasks, none of whose

@@ -63,7 +63,8 @@ class HeadMap:
         training = {k: meta[k] for k in ("model", "fingerprint", "settings", "task") if k in meta}
         return cls(LEARNED, np.asarray(found["gates"], dtype=np.float32), int(sink), int(recent),
                    bytes_per_entry(backend), found["pressure"], found["log"], found["path"],
-                   meta.get("model"), training={**training, "steps": len(found["log"])})
+                   meta.get("model"), training={**training, "steps": len(found["log"]),
+                                                "problems": len(meta.get("problems") or [])})
 
     @classmethod
     def from_attention(cls, backend: Backend, problems: Sequence[Any], sink: int = 4, recent: int = 32,
@@ -78,6 +79,19 @@ class HeadMap:
         scores = attention_head_scores(backend, texts, int(sink), int(recent), progress=progress)
         return cls(ATTENTION, np.asarray(scores, dtype=np.float32), int(sink), int(recent),
                    bytes_per_entry(backend), n=len(problems), task=task)
+
+    def data_name(self) -> str | None:
+        """What the scores were read from, for a provenance record: the attention statistics' task, the learned
+        gates' training task (named in their log since 2026-12-07), else the count of training problems their
+        log lists."""
+        if self.task is not None:
+            return self.task
+        training = self.training or {}
+        if training.get("task"):
+            return str(training["task"])
+        if self.gates_file is not None and training.get("problems"):
+            return f"the {training['problems']} training problems listed beside {self.gates_file} (log.json)"
+        return None
 
     def full_heads(self, sparsity: float) -> np.ndarray:
         """bool [layers, kv_heads]: the top (1 - sparsity) fraction by score keeps the full cache."""

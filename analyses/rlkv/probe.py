@@ -121,8 +121,9 @@ class HeadGateProbe:
     # ----- training -----
 
     def fit(self, backend: Backend, problems: Sequence[Any], on_step: Callable[[int, int, dict], None] | None = None,
-            checkpoint_dir: str | Path | None = None) -> "HeadGateProbe":
-        """Train the gates on `problems` (each with an `answer`); `on_step(done, total, row)` after each step.
+            checkpoint_dir: str | Path | None = None, task: str | None = None) -> "HeadGateProbe":
+        """Train the gates on `problems` (each with an `answer`; of `task`, named in the saved log when given);
+        `on_step(done, total, row)` after each step.
 
         Runs in the process that holds the model (capability "head_gates"); a model server is refused.
         With `checkpoint_dir`, resumes a run of the same settings found there and saves as it goes.
@@ -146,6 +147,8 @@ class HeadGateProbe:
                 "settings": self.settings(),
                 "problems": [{"id": getattr(p, "id", str(i)), "question": getattr(p, "question", "")}
                              for i, p in enumerate(problems)]}
+        if task is not None:
+            meta["task"] = task
         start, gates, opt_state, log = 0, None, None, []
         if checkpoint_dir is not None:
             found = load_checkpoint(checkpoint_dir, expect=meta)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from analyses.rlkv.data import task_problems
+from analyses.rlkv.data import task_problems, training_task
 from analyses.rlkv.probe import HeadGateProbe
 from probes.backend import Backend
 from probes.zoo import user_cache_dir
@@ -39,5 +39,6 @@ def train_gates(backend: Backend, settings: dict[str, Any], folder: Path,
     report = on_progress or (lambda *args: None)
     report("GRPO steps", 0, s["steps"])
     probe.fit(backend, task_problems(s["task"], s["n_train"], seed=s["seed"], ops=s["ops"]),
-              on_step=lambda done, total, row: report("GRPO steps", done, total), checkpoint_dir=folder)
+              on_step=lambda done, total, row: report("GRPO steps", done, total), checkpoint_dir=folder,
+              task=training_task(s["task"], s["ops"]))
     return folder

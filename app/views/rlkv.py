@@ -110,8 +110,7 @@ def map_record(ctx, head_map: HeadMap, sparsity: float | None = None) -> dict[st
     settings: dict[str, Any] = {"head_map": source, "sink": head_map.sink, "recent": head_map.recent}
     if sparsity is not None:
         settings["sparsity"] = sparsity
-    data = head_map.task or (head_map.training or {}).get("task") or None
-    return ctx.provenance(settings=settings, data=data, prompt=None)
+    return ctx.provenance(settings=settings, data=head_map.data_name(), prompt=None)
 
 
 def generation_section(ctx, head_map: HeadMap, sparsity: float) -> None:

@@ -51,7 +51,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tqdm.auto import tqdm
 import torch
@@ -630,10 +630,20 @@ FIGURE = '[data-testid="stPlotlyChart"] .main-svg'
 METRIC = '[data-testid="stMetric"]'  # Home's first element: the baseline (front end booted, one script run)
 
 
+class TabTimes(NamedTuple):
+    """One new tab to its first figure: seconds by the page's own clock (`PAINT_PROBE`, from navigation start;
+    a chart or its static preview), by the driver's (from `goto`), to the first interactive chart, and whether
+    a preview was what painted first."""
+
+    painted: float
+    driver: float
+    interactive: float
+    preview: bool
+
+
 def page_first_result_times(context: Any, url: str, page_name: str, timeout_ms: int = 600_000,
-                            selector: str = FIGURE) -> tuple[float, float]:
-    """A new tab of `context` opening `page_name` by its URL -> the page's first figure (`selector`) painted:
-    seconds by the page's own clock (`PAINT_PROBE`, from navigation start) and by the driver's (from `goto`)."""
+                            selector: str = FIGURE) -> TabTimes:
+    """A new tab of `context` opening `page_name` by its URL -> the page's first figure (`selector`) painted."""
     page = context.new_page()
     page.set_default_timeout(timeout_ms)
     page.add_init_script(PAINT_PROBE.replace(FIGURE, selector))
@@ -644,7 +654,7 @@ def page_first_result_times(context: Any, url: str, page_name: str, timeout_ms: 
     painted, interactive = _painted_s(page, False), _painted_s(page, False, "interactive")
     preview = bool(page.evaluate("window.__tsProbe.preview"))
     page.close()
-    return painted, driver, interactive, preview
+    return TabTimes(painted, driver, interactive, preview)
 
 
 def bench_page_first_result(model_id: str = "smollm2-135m", rounds: int = 3,
@@ -659,7 +669,7 @@ def bench_page_first_result(model_id: str = "smollm2-135m", rounds: int = 3,
         return [{"bench": "page_first_result_s", "ratio": float("nan"), "skipped": "needs Chromium and playwright"}]
     from playwright.sync_api import sync_playwright
 
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in pages}
+    times: dict[str, list[TabTimes]] = {name: [] for name in pages}
     load_before = _load()
     with _app(model_id) as url, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, headless=True,
@@ -681,7 +691,7 @@ def bench_page_first_result(model_id: str = "smollm2-135m", rounds: int = 3,
                        "static preview); interactive_s: -> the first chart"}
     rows = []
     for name, runs in times.items():
-        page_s, driver_s, chart_s = ([r[i] for r in runs] for i in range(3))
+        page_s, driver_s, chart_s = [r.painted for r in runs], [r.driver for r in runs], [r.interactive for r in runs]
         later = page_s[1:] or page_s
         rows.append({"bench": "page_first_result_s", "page": name, "seconds": _median(later),
                      "ratio": round(statistics.median(later) / GOALS["page_first_result"], 3), "target": 1.0,
@@ -689,12 +699,12 @@ def bench_page_first_result(model_id: str = "smollm2-135m", rounds: int = 3,
                      "runs_s": [round(t, 3) for t in page_s], "driver_runs_s": [round(t, 3) for t in driver_s],
                      "interactive_s": _median(chart_s[1:] or chart_s),
                      "interactive_runs_s": [round(t, 3) for t in chart_s], **common})
-    home_s = [t for t, *_ in home]
+    home_s = [r.painted for r in home]
     rows.append({"bench": "page_first_result_s", "page": "home (baseline: no figure, its first metric)",
                  "seconds": _median(home_s[1:] or home_s), "ratio": round(statistics.median(home_s[1:] or home_s)
                                                                           / GOALS["page_first_result"], 3),
                  "target": 1.0, "goal_s": GOALS["page_first_result"], "first_s": round(home_s[0], 3),
-                 "runs_s": [round(t, 3) for t in home_s], "driver_runs_s": [round(d, 3) for _, d, *_ in home], **common})
+                 "runs_s": [round(t, 3) for t in home_s], "driver_runs_s": [round(r.driver, 3) for r in home], **common})
     return rows
 
 
@@ -743,14 +753,19 @@ def bench_streamlit_floor(rounds: int = 5) -> list[dict[str, Any]]:
                 page_first_result_times(context, url, "home", selector=selector)  # warm-up: the HTTP cache filled
                 runs = [page_first_result_times(context, url, "home", selector=selector) for _ in range(rounds)]
                 context.close()
-            page_s = [t for t, _, _ in runs]
-            rows.append({"bench": "page_first_result_s", "page": f"bare Streamlit app: {what} (the floor)",
-                         "seconds": _median(page_s), "ratio": round(statistics.median(page_s) / GOALS["page_first_result"], 3),
-                         "target": 1.0, "goal_s": GOALS["page_first_result"], "runs_s": [round(t, 3) for t in page_s],
-                         "driver_runs_s": [round(d, 3) for _, d, _ in runs], "load_avg_1m_before": load_before,
-                         "load_avg_1m": _load(), "clock": "the page's own: navigation start of a new tab -> painted"})
+            rows.append(floor_row(what, runs, load_before))
         browser.close()
     return rows
+
+
+def floor_row(what: str, runs: list[TabTimes], load_before: float) -> dict[str, Any]:
+    """`bench_streamlit_floor`'s row for one bare app: the median of its tabs' painted times against the goal."""
+    page_s = [r.painted for r in runs]
+    return {"bench": "page_first_result_s", "page": f"bare Streamlit app: {what} (the floor)",
+            "seconds": _median(page_s), "ratio": round(statistics.median(page_s) / GOALS["page_first_result"], 3),
+            "target": 1.0, "goal_s": GOALS["page_first_result"], "runs_s": [round(t, 3) for t in page_s],
+            "driver_runs_s": [round(r.driver, 3) for r in runs], "load_avg_1m_before": load_before,
+            "load_avg_1m": _load(), "clock": "the page's own: navigation start of a new tab -> painted"}
 
 
 def bench_first_tab_after_restart(model_id: str = "smollm2-135m", restarts: int = 2,
@@ -771,7 +786,7 @@ def bench_first_tab_after_restart(model_id: str = "smollm2-135m", restarts: int 
     from probes.paths import user_cache_dir
 
     load_before = _load()
-    runs: list[dict[str, tuple[float, float, float, bool]]] = []
+    runs: list[dict[str, TabTimes]] = []
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as clone_cache, \
             sync_playwright() as pw:
         own_only = {"THOUGHTSCOPE_CACHE_DIR": cache, figure_preview.SHIPPED_SWITCH: "0"}
@@ -797,15 +812,15 @@ def bench_first_tab_after_restart(model_id: str = "smollm2-135m", restarts: int 
     rows = []
     for name in pages:
         cold, *later, clone = (run[name] for run in runs)
-        after = statistics.median(t for t, *_ in later)
+        after = statistics.median(r.painted for r in later)
         rows.append({"bench": "first_tab_after_restart_s", "page": name, "model": model_id,
-                     "never_drawn_s": round(cold[0], 3), "never_drawn_interactive_s": round(cold[2], 3),
-                     "never_drawn_preview": cold[3], "after_restart_s": round(after, 3),
-                     "after_restart_runs_s": [round(t, 3) for t, *_ in later],
-                     "after_restart_previews": [p for *_, p in later],
-                     "after_restart_interactive_s": round(statistics.median(c for _, _, c, _ in later), 3),
-                     "fresh_clone_s": round(clone[0], 3), "fresh_clone_preview": clone[3],
-                     "fresh_clone_interactive_s": round(clone[2], 3),
+                     "never_drawn_s": round(cold.painted, 3), "never_drawn_interactive_s": round(cold.interactive, 3),
+                     "never_drawn_preview": cold.preview, "after_restart_s": round(after, 3),
+                     "after_restart_runs_s": [round(r.painted, 3) for r in later],
+                     "after_restart_previews": [r.preview for r in later],
+                     "after_restart_interactive_s": round(statistics.median(r.interactive for r in later), 3),
+                     "fresh_clone_s": round(clone.painted, 3), "fresh_clone_preview": clone.preview,
+                     "fresh_clone_interactive_s": round(clone.interactive, 3),
                      "ratio": round(after / GOALS["page_first_result"], 3), "target": 1.0,
                      "goal_s": GOALS["page_first_result"], "load_avg_1m_before": load_before, "load_avg_1m": _load(),
                      "clock": "the page's own: navigation start of the first new tab of a page in an app process "
@@ -813,10 +828,13 @@ def bench_first_tab_after_restart(model_id: str = "smollm2-135m", restarts: int 
     return rows
 
 
-def run_pages(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
+def run_pages(model_id: str = "smollm2-135m") -> Iterator[dict[str, Any]]:
     """The pages benchmark: every method page's first stored result in a new tab, the first tab of each page
-    after a restart of the app (previews on disk), and the bare-Streamlit floor."""
-    return [*bench_page_first_result(model_id), *bench_first_tab_after_restart(model_id), *bench_streamlit_floor()]
+    after a restart of the app (previews on disk), and the bare-Streamlit floor; each part's rows as soon as
+    that part is measured (a later part's failure keeps the earlier rows printed)."""
+    yield from bench_page_first_result(model_id)
+    yield from bench_first_tab_after_restart(model_id)
+    yield from bench_streamlit_floor()
 
 
 BENCHMARKS = {"views": run_views, "jobs": run_jobs, "pages": run_pages}

@@ -20,7 +20,7 @@ import json
 import os
 import pkgutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import typer
@@ -59,7 +59,7 @@ def command_modules() -> Iterator[Any]:
             yield module
 
 
-def benchmark_groups() -> dict[str, Callable[[str], list[dict[str, Any]]]]:
+def benchmark_groups() -> dict[str, Callable[[str], Iterable[dict[str, Any]]]]:
     """{group: run(model_id) -> rows} from the probes and every method package."""
     return _merged([*CORE_BENCHMARKS, *(f"{pkg}.bench" for pkg in method_packages())], "BENCHMARKS")
 

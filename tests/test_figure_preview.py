@@ -391,3 +391,41 @@ def test_the_shipped_previews_are_what_their_record_says(monkeypatch):
     assert figure_preview.shipped_folder() is None
     monkeypatch.delenv(figure_preview.SHIPPED_SWITCH)
     assert figure_preview.shipped_folder().parent == figure_preview.SHIPPED_ROOT
+
+
+@pytest.mark.model
+def test_every_method_pages_first_figure_on_smollm2_has_its_shipped_preview(monkeypatch, tmp_path):
+    """A fresh clone's first tab of each method page paints the shipped preview of its first figure only while
+    that figure's JSON is the one the preview was made from: a change to a page's first figure (a title, a
+    margin, a number in its stored result) without `python -m app.ship_previews` silently costs a newcomer
+    1-2 s on that page (found 2026-12-07: RISE and the feature browser had drifted; `bench pages` gave 3.0 and
+    2.8 s in a fresh clone against 1.1-1.7 s on the other pages). Each page is opened as AppTest draws it with
+    the sidebar's defaults, which is the figure the browser draws (the keys were checked equal)."""
+    from app import bench, jobs
+    from tests import apptest_helpers as helpers
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "smollm2-135m")
+    monkeypatch.setattr("cache.store.default_root", lambda: tmp_path / "store")
+    shipped = figure_preview.shipped_folder()
+    assert shipped is not None
+    first: dict[str, str] = {}
+    opening = {"page": ""}
+
+    def record(fig, render, warm_up=None):
+        first.setdefault(opening["page"], figure_key(fig.to_json()))
+        return None
+
+    monkeypatch.setattr(first_paint, "preview_for", record)
+    jobs.registry.clear()  # no page result of an earlier test in this process
+    try:
+        for name in bench.FIRST_RESULT_PAGES:
+            opening["page"] = name
+            helpers.assert_clean(helpers.open_page(name, None), no_errors=False)
+    finally:
+        for job in jobs.registry().running():  # the RISE page starts its steering job on opening
+            job.stop("the test is over")
+            job.thread.join(120)  # a thread still in torch when the process exits aborts it
+        jobs.registry.clear()
+    assert set(first) == set(bench.FIRST_RESULT_PAGES)
+    missing = {name: key for name, key in first.items() if not (shipped / f"{key}.png").is_file()}
+    assert missing == {}, f"rebuild the shipped previews (python -m app.ship_previews): {missing}"

@@ -27,7 +27,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -550,12 +550,14 @@ AREAS: dict[str, list[Callable[[str], dict[str, Any]]]] = {
 }
 
 
-def _group(curves: list[Callable[[str], dict[str, Any]]]) -> Callable[[str], list[dict[str, Any]]]:
-    def run(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
+def _group(curves: list[Callable[[str], dict[str, Any]]]) -> Callable[[str], Iterator[dict[str, Any]]]:
+    def run(model_id: str = "smollm2-135m") -> Iterator[dict[str, Any]]:
+        """Each curve's row as soon as it is measured (a later curve's failure keeps the earlier ones printed)."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1 if not torch.cuda.is_available() else threads)
         try:
-            return [curve(model_id) for curve in curves]
+            for curve in curves:
+                yield curve(model_id)
         finally:
             torch.set_num_threads(threads)
     return run

@@ -21,6 +21,7 @@ the machine hits both sides.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -111,17 +112,22 @@ def bench_fork_probe(engine: Any, prefix_tokens: int = 512, probe_tokens: int = 
             "full_recompute_would_cost_tokens": prefix_tokens + probe_tokens}
 
 
-def run_hooks(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
+def run_hooks(model_id: str = "smollm2-135m") -> Iterator[dict[str, Any]]:
+    """Each row as soon as it is measured (`thoughtscope bench` prints it then)."""
     engine = Engine.from_id(model_id)
     torch.manual_seed(0)
     from probes.ndif_bench import bench_ndif_local_overhead
 
-    return [bench_capture_forward(engine), bench_generate(engine, steer=False), bench_generate(engine, steer=True),
-            bench_fork_probe(engine), bench_ndif_local_overhead(engine)]
+    yield bench_capture_forward(engine)
+    yield bench_generate(engine, steer=False)
+    yield bench_generate(engine, steer=True)
+    yield bench_fork_probe(engine)
+    yield bench_ndif_local_overhead(engine)
 
 
-def run_server(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
-    return [bench_server(model_id), bench_server_fork_probe(model_id)]
+def run_server(model_id: str = "smollm2-135m") -> Iterator[dict[str, Any]]:
+    yield bench_server(model_id)
+    yield bench_server_fork_probe(model_id)
 
 
 def run_validation(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:

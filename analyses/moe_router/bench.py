@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -105,7 +106,8 @@ def bench_expert_sample_overhead(backend: Backend, *, n_problems: int = 16, n_sa
     return row
 
 
-def run_moe(model_id: str = "toy-moe") -> list[dict[str, Any]]:
+def run_moe(model_id: str = "toy-moe") -> Iterator[dict[str, Any]]:
+    """Each row as soon as it is measured (`thoughtscope bench` prints it then)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: a shared machine's other load moves both sides alike
     try:
@@ -114,12 +116,12 @@ def run_moe(model_id: str = "toy-moe") -> list[dict[str, Any]]:
         k = arch.experts_top_k
         k_h = max(1, k // 2)
         cold = ExpertSetting(k_h, min(arch.n_experts - k_h, 2 * k), 1e-4)
-        return [bench_expert_sample_overhead(engine),
-                bench_expert_sample_overhead(engine, identity=True, target=None, name="router_rule_overhead"),
-                bench_expert_sample_overhead(engine, setting=cold, target=None, name="expert_sample_cold_overhead"),
-                bench_expert_sample_overhead(engine, n_problems=1, n_samples=16, target=None,
-                                             name="expert_sample_overhead_same_prompt"),
-                bench_expert_sample_overhead(engine, n_problems=1, name="expert_sample_overhead_batch1", target=None)]
+        yield bench_expert_sample_overhead(engine)
+        yield bench_expert_sample_overhead(engine, identity=True, target=None, name="router_rule_overhead")
+        yield bench_expert_sample_overhead(engine, setting=cold, target=None, name="expert_sample_cold_overhead")
+        yield bench_expert_sample_overhead(engine, n_problems=1, n_samples=16, target=None,
+                                           name="expert_sample_overhead_same_prompt")
+        yield bench_expert_sample_overhead(engine, n_problems=1, name="expert_sample_overhead_batch1", target=None)
     finally:
         torch.set_num_threads(threads)
 

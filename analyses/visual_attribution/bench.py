@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -177,19 +178,20 @@ def bench_stream_overhead(backend: Backend, n_scenes: int = 4, repeats: int = 3,
 WIDE = vlm.ToyVLMConfig(vision_layers=2, vision_width=256, vision_heads=4, text_layers=4, text_width=576, text_heads=9)
 
 
-def run_vis_attr(model_id: str = "toy-vlm") -> list[dict[str, Any]]:
+def run_vis_attr(model_id: str = "toy-vlm") -> Iterator[dict[str, Any]]:
+    """Each row as soon as it is measured (`thoughtscope bench` prints it then)."""
     engine = Engine.from_id(model_id, device="cpu")
-    return [bench_speedup(random_toy_vlm(4), 4, note="K = 16: toy-vlm's architecture with 16 visual tokens, random "
-                          "weights (a cost ratio; the weights do not change the compute)"),
-            bench_speedup(random_toy_vlm(6), 6, name="vis_attr_speedup_k36", target=None,
-                          note="K = 36: the same architecture with 36 visual tokens (how the ratio grows with K)"),
-            bench_speedup(engine, vlm.GRID, name="vis_attr_speedup_toy_k9", note=f"trained {model_id}, its 9 cells",
-                          target=None),
-            bench_speedup(random_toy_vlm(16, WIDE, label="toy-vlm-wide"), 16, n_scenes=4, region_grid=4,
-                          name="vis_attr_speedup_k16_wide", target=None,
-                          note="K = 16 regions of 4 x 4 visual tokens (256) on a random model of SmolLM2-135M's "
-                               "text width: where the forward's compute, not its fixed cost, dominates"),
-            bench_stream_overhead(engine)]
+    yield bench_speedup(random_toy_vlm(4), 4, note="K = 16: toy-vlm's architecture with 16 visual tokens, random "
+                        "weights (a cost ratio; the weights do not change the compute)")
+    yield bench_speedup(random_toy_vlm(6), 6, name="vis_attr_speedup_k36", target=None,
+                        note="K = 36: the same architecture with 36 visual tokens (how the ratio grows with K)")
+    yield bench_speedup(engine, vlm.GRID, name="vis_attr_speedup_toy_k9", note=f"trained {model_id}, its 9 cells",
+                        target=None)
+    yield bench_speedup(random_toy_vlm(16, WIDE, label="toy-vlm-wide"), 16, n_scenes=4, region_grid=4,
+                        name="vis_attr_speedup_k16_wide", target=None,
+                        note="K = 16 regions of 4 x 4 visual tokens (256) on a random model of SmolLM2-135M's "
+                             "text width: where the forward's compute, not its fixed cost, dominates")
+    yield bench_stream_overhead(engine)
 
 
 BENCHMARKS = {"vis-attr": run_vis_attr}

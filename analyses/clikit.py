@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,29 @@ MODEL_OPTION = typer.Option("smollm2-135m", "--model", help="model id (see `thou
 SERVER_OPTION = typer.Option(None, "--server", help="URL of a `thoughtscope serve` model server (instead of --model)")
 TOKEN_OPTION = typer.Option(None, "--token", envvar="THOUGHTSCOPE_TOKEN", help="the server's bearer token")
 JSON_OPTION = typer.Option(False, "--json", help="print one JSON object")
+
+
+def numbers(values: str | list[str], flag: str, *, integer: bool = False, low: float | None = None) -> list[Any]:
+    """An option's numbers, given as `--flag 1,2,4`, `--flag "1 2 4"` or the flag repeated: floats, or ints with
+    `integer` (a fraction such as 2.5 is refused, not cut to 2), each at least `low`; a word that is not one is
+    a clear error naming the flag (an empty option gives [])."""
+    from thoughtscope.errors import BadInputError
+
+    kind = "integers" if integer else "numbers"
+    out: list[Any] = []
+    for value in [values] if isinstance(values, str) else values:
+        for part in str(value).replace(",", " ").split():
+            try:
+                number = float(part)
+            except ValueError as err:
+                raise BadInputError(f"{flag} takes {kind} such as 1,2,4; got {part!r}") from err
+            if not math.isfinite(number) or (integer and not number.is_integer()):
+                raise BadInputError(f"{flag} takes {'finite ' if not integer else ''}{kind} such as 1,2,4; "
+                                    f"got {part!r}")
+            if low is not None and number < low:
+                raise BadInputError(f"{flag} takes {kind} of at least {low:g}; got {part!r}")
+            out.append(int(number) if integer else number)
+    return out
 
 
 def path_check(option: str, use: str = "read") -> Callable[[Any], Any]:

@@ -211,6 +211,29 @@ def test_a_bad_count_or_window_is_refused_before_the_model_works(monkeypatch, ca
     assert indexed == [] and traced == []
 
 
+def test_a_list_of_numbers_that_is_not_is_refused_before_any_model_loads(monkeypatch, capsys):
+    """`eval rlkv --snapkv-windows abc` gave int()'s ValueError with a traceback; `eval active-experts --k 2.5`
+    ran as top-2 (int(float('2.5'))), and only after the model had loaded."""
+    loaded = []
+    for module in ("analyses.rlkv.cli", "analyses.moe_router.cli"):
+        monkeypatch.setattr(f"{module}.backend", lambda *a, **k: loaded.append(a))
+    for argv, says in (
+            (["eval", "rlkv", "--model", "tiny-random:llama", "--snapkv-windows", "abc"],
+             "error: --snapkv-windows takes integers such as 1,2,4; got 'abc'"),
+            (["eval", "rlkv", "--model", "tiny-random:llama", "--snapkv-windows", "4,0"],
+             "error: --snapkv-windows takes integers of at least 1; got '0'"),
+            (["eval", "active-experts", "--model", "tiny-random:qwen3_moe", "--k", "4,2.5"],
+             "error: --k takes integers such as 1,2,4; got '2.5'"),
+            (["eval", "expert-sample", "--model", "tiny-random:qwen3_moe", "--temperature", "0.5,warm"],
+             "error: --temperature takes numbers such as 1,2,4; got 'warm'")):
+        monkeypatch.setattr("sys.argv", ["thoughtscope", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            cli_module.main()
+        err = " ".join(capsys.readouterr().err.replace("│", " ").split())
+        assert exit_info.value.code == 2 and "Traceback" not in err and says in err, (argv, err)
+    assert loaded == []
+
+
 def test_every_seed_option_takes_the_apps_range_when_the_command_line_is_read(app):
     """`eval vis-attr --seed -1` raised numpy's ValueError with a traceback, `contrast run --seed -1` was refused
     after its steps were read, `eval expert-sample --seed -1` named a derived seed (-100003) and `rlkv map --seed -1`
@@ -236,3 +259,18 @@ def test_every_seed_option_takes_the_apps_range_when_the_command_line_is_read(ap
 
     walk(typer.main.get_command(app), [])
     assert len(seen) >= 14, seen  # generate, rise (harvest, ...), contrast run, eval cot-*, rlkv, moe, vis-attr, fuzzy
+
+
+def test_an_options_numbers_are_read_or_refused_by_name():
+    from analyses.clikit import numbers
+    from thoughtscope.errors import BadInputError
+
+    assert numbers(["0.3,0.6", "1"], "--temperature") == [0.3, 0.6, 1.0]
+    assert numbers("4, 16", "--snapkv-windows", integer=True, low=1) == [4, 16]
+    assert numbers(["2e1"], "--k", integer=True) == [20] and numbers([], "--k") == []
+    for values, integer, says in ((["1,x"], False, "got 'x'"), (["nan"], False, "finite numbers"),
+                                  (["inf"], True, "got 'inf'"), (["2.5"], True, "got '2.5'")):
+        with pytest.raises(BadInputError, match=says):
+            numbers(values, "--flag", integer=integer)
+    with pytest.raises(BadInputError, match="at least 1; got '0'"):
+        numbers("0", "--flag", integer=True, low=1)

@@ -22,7 +22,7 @@ from typing import Optional
 import typer
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
-                             group)
+                             group, numbers)
 from analyses.distributed.options import RAY_OPTION, REPLICAS_OPTION, ray_runner
 from analyses.moe_router.evaluate import ExpertSetting, evaluate_active_experts, evaluate_expert_sample
 from analyses.moe_router.maps import profile_task
@@ -42,25 +42,6 @@ def parse_grid(values: list[str]) -> list:
     if values and not out:
         raise BadInputError("--grid takes settings such as 4:12:1,2:24:2:displaced")
     return out
-
-
-def parse_floats(values: list[str], flag: str) -> list[float]:
-    out = []
-    for value in values:
-        for part in str(value).replace(" ", ",").split(","):
-            if part:
-                try:
-                    out.append(float(part))
-                except ValueError as err:
-                    raise BadInputError(f"{flag} takes numbers such as 0.3,0.6,1; got {part!r}") from err
-    return out
-
-
-def parse_ints(values: list[str], flag: str) -> list[int]:
-    try:
-        return [int(float(x)) for x in parse_floats(values, flag)]
-    except BadInputError as err:
-        raise BadInputError(f"{flag} takes integers such as 8,6,4,2") from err
 
 
 def _provenance(b, command: str, split: str, seed: int, settings: dict, data: str):
@@ -95,8 +76,8 @@ def register(cli: typer.Typer) -> None:
     ) -> None:
         """Greedy, temperature sampling and Expert-Sample (chosen on development): pass@n and best-of-n on evaluation."""
         settings_grid = parse_grid(grid) or None
-        temps = parse_floats(temperature, "--temperature")
-        combined_temps = parse_floats(combined, "--combined") or None
+        temps = numbers(temperature, "--temperature")
+        combined_temps = numbers(combined, "--combined") or None
         replicas_of = ray_runner(model, server, ray, replicas)
         b = backend(model, server, token)
         with replicas_of as runner, TerminalProgress(enabled=not as_json) as progress:
@@ -124,9 +105,10 @@ def register(cli: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Greedy accuracy as the number of active experts per token shrinks (top-k' at every MoE layer)."""
+        k_list = numbers(ks, "--k", integer=True, low=1) or None  # refused before the model loads
         b = backend(model, server, token)
         with TerminalProgress(enabled=not as_json) as progress:
-            report = evaluate_active_experts(b, task, n, parse_ints(ks, "--k") or None, max_new_tokens=max_new_tokens,
+            report = evaluate_active_experts(b, task, n, k_list, max_new_tokens=max_new_tokens,
                                              seed=seed, batch_rows=batch_rows, n_resamples=n_resamples,
                                              progress=progress)
         payload = report.to_dict()

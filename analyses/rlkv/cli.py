@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
-                             group, path_check)
+                             group, numbers, path_check)
 from analyses.rlkv.data import task_problems, training_task
 from analyses.rlkv.evaluate import evaluate_rlkv, report_table
 from analyses.rlkv.head_map import HeadMap
@@ -171,7 +171,7 @@ def register(cli: typer.Typer) -> None:
     ) -> None:
         """Full cache vs RLKV vs baselines on the same KV budget: accuracy [95% CI], McNemar, KV bytes, tokens/s."""
         levels = parse_sparsities(sparsity, list(ctx.args))
-        windows = [int(w) for w in snapkv_windows.replace(" ", ",").split(",") if w]
+        windows = numbers(snapkv_windows, "--snapkv-windows", integer=True, low=1)
         engine = backend(model, server, token)
         with TerminalProgress() as progress:
             report = evaluate_rlkv(engine, task, levels, gates=gates, ops=ops, n=n, n_dev=n_dev,

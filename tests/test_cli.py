@@ -215,7 +215,7 @@ def test_a_list_of_numbers_that_is_not_is_refused_before_any_model_loads(monkeyp
     """`eval rlkv --snapkv-windows abc` gave int()'s ValueError with a traceback; `eval active-experts --k 2.5`
     ran as top-2 (int(float('2.5'))), and only after the model had loaded."""
     loaded = []
-    for module in ("analyses.rlkv.cli", "analyses.moe_router.cli"):
+    for module in ("analyses.rlkv.cli", "analyses.moe_router.cli", "analyses.rise.cli", "analyses.fuzzy_concepts.cli"):
         monkeypatch.setattr(f"{module}.backend", lambda *a, **k: loaded.append(a))
     for argv, says in (
             (["eval", "rlkv", "--model", "tiny-random:llama", "--snapkv-windows", "abc"],
@@ -225,7 +225,12 @@ def test_a_list_of_numbers_that_is_not_is_refused_before_any_model_loads(monkeyp
             (["eval", "active-experts", "--model", "tiny-random:qwen3_moe", "--k", "4,2.5"],
              "error: --k takes integers such as 1,2,4; got '2.5'"),
             (["eval", "expert-sample", "--model", "tiny-random:qwen3_moe", "--temperature", "0.5,warm"],
-             "error: --temperature takes numbers such as 1,2,4; got 'warm'")):
+             "error: --temperature takes numbers such as 1,2,4; got 'warm'"),
+            # the same reading in the RISE and fuzzy commands (each had its own, without the option's name)
+            (["rise", "steer", "--model", "tiny-random:llama", "--layers", "1.5"],
+             "error: --layers takes integers such as 1,2,4; got '1.5'"),
+            (["eval", "fuzzy-concepts", "--model", "tiny-random:llama", "--token", "water", "--features", "8,x"],
+             "error: --features takes integers such as 1,2,4; got 'x'")):
         monkeypatch.setattr("sys.argv", ["thoughtscope", *argv])
         with pytest.raises(SystemExit) as exit_info:
             cli_module.main()

@@ -282,7 +282,7 @@ def test_cli_stages_print_json(tmp_path):
     assert [s.folder for s in rise.saved_saes(root=tmp_path)] == [str(tmp_path / "saes" / "resid_post.1")]
     args = rise_cli.expand_multi_value_flags(["--alpha", "-1.5", "-1", "0,1", "--n", "4", "--layers", "6", "12"])
     assert args == ["--alpha", "-1.5", "--alpha", "-1", "--alpha", "0,1", "--n", "4", "--layers", "6", "--layers", "12"]
-    assert rise_cli._numbers(["-1.5", "-1", "0,1"]) == [-1.5, -1.0, 0.0, 1.0]
+    assert rise_cli.numbers(["-1.5", "-1", "0,1"], "--alpha") == [-1.5, -1.0, 0.0, 1.0]
 
 
 def test_bad_settings_raise_project_errors(tiny):

@@ -25,7 +25,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, eval_group
+from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, eval_group, numbers
 from analyses.cot_entropy import evaluate_cot_exit, evaluate_cot_vote
 from analyses.cot_entropy.settling import evaluate_settling
 from analyses.distributed.options import RAY_OPTION, REPLICAS_OPTION, ray_runner
@@ -37,16 +37,8 @@ from thoughtscope.errors import BadInputError
 
 
 def parse_numbers(values: list[str], flag: str = "--h") -> list[float]:
-    """`--h 1 --h 2` or `--h 1,2,4` -> [1.0, 2.0, 4.0]."""
-    out = []
-    for value in values:
-        for part in str(value).replace(" ", ",").split(","):
-            if not part:
-                continue
-            try:
-                out.append(float(part))
-            except ValueError as err:
-                raise BadInputError(f"{flag} takes numbers such as 1,2,4; got {part!r}") from err
+    """`--h 1 --h 2` or `--h 1,2,4` -> [1.0, 2.0, 4.0]; at least one."""
+    out = numbers(values, flag)
     if not out:
         raise BadInputError(f"give at least one value with {flag}")
     return out

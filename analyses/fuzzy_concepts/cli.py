@@ -17,7 +17,8 @@ from typing import Optional
 
 import typer
 
-from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TerminalProgress, backend, emit, eval_group, path_check
+from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TerminalProgress, backend, emit, eval_group, numbers,
+                             path_check)
 from analyses.fuzzy_concepts.study import FuzzyOptions, run_study
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
@@ -25,15 +26,6 @@ from thoughtscope.provenance import provenance, with_provenance
 
 SERVER_TOKEN_OPTION = typer.Option(None, "--server-token", envvar="THOUGHTSCOPE_TOKEN",
                                    help="the model server's bearer token (--token is the target word here)")
-
-
-def _floats(raw: Optional[str], cast=float) -> tuple:
-    if raw is None:
-        return ()
-    try:
-        return tuple(cast(x) for x in raw.split(",") if x.strip())
-    except ValueError as err:
-        raise BadInputError(f"{raw!r} is not a comma-separated list of numbers") from err
 
 
 def fuzzy_concepts_cmd(
@@ -79,9 +71,10 @@ def fuzzy_concepts_cmd(
         except OSError as err:
             raise BadInputError(f"could not read {texts}: {err}") from err
         source = "texts" if source == "generate" else source
-    grids = {name: value for name, value in (("sparsity_grid", _floats(sparsity)), ("features_grid", _floats(features, int)),
-                                              ("lr_grid", _floats(lr)), ("nmf_alpha_grid", _floats(nmf_alpha)))
-             if value}
+    given = {name: tuple(numbers(raw or [], flag, integer=name == "features_grid"))
+             for name, flag, raw in (("sparsity_grid", "--sparsity", sparsity), ("features_grid", "--features", features),
+                                     ("lr_grid", "--lr", lr), ("nmf_alpha_grid", "--nmf-alpha", nmf_alpha))}
+    grids = {name: grid for name, grid in given.items() if grid}
     options = FuzzyOptions(word=word, source=source, n=n, texts=lines, where=where, layer=layer, k=k, seeds=seeds,
                            membership=membership, steps=steps, max_active=max_active, max_new_tokens=max_new_tokens,
                            batch_size=batch_size, seed=seed, store=store, **grids)

@@ -23,20 +23,20 @@ rates while steering, with intervals:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 import typer.core
 from rich.console import Console
 from rich.table import Table
 
-from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group, path_check
+from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
+                             numbers, path_check)
 from analyses.families import default_task
 from analyses.rise.evaluate import DEFAULT_ALPHAS, DEFAULT_PROJECTION_ALPHAS, evaluate_rise_organism
 from analyses.rise.pipeline import RiseOptions, RisePipeline, saved_saes
 from analyses.tasks import canonical_task
 from thoughtscope import checks
-from thoughtscope.errors import BadInputError
 from thoughtscope.provenance import provenance
 
 rise_app = typer.Typer(no_args_is_help=True, help="RISE: step-level SAEs, reasoning vectors and steering.")
@@ -93,24 +93,12 @@ def register(cli: typer.Typer) -> None:
 # --------------------------------------------------------------------------- shared options
 
 
-def _numbers(values: list[str] | None, cast=float) -> list[Any]:
-    """The values of a repeated option (`--alpha -1.5 --alpha 0` or `--alpha -1.5,0`) as numbers."""
-    out = []
-    for raw in values or []:
-        for part in str(raw).split(","):
-            if part.strip():
-                try:
-                    out.append(cast(part))
-                except ValueError as err:
-                    raise BadInputError(f"{part!r} is not a number") from err
-    return out
-
-
 def _pipeline(model, server, token, task, n, seed, layers, max_new_tokens, batch_size, delimiter, prompt, augment,
               store, quiet, **extra):
+    chosen_layers = tuple(numbers(layers or [], "--layers", integer=True))  # refused before the model loads
     engine = backend(model, server, token)
     options = RiseOptions(task=default_task(engine) if task == "auto" else task, n=n, seed=seed,
-                          layers=tuple(_numbers(layers, cast=int)), max_new_tokens=max_new_tokens,
+                          layers=chosen_layers, max_new_tokens=max_new_tokens,
                           batch_size=batch_size, delimiter=delimiter, prompt=prompt, augment=augment, store=store,
                           **extra)
     progress = TerminalProgress(enabled=not quiet)
@@ -207,7 +195,7 @@ def steer_cmd(behaviour: str = typer.Option("reflection", "--behaviour"),
               prompt: str = _PROMPT, augment: str = _AUG, store: Optional[str] = _STORE,
               arch: str = _ARCH, saes: Optional[str] = _SAES, quiet: bool = _QUIET, as_json: bool = _JSON) -> None:
     """Per alpha: mean reflection and backtracking steps, mean length and accuracy on held-out problems."""
-    alphas = _numbers(alpha) or [-1.5, -1.0, 0.0, 1.0, 1.5]
+    alphas = numbers(alpha or [], "--alpha") or [-1.5, -1.0, 0.0, 1.0, 1.5]
     run, progress = _pipeline(model, server, token, task, n_harvest, seed, layers, max_new_tokens, batch_size,
                               delimiter, prompt, augment, store, quiet, arch=arch, saes=saes, projection="pca")
     with progress:
@@ -249,11 +237,12 @@ def rise_organism_cmd(
         as_json: bool = _JSON) -> None:
     """RISE against the organism's ground truth: held-out SAE quality, latent AUROC per planted behaviour,
     behaviour rates while steering (95% intervals), accuracy beside them."""
-    alphas = _numbers(alpha) or list(DEFAULT_ALPHAS if mode == "add" else DEFAULT_PROJECTION_ALPHAS)
+    alphas = numbers(alpha or [], "--alpha") or list(DEFAULT_ALPHAS if mode == "add" else DEFAULT_PROJECTION_ALPHAS)
+    chosen_layers = tuple(numbers(layers or [], "--layers", integer=True))  # refused before the model loads
     engine = backend(model, server, token)
     with TerminalProgress(enabled=not quiet) as progress:
         report = evaluate_rise_organism(engine, n_harvest=n_harvest, n_steer=n_steer, alphas=alphas, mode=mode,
-                                        layers=tuple(_numbers(layers, cast=int)), layer=layer,
+                                        layers=chosen_layers, layer=layer,
                                         temperature=temperature, heldout=heldout, sae_steps=steps, d_sae=d_sae, l1=l1,
                                         seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size, saes=saes,
                                         store=store, progress=progress)

@@ -74,6 +74,9 @@ def sites(
     from probes.zoo import load_model
 
     handle = load_model(model)
+    if layer is not None:  # an empty table said nothing
+        checks.integer("--layer", layer, low=0, high=handle.arch.n_layers - 1,
+                       why=f"{model} has {handle.arch.n_layers} layers")
     rows = [r for r in list_sites(handle.arch) if layer is None or r["site"].endswith(f".{layer}")]
     if as_json:
         for row in rows:

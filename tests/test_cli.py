@@ -199,6 +199,8 @@ def test_a_bad_count_or_window_is_refused_before_the_model_works(monkeypatch, ca
     for argv, code, says in (
             (["features", "top", "--model", "tiny-random:llama", "--site", "resid_post.0", "--neuron", "0", "--k", "-1"],
              2, "Invalid value for '--k': Input should be greater than or equal to 1"),
+            (["sites", "--model", "tiny-random:llama", "--layer", "99", "--json"], 2,  # printed nothing, exit 0
+             "error: --layer must be an integer in 0..1 (tiny-random:llama has 2 layers), got 99"),
             (["rlkv", "map", "--model", "tiny-random:llama", "--sink", "-1"], 2,
              "error: sink must be an integer >= 0, got -1"),
             (["rlkv", "map", "--model", "tiny-random:llama", "--sink", "100000"], 2,

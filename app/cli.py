@@ -192,6 +192,9 @@ def register(cli: typer.Typer) -> None:
         headless: bool = typer.Option(False, help="do not open a browser"),
     ) -> None:
         """Open the Streamlit workbench in the browser."""
+        from thoughtscope import checks
+
+        checks.free_port(address, port)
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         url = f"http://{'localhost' if address in ('0.0.0.0', '::') else address}:{port}"
 

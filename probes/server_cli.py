@@ -9,6 +9,7 @@ import typer
 from probes.server import BUDGET, DEFAULT_HOST, DEFAULT_PORT, ServerLimits, serve
 from probes.states import DEFAULT_MAX_STATE_BYTES, DEFAULT_MAX_STATES, DEFAULT_STATE_TTL_S
 from probes.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_NEW_TOKENS_CAP
+from thoughtscope import checks
 
 
 def _budget(name: str) -> int:
@@ -65,6 +66,7 @@ def register(cli: typer.Typer) -> None:
         Every request is measured against the request budget (the --max-* options below: rows, tokens x rows,
         interventions, images and their pixels as the image headers declare them) before any model work and
         before it takes a place in the queue; GET /info reports the budget under "request_budget"."""
+        checks.free_port(host, port)  # before the model loads
         serve(model, host=host, port=port, token=token, max_queue=max_queue, max_body_bytes=max_body_bytes,
               max_new_tokens_cap=max_new_tokens_cap, device=device, dtype=dtype, device_map=device_map,
               log_level=log_level, trust_remote_code=trust_remote_code, max_states=max_states,

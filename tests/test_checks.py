@@ -124,3 +124,18 @@ def test_user_path_refuses_what_the_file_system_would_raise_on(tmp_path):
     assert checks.user_path("gates file", "~/g.safetensors") == Path(os.path.expanduser("~/g.safetensors"))
     assert checks.user_path("gates file", tmp_path / "g") == tmp_path / "g"
     assert checks.user_path("gates file", "é" * 127) == Path("é" * 127)  # 254 bytes: a name may hold that
+
+
+def test_free_port_refuses_a_port_a_server_listens_on():
+    import socket
+
+    with socket.socket() as listening:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        with pytest.raises(BadInputError, match=f"port {port} on 127.0.0.1 is in use .*choose another with --port"):
+            checks.free_port("127.0.0.1", port)
+    assert checks.free_port("127.0.0.1", port) == port  # released: free again
+    with pytest.raises(BadInputError, match="cannot listen on"):
+        checks.free_port("no-such-host.invalid", port)

@@ -281,3 +281,29 @@ def test_an_options_numbers_are_read_or_refused_by_name():
             numbers(values, "--flag", integer=integer)
     with pytest.raises(BadInputError, match="at least 1; got '0'"):
         numbers("0", "--flag", integer=True, low=1)
+
+
+def test_serve_and_app_refuse_a_port_in_use_before_the_model_loads(monkeypatch, capsys):
+    """`thoughtscope app` printed "the workbench is at http://localhost:N" and then Streamlit's "Port N is not
+    available"; `serve` loaded the model before uvicorn's bind error."""
+    import socket
+
+    from app import cli as app_cli
+    from probes import server_cli
+
+    started = []
+    monkeypatch.setattr(server_cli, "serve", lambda *a, **k: started.append("serve"))
+    monkeypatch.setattr(app_cli, "run_app", lambda *a, **k: started.append("app") or 0)
+    with socket.socket() as listening:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = str(listening.getsockname()[1])
+        for argv in (["serve", "--model", "tiny-random:llama", "--port", port],
+                     ["app", "--port", port, "--address", "127.0.0.1", "--headless"]):
+            monkeypatch.setattr("sys.argv", ["thoughtscope", *argv])
+            with pytest.raises(SystemExit) as exit_info:
+                cli_module.main()
+            err = " ".join(capsys.readouterr().err.split())
+            assert exit_info.value.code == 2 and f"error: port {port} on 127.0.0.1 is in use" in err, (argv, err)
+    assert started == []

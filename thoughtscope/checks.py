@@ -181,3 +181,27 @@ def writable_folder(name: str, value: Any) -> Path:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise BadInputError(f"the {name} {path}: this process may not write in {ancestor}")
     return path
+
+
+def free_port(host: str, port: int, option: str = "--port") -> int:
+    """`port` on `host` when a server could listen there now, checked before a model loads: otherwise the
+    app printed its address and then Streamlit's "Port N is not available", and `serve` loaded the model
+    before uvicorn's bind error. Bound the way uvicorn and Streamlit bind (SO_REUSEADDR), then released."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as err:
+        raise BadInputError(f"cannot listen on {host!r}: {err.strerror or err}") from err
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise BadInputError(f"port {port} on {host} is in use (another thoughtscope app or server?); "
+                                    f"choose another with {option}") from err
+            raise BadInputError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
+    return port

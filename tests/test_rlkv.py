@@ -371,6 +371,11 @@ def test_the_inverse_control_keeps_the_lowest_gates_in_full(tmp_path, llama):
                                                                         methods="all", **kw).to_dict()["rows"]]
     with pytest.raises(BadInputError, match="rlkv-inverse control needs learned gates"):
         evaluate_rlkv(llama, "arith", [0.5], methods="rlkv-inverse", n=2)
+    # no random head choice: asked for by name it is refused (it ran nothing, silently); within "all" it is left out
+    with pytest.raises(BadInputError, match="method random needs at least one random head choice"):
+        evaluate_rlkv(llama, "arith", [0.5], methods="random,streaming", random_seeds=0, n=2)
+    assert "random" not in [r["method"] for r in evaluate_rlkv(llama, "arith", [0.5], methods="all", random_seeds=0,
+                                                                 **kw).to_dict()["rows"]]
 
 
 def test_eval_cli_prints_json_with_provenance(tmp_path):

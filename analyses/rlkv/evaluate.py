@@ -241,7 +241,7 @@ class RLKVReport:
         return out
 
 
-def _methods(methods: str | Sequence[str], have_gates: bool) -> list[str]:
+def _methods(methods: str | Sequence[str], have_gates: bool, random_seeds: int = 1) -> list[str]:
     chosen = list(METHODS) if methods in ("all", ["all"], ("all",)) else \
         [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
     bad = [m for m in chosen if m not in METHODS + CONTROLS]
@@ -254,6 +254,11 @@ def _methods(methods: str | Sequence[str], have_gates: bool) -> list[str]:
             chosen.remove("rlkv")
         else:
             raise BadInputError("method rlkv needs learned gates: pass --gates (train them with `thoughtscope rlkv train`)")
+    if "random" in chosen and random_seeds == 0:  # zero random head choices: the method would run nothing
+        if methods == "all":
+            chosen.remove("random")
+        else:
+            raise BadInputError("method random needs at least one random head choice: --random-seeds 1 or more")
     return chosen
 
 
@@ -277,7 +282,7 @@ def evaluate_rlkv(backend: Backend, task: str, sparsities: Sequence[float], *, g
     windows = sorted(dict.fromkeys(int(w) for w in snapkv_windows))
     if not windows or min(windows) < 1:
         raise BadInputError("give at least one SnapKV window >= 1")
-    chosen = _methods(methods, gates is not None)
+    chosen = _methods(methods, gates is not None, random_seeds)
     learned, pressure, trained_on = None, None, []
     if gates is not None:
         found = read_gates(gates, backend)  # a file for another model is refused here

@@ -28,15 +28,15 @@ TOKEN_OPTION = typer.Option(None, "--token", envvar="THOUGHTSCOPE_TOKEN", help="
 JSON_OPTION = typer.Option(False, "--json", help="print one JSON object")
 
 
-def numbers(values: str | list[str], flag: str, *, integer: bool = False, low: float | None = None) -> list[Any]:
+def numbers(values: str | list[str] | None, flag: str, *, integer: bool = False, low: float | None = None) -> list[Any]:
     """An option's numbers, given as `--flag 1,2,4`, `--flag "1 2 4"` or the flag repeated: floats, or ints with
     `integer` (a fraction such as 2.5 is refused, not cut to 2), each at least `low`; a word that is not one is
-    a clear error naming the flag (an empty option gives [])."""
+    a clear error naming the flag (an option not given, None, or empty gives [])."""
     from thoughtscope.errors import BadInputError
 
     kind = "integers" if integer else "numbers"
     out: list[Any] = []
-    for value in [values] if isinstance(values, str) else values:
+    for value in [values] if isinstance(values, str) else values or []:
         for part in str(value).replace(",", " ").split():
             try:
                 number = float(part)

@@ -274,7 +274,7 @@ def test_an_options_numbers_are_read_or_refused_by_name():
 
     assert numbers(["0.3,0.6", "1"], "--temperature") == [0.3, 0.6, 1.0]
     assert numbers("4, 16", "--snapkv-windows", integer=True, low=1) == [4, 16]
-    assert numbers(["2e1"], "--k", integer=True) == [20] and numbers([], "--k") == []
+    assert numbers(["2e1"], "--k", integer=True) == [20] and numbers([], "--k") == [] == numbers(None, "--k")
     for values, integer, says in ((["1,x"], False, "got 'x'"), (["nan"], False, "finite numbers"),
                                   (["inf"], True, "got 'inf'"), (["2.5"], True, "got '2.5'")):
         with pytest.raises(BadInputError, match=says):

@@ -71,7 +71,7 @@ def fuzzy_concepts_cmd(
         except OSError as err:
             raise BadInputError(f"could not read {texts}: {err}") from err
         source = "texts" if source == "generate" else source
-    given = {name: tuple(numbers(raw or [], flag, integer=name == "features_grid"))
+    given = {name: tuple(numbers(raw, flag, integer=name == "features_grid"))
              for name, flag, raw in (("sparsity_grid", "--sparsity", sparsity), ("features_grid", "--features", features),
                                      ("lr_grid", "--lr", lr), ("nmf_alpha_grid", "--nmf-alpha", nmf_alpha))}
     grids = {name: grid for name, grid in given.items() if grid}

@@ -95,7 +95,7 @@ def register(cli: typer.Typer) -> None:
 
 def _pipeline(model, server, token, task, n, seed, layers, max_new_tokens, batch_size, delimiter, prompt, augment,
               store, quiet, **extra):
-    chosen_layers = tuple(numbers(layers or [], "--layers", integer=True))  # refused before the model loads
+    chosen_layers = tuple(numbers(layers, "--layers", integer=True))  # refused before the model loads
     engine = backend(model, server, token)
     options = RiseOptions(task=default_task(engine) if task == "auto" else task, n=n, seed=seed,
                           layers=chosen_layers, max_new_tokens=max_new_tokens,
@@ -195,7 +195,7 @@ def steer_cmd(behaviour: str = typer.Option("reflection", "--behaviour"),
               prompt: str = _PROMPT, augment: str = _AUG, store: Optional[str] = _STORE,
               arch: str = _ARCH, saes: Optional[str] = _SAES, quiet: bool = _QUIET, as_json: bool = _JSON) -> None:
     """Per alpha: mean reflection and backtracking steps, mean length and accuracy on held-out problems."""
-    alphas = numbers(alpha or [], "--alpha") or [-1.5, -1.0, 0.0, 1.0, 1.5]
+    alphas = numbers(alpha, "--alpha") or [-1.5, -1.0, 0.0, 1.0, 1.5]
     run, progress = _pipeline(model, server, token, task, n_harvest, seed, layers, max_new_tokens, batch_size,
                               delimiter, prompt, augment, store, quiet, arch=arch, saes=saes, projection="pca")
     with progress:
@@ -237,8 +237,8 @@ def rise_organism_cmd(
         as_json: bool = _JSON) -> None:
     """RISE against the organism's ground truth: held-out SAE quality, latent AUROC per planted behaviour,
     behaviour rates while steering (95% intervals), accuracy beside them."""
-    alphas = numbers(alpha or [], "--alpha") or list(DEFAULT_ALPHAS if mode == "add" else DEFAULT_PROJECTION_ALPHAS)
-    chosen_layers = tuple(numbers(layers or [], "--layers", integer=True))  # refused before the model loads
+    alphas = numbers(alpha, "--alpha") or list(DEFAULT_ALPHAS if mode == "add" else DEFAULT_PROJECTION_ALPHAS)
+    chosen_layers = tuple(numbers(layers, "--layers", integer=True))  # refused before the model loads
     engine = backend(model, server, token)
     with TerminalProgress(enabled=not quiet) as progress:
         report = evaluate_rise_organism(engine, n_harvest=n_harvest, n_steer=n_steer, alphas=alphas, mode=mode,

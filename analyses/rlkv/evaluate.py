@@ -241,7 +241,7 @@ class RLKVReport:
         return out
 
 
-def _methods(methods: str | Sequence[str], have_gates: bool, random_seeds: int = 1) -> list[str]:
+def _methods(methods: str | Sequence[str], have_gates: bool, random_seeds: int) -> list[str]:
     chosen = list(METHODS) if methods in ("all", ["all"], ("all",)) else \
         [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
     bad = [m for m in chosen if m not in METHODS + CONTROLS]

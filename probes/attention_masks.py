@@ -132,6 +132,13 @@ class AttentionMasks(Part):
         self._masker: AttentionMasker | None = None
 
     def checked(self, call: Any) -> None:
+        hooked = self.masks if call.teacher_forced else [m for m in self.masks if m.layers is not None]
+        replacing = [b for b in call.bound if getattr(b, "replaces_attention", False)]
+        if hooked and replacing:  # the masker edits 4D masks, which a replaced attention function never reads
+            where = "in a teacher-forced pass" if call.teacher_forced else "in chosen layers"
+            raise BadInputError(f"MaskAttention {where} cannot be combined with {replacing[0].describe()}, which "
+                                "replaces the attention function; drop one of them (a generation may mask prompt "
+                                "positions in every layer, without `layers`)")
         if not call.teacher_forced:
             check_generation_masks(self.masks, call.lengths)
             call.hidden_columns = sorted({p for m in self.masks if m.layers is None for p in m.positions})

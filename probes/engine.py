@@ -93,6 +93,12 @@ class PrefixState:
                 "n_tokens": len(self.ids), "n_bytes": self.n_bytes}
 
 
+def _check_stop(stop: Sequence[str]) -> None:
+    if isinstance(stop, str) or any(not isinstance(x, str) or not x for x in stop):
+        raise BadInputError("stop must be a list of non-empty strings (an empty one would end every generation at "
+                            "once)")
+
+
 def check_seed(seed: Any) -> int:
     """A seed torch accepts: an integer in 0..2**63 - 1."""
     return checks.integer("the seed", seed, low=0, high=2**63 - 1)
@@ -362,8 +368,7 @@ class Engine:
         per_prompt = None if images is None else ([images] if prompts is None else images)
         ids, vision = self._vision_inputs(ids, per_prompt, n_samples)
         check_seed(seed)
-        if any(not isinstance(x, str) or not x for x in stop):
-            raise BadInputError("stop strings must be non-empty text (an empty one would end every generation at once)")
+        _check_stop(stop)
         if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise BadInputError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, got {max_new_tokens}")
         max_new_tokens = min(max_new_tokens, self.handle.arch.context_length - max(map(len, ids)))
@@ -594,10 +599,13 @@ class Engine:
             if len(positions) != len(sequences):
                 raise BadInputError(f"positions has {len(positions)} lists for {len(sequences)} sequences")
             for seq, pos in zip(sequences, positions):
-                bad = [p for p in pos if not (isinstance(p, int) and shared <= p < len(seq))]
+                bad = [p for p in pos if not (checks.is_integer(p) and shared <= p < len(seq))]
                 if bad:
                     raise BadInputError(f"positions {bad[:5]} are outside {shared}..{len(seq) - 1} "
                                         "(after the prefix, inside the sequence)")
+                if len(pos) > len(seq) - shared:  # repeats beyond a whole sequence's rows would multiply the output
+                    raise BadInputError(f"{len(pos)} positions for a sequence of {len(seq) - shared} tokens after the "
+                                        "prefix; ask for each position at most once")
         dev = self.handle.device
         width = max(len(seq) for seq in sequences) - shared
         if width < 1:
@@ -609,7 +617,9 @@ class Engine:
             tail = list(seq[shared:])
             input_ids[b, :len(tail)] = torch.tensor(tail, device=dev)
             mask[b, shared:shared + len(tail)] = 1
-        kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask, logits_to_keep=1,
+        # a `logits` capture reads every position (as in `trace`); otherwise only the last is computed
+        keep = 0 if any(site.kind == "logits" for site in sites) else 1
+        kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=mask, logits_to_keep=keep,
                                       position_ids=torch.arange(shared, shared + width, device=dev).expand(len(sequences), -1))
         flat = kwargs["position_ids"]  # token positions (what installed interventions read)
         if prefix is not None:  # tails after an image of a 3-D-rotary model (Qwen-VL) sit at an offset
@@ -829,6 +839,7 @@ class Engine:
         at = len(state.ids) if at is None else at
         if not isinstance(at, int) or not 1 <= at <= len(state.ids):
             raise BadInputError(f"at={at!r}: fork from the first 1..{len(state.ids)} tokens of the state")
+        _check_stop(stop)
         sites = self._check_sites(capture)
         if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise BadInputError(f"max_new_tokens must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, got {max_new_tokens}")

@@ -120,6 +120,9 @@ class FrozenRun(Part):
     def checked(self, call: Any) -> None:
         if call.cache_factory is not None:
             raise BadInputError("frozen attention cannot be combined with a KV-cache policy (both replace attention)")
+        rows = call.batch_rows if call.batch_rows is not None else call.rows  # a teacher-forced pass: its mask rows
+        if self.spec is not None and self.spec.rows is not None and max(self.spec.rows) >= rows:
+            raise BadInputError(f"frozen attention names rows {self.spec.rows} but the call runs {rows} rows")
 
     def open(self) -> None:
         from transformers import AttentionInterface

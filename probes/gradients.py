@@ -89,6 +89,9 @@ def check_target(target: str, n_tokens: int, vocab_size: int, positions: Sequenc
         hint = "" if token is not None else f" (position {n_tokens}, after the text, needs token=)"
         raise BadInputError(f"target positions {bad[:5]} are outside 1..{top}{hint}; a position p is predicted "
                             "from the tokens before it")
+    repeated = sorted({p for p in positions if positions.count(p) > 1}) if len(set(positions)) < len(positions) else []
+    if repeated:  # each target position counts once; a repeat would only multiply the [positions, vocab] rows
+        raise BadInputError(f"target positions repeat: {repeated[:5]}; give each position once")
     return positions
 
 

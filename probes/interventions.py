@@ -58,6 +58,9 @@ def _as_vector(v: Any, width: int, what: str) -> torch.Tensor:
         raise BadInputError(f"{what} has width {vec.numel()} but the site has width {width} (d_model)")
     if not torch.isfinite(vec).all():
         raise BadInputError(f"{what} contains NaN or infinite values")
+    if vec.numel() and float(vec.abs().max()) > MAX_SCALE:  # its norm (and h + v) would overflow float32
+        raise BadInputError(f"{what} has an entry of magnitude {float(vec.abs().max()):.3g}; entries beyond "
+                            f"{MAX_SCALE:g} overflow float32 downstream")
     return vec
 
 
@@ -252,7 +255,7 @@ class HeadAblation(Intervention):
         heads = list(self.heads) if isinstance(self.heads, (list, tuple)) else self.heads
         if not isinstance(heads, list) or not heads:
             raise BadInputError("HeadAblation needs a non-empty list of heads")
-        bad = [h for h in heads if not (isinstance(h, int) and 0 <= h < arch.n_heads)]
+        bad = [h for h in heads if not (checks.is_integer(h) and 0 <= h < arch.n_heads)]
         if bad:
             raise BadInputError(f"heads {bad} out of range; this model has heads 0..{arch.n_heads - 1}")
         if self.mode not in ("zero", "mean"):

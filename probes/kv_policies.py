@@ -259,8 +259,8 @@ class SnapKVPolicy(ScorerPolicy):
 
     def _check(self, arch: Any) -> None:
         super()._check(arch)
-        for name in ("window", "kernel"):
-            checks.integer(f"SnapKVPolicy.{name}", getattr(self, name), low=1)
+        for name in ("window", "kernel"):  # a window or pooling wider than the context reads nothing more
+            checks.integer(f"SnapKVPolicy.{name}", getattr(self, name), low=1, high=arch.context_length)
         if self.kernel % 2 == 0:
             raise BadInputError("SnapKVPolicy.kernel must be odd (a centred pooling window)")
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thoughtscope import checks
+from thoughtscope.errors import BadInputError
+
+# below this a temperature only approaches greedy decoding, and logits / T overflow float32 (|logit| ~ 1e2 / 1e-37)
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -18,6 +22,9 @@ class Sampling:
 
     def __post_init__(self) -> None:
         checks.number("temperature", self.temperature, low=0, why="0 is greedy")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise BadInputError(f"temperature {self.temperature:g} is above 0 but below {MIN_TEMPERATURE:g}: the "
+                                "logits divided by it overflow float32; use 0 for greedy decoding")
         checks.number("top_p", self.top_p, low=0, high=1, low_open=True)
         checks.integer("top_k", self.top_k, low=0, why="0 keeps every token")
 

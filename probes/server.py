@@ -85,7 +85,13 @@ from probes.wire import (
     trace_to_json,
 )
 from thoughtscope import checks
-from thoughtscope.errors import BadInputError, ConflictError, ThoughtscopeError, TimeoutExceededError
+from thoughtscope.errors import (
+    BadInputError,
+    ConflictError,
+    RequestTimeoutError,
+    ThoughtscopeError,
+    TimeoutExceededError,
+)
 
 log = logging.getLogger("thoughtscope.server")
 
@@ -105,8 +111,10 @@ class ServerLimits:
 
     - `send_timeout_s`: a stream whose client does not take a record for this long is cut off and
       the model freed (a stalled reader cannot hold the model);
-    - `max_stream_s`: the longest a generation may hold the model;
+    - `max_stream_s`: the longest a generation or an entropy fit (/minimize_entropy) may hold the model;
     - `queue_timeout_s`: the longest a request waits for the model before a 503;
+    - `read_timeout_s`: the longest a client may pause while sending its request body before a 408 (a
+      stalled upload cannot keep a body buffer for ever);
     - the request budget (`BUDGET`, what each field bounds): checked before any model work and before
       a queue place is taken, so an oversized request is a 413 that costs the model nothing.
     """
@@ -114,6 +122,7 @@ class ServerLimits:
     send_timeout_s: float = 60.0
     max_stream_s: float = 1800.0
     queue_timeout_s: float = 600.0
+    read_timeout_s: float = 30.0
     max_sequences: int = 64
     max_batch_tokens: int = 262_144
     max_capture_tokens: int = 262_144
@@ -126,7 +135,7 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         # an operator's typo (a NaN, a negative or zero timeout or bound) is said at start, not at the first request
-        for name in ("send_timeout_s", "max_stream_s", "queue_timeout_s"):
+        for name in ("send_timeout_s", "max_stream_s", "queue_timeout_s", "read_timeout_s"):
             checks.number(name, getattr(self, name), low=0, low_open=True)
         for name in BUDGET:
             checks.integer(name, getattr(self, name), low=1)
@@ -304,14 +313,16 @@ class Ticket:
 
 
 class _Gate:
-    """ASGI middleware: 401 without the right bearer token, 413 for a body over the limit.
+    """ASGI middleware: 401 without the right bearer token, 413 for a body over the limit, 408 for a body
+    whose client stops sending it for `read_timeout_s` (a stalled upload holds no buffer for long).
 
     Checked before any endpoint runs, so an unauthenticated or oversized request never reaches
     the model or the JSON parser.
     """
 
-    def __init__(self, app: Any, token: str | None, max_body_bytes: int):
+    def __init__(self, app: Any, token: str | None, max_body_bytes: int, read_timeout_s: float):
         self.app, self.token, self.max_body_bytes = app, token, max_body_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -326,7 +337,12 @@ class _Gate:
             return await _send_error(send, self._too_large(int(length)))
         body, more = bytearray(), True
         while more:  # read the body up front: a chunked upload has no content-length to check
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except asyncio.TimeoutError:
+                return await _send_error(send, RequestTimeoutError(
+                    f"the request body stopped arriving after {len(body)} bytes: nothing came for "
+                    f"{self.read_timeout_s:g} s; send the whole body at once"))
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
@@ -509,10 +525,12 @@ class _ServerState:
         self.states = states
         self.generations: dict[str, Any] = {}  # request id -> `_Generation`, while queued or running
 
-    async def run(self, request: Request, work: Callable[[], Any]) -> Any:
+    async def run(self, request: Request, work: Callable[[], Any], gone: threading.Event | None = None) -> Any:
         """One model call: a place in the queue, the model, the call in a worker thread, the place freed.
 
-        A client that disconnects while waiting gives its place up at once (the call never runs).
+        A client that disconnects while waiting gives its place up at once (the call never runs). With
+        `gone`, a long call is watched too: the event is set when its client disconnects (the work checks it
+        between its steps and stops), and the request ends without an answer.
         """
         ticket = self.queue.admit(request.headers.get(QUEUE_TICKET_HEADER))
         try:
@@ -520,7 +538,16 @@ class _ServerState:
                 pass
             if not ticket.holding:
                 raise ClientGone()
-            return await anyio.to_thread.run_sync(work)
+            if gone is None:
+                return await anyio.to_thread.run_sync(work)
+            worker = asyncio.ensure_future(anyio.to_thread.run_sync(work))
+            while not (await asyncio.wait({worker}, timeout=0.5))[0]:
+                if await request.is_disconnected():
+                    gone.set()
+            if gone.is_set():
+                worker.exception()  # retrieved: the work stopped because nobody waits for it
+                raise ClientGone()
+            return worker.result()
         finally:
             ticket.release()
 
@@ -608,7 +635,7 @@ def create_app(
     app.state.server = state
     _add_error_handlers(app)
     _add_routes(app, state)
-    app.add_middleware(_Gate, token=token, max_body_bytes=max_body_bytes)
+    app.add_middleware(_Gate, token=token, max_body_bytes=max_body_bytes, read_timeout_s=state.limits.read_timeout_s)
     return app
 
 
@@ -734,9 +761,23 @@ def _add_routes(app: FastAPI, state: _ServerState) -> None:
         engine = state.ready_engine()
         await state.within_budget(lambda budget: budget.check_sequences(body.sequences))
         basis = one_tensor(body.basis, "the basis")
-        fit = await state.run(request, lambda: engine.minimize_entropy(
-            body.sequences, body.starts, body.site, basis, iterations=body.iterations, lr=body.lr,
-            batch_size=body.batch_size, seed=body.seed))
+        gone, limit_s = threading.Event(), state.limits.max_stream_s
+        deadline = [math.inf]  # set when the fit gets the model
+
+        def steps(done: int, _entropy: float) -> None:  # between two iterations: a gone client, the time limit
+            if gone.is_set():
+                raise ClientGone()
+            if time.monotonic() > deadline[0]:
+                raise TimeoutExceededError(
+                    f"the entropy fit held the model for {limit_s:g} s, this server's --max-stream-s, and stopped after "
+                    f"{done} of {body.iterations} iterations; ask for fewer iterations or a smaller batch_size")
+
+        def fit_now() -> Any:
+            deadline[0] = time.monotonic() + limit_s
+            return engine.minimize_entropy(body.sequences, body.starts, body.site, basis, iterations=body.iterations,
+                                           lr=body.lr, batch_size=body.batch_size, seed=body.seed, on_step=steps)
+
+        fit = await state.run(request, fit_now, gone=gone)
         if not (torch.isfinite(fit.coefficients).all() and all(math.isfinite(h) for h in fit.history)):
             raise BadInputError(f"the fit diverged (NaN or infinite coefficients or entropies) with lr={body.lr:g} "
                                 f"over {body.iterations} iterations; use a smaller lr")

@@ -100,6 +100,12 @@ class TimeoutExceededError(ThoughtscopeError):
     http_status = 503
 
 
+class RequestTimeoutError(ThoughtscopeError):
+    """A client that stopped sending its request body part-way (the server's read timeout passed)."""
+
+    http_status = 408
+
+
 class ClusterError(ThoughtscopeError):
     """A Ray cluster that cannot be reached in time, lacks the resources asked for, or lost every model
     replica (analyses.distributed); the message says what to start or what to ask for instead."""

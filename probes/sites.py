@@ -151,7 +151,10 @@ class Site:
 
 def parse_site(name: str) -> Site:
     """`'resid_post.12'` -> `Site('resid_post', 12)`. Unknown kinds raise with the list of kinds."""
-    if not isinstance(name, str) or not name.strip():
+    if not isinstance(name, str):
+        raise UnknownSiteError(f"a site name is text, got {type(name).__name__} {str(name)[:40]!r}; sites look like "
+                               "'resid_post.3' (see `thoughtscope sites`)")
+    if not name.strip():
         raise UnknownSiteError("empty site name; sites look like 'resid_post.3' (see `thoughtscope sites`)")
     name = name.strip()
     if name in GLOBAL_SITES:

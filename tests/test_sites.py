@@ -67,3 +67,9 @@ def test_site_width_is_the_width_a_capture_returns_at_every_site(llama, moe):
                 assert width == first.numel(), name
     with pytest.raises(UnknownSiteError, match="no MoE router"):
         site_width("router.0", llama.handle.arch)
+
+
+@pytest.mark.parametrize("name", [123, None, ["resid_post.0"]])
+def test_a_site_name_that_is_not_text_is_named_as_such(name):
+    with pytest.raises(UnknownSiteError, match="a site name is text, got"):
+        parse_site(name)

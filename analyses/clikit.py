@@ -51,6 +51,20 @@ def numbers(values: str | list[str] | None, flag: str, *, integer: bool = False,
     return out
 
 
+def number_check(option: str, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+                 why: str = "") -> Callable[[Any], Any]:
+    """A typer callback that checks a float option when the command line is parsed (`checks.number`: finite,
+    within the bounds): click's FloatRange lets NaN through, and the work before the value is used can be
+    minutes of generation."""
+    from thoughtscope import checks
+
+    def check(value: Any) -> Any:
+        return None if value is None else checks.number(option, value, low=low, high=high, low_open=low_open,
+                                                        why=why)
+
+    return check
+
+
 def path_check(option: str, use: str = "read") -> Callable[[Any], Any]:
     """A typer callback that checks a path option as typed, when the command line is parsed (before any model
     loads): `read` a path to read (`checks.user_path`), `folder` a folder to write into, `file` a file (or a

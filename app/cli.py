@@ -193,7 +193,16 @@ def register(cli: typer.Typer) -> None:
     ) -> None:
         """Open the Streamlit workbench in the browser."""
         from thoughtscope import checks
+        from thoughtscope.errors import BadInputError
 
+        if server is not None and model is not None:
+            raise BadInputError("give --server (a model server) or --model (a model in this process), not both")
+        if server is not None:
+            server = checks.server_url(server)
+        elif model not in (None, "smollm2-135m"):  # the default needs no check (and the start no torch import)
+            from probes.zoo import check_load_options
+
+            check_load_options(model)
         checks.free_port(address, port)
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         url = f"http://{'localhost' if address in ('0.0.0.0', '::') else address}:{port}"
@@ -226,12 +235,17 @@ def register(cli: typer.Typer) -> None:
             data = json.loads(source.read_text())
         except (OSError, ValueError) as err:
             raise ExportError(f"could not read {source}: {err}") from err
+        name = figure.replace(".", "-")
+        own = [fmt for fmt in wanted if (out / f"{name}.{fmt}").resolve() == source.resolve()]
+        if own:
+            raise ExportError(f"--format {own[0]} would write {source} over itself; choose another --out folder")
         try:
             fig = build_figure(figure, data)
+            written = save_figure(fig, data, name, out, wanted, figure=figure)  # the tables read the data too
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
             what = f"missing field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
             raise ExportError(f"{source} does not hold a result the '{figure}' figure draws ({what})") from err
-        for path in save_figure(fig, data, figure.replace(".", "-"), out, wanted, figure=figure):
+        for path in written:
             print(path)
 
 

@@ -384,13 +384,19 @@ def save_figure(fig: Any, data: Any, name: str, out_dir: str | Path, formats: Se
     """Write `name.<fmt>` for every format into `out_dir`; returns the paths written. `figure` names
     the builder (for its tidy table; default `name`)."""
     out = Path(out_dir)
+    # every file made before any is written, each written whole (a temporary file renamed into place): a
+    # format that fails leaves no partial export behind, and an interrupted write no truncated file
+    payloads = [(out / f"{name}.{fmt}", export_bytes(fig, data, fmt, figure or name, provenance))
+                for fmt in parse_formats(formats)]
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for fmt in parse_formats(formats):
-        path = out / f"{name}.{fmt}"
-        path.write_bytes(export_bytes(fig, data, fmt, figure or name, provenance))
-        written.append(path)
-    return written
+    for path, payload in payloads:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_bytes(payload)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return [path for path, _ in payloads]
 
 
 # ----------------------------------------------------------------- the Streamlit component

@@ -171,10 +171,11 @@ def require(backend: Backend, *needed: str) -> None:
 def open_backend(model: str | None = None, server: str | None = None, token: str | None = None,
                  timeout: float = 600.0, **load_kwargs: Any) -> Backend:
     """The backend a CLI or script asked for: a model server at `server`, else `model` in this process."""
-    if server:
+    if server is not None:  # an empty --server is a mistake, not "in this process"
         from probes.client import RemoteBackend
+        from thoughtscope import checks
 
-        backend = RemoteBackend(server, token=token, timeout=timeout)
+        backend = RemoteBackend(checks.server_url(server), token=token, timeout=timeout)
         backend.info()  # fail now, with the server's message, if it is not there or not ready
         return backend
     from probes.engine import Engine

@@ -38,6 +38,10 @@ def models(
     if action is not None:
         _ship(action, ids or [], out)
         return
+    if out is not None:
+        from thoughtscope.errors import BadInputError
+
+        raise BadInputError("--out applies to `thoughtscope models ship ID...` only; the listing prints to the terminal")
     rows = list_models()
     if as_json:
         for row in rows:

@@ -9,6 +9,7 @@ import typer
 from probes.server import BUDGET, DEFAULT_HOST, DEFAULT_PORT, ServerLimits, serve
 from probes.states import DEFAULT_MAX_STATE_BYTES, DEFAULT_MAX_STATES, DEFAULT_STATE_TTL_S
 from probes.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_NEW_TOKENS_CAP
+from probes.zoo import check_load_options
 from thoughtscope import checks
 
 
@@ -68,6 +69,8 @@ def register(cli: typer.Typer) -> None:
         Every request is measured against the request budget (the --max-* options below: rows, tokens x rows,
         interventions, images and their pixels as the image headers declare them) before any model work and
         before it takes a place in the queue; GET /info reports the budget under "request_budget"."""
+        checks.choice("--log-level", log_level, ("critical", "error", "warning", "info", "debug", "trace"))
+        check_load_options(model, device, dtype, device_map)  # before uvicorn says it is running
         checks.free_port(host, port)  # before the model loads
         serve(model, host=host, port=port, token=token, max_queue=max_queue, max_body_bytes=max_body_bytes,
               max_new_tokens_cap=max_new_tokens_cap, device=device, dtype=dtype, device_map=device_map,

@@ -240,7 +240,12 @@ def resolve_device(device: str | torch.device = "auto", dtype: str | torch.dtype
     """`auto` picks CUDA when present (bfloat16 by default there), else CPU float32."""
     if str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):  # torch's message lists its ~20 backends: say ours
+        raise BadInputError(f"unknown device {str(device)[:40]!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise BadInputError(f"device {str(device)[:40]!r} is not one this project runs on; use auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BadInputError("device 'cuda' asked for but no CUDA GPU is visible; use --device cpu")
     if dtype is None:
@@ -292,11 +297,7 @@ def load_model(
 
         return rehearse(load_model(inner, device=device, dtype=dtype))
     else:
-        raise UnknownModelError(
-            f"unknown model id {model_id[:80]!r}{'...' if len(model_id) > 80 else ''}. Known: {DEFAULT_MODEL}, {', '.join(toy_model_ids())}, "
-            f"tiny-random:<{'|'.join(TINY_ARCHS)}>, "
-            "hf:<repo id or local folder>, ndif:<repo id>. Run `thoughtscope models` for the list."
-        )
+        raise _unknown_model(model_id)
     if device_map is None:
         model = model.to(dev)
     model.eval()
@@ -310,6 +311,33 @@ def load_model(
     handle = ModelHandle(model_id, model, tok, arch, fp, input_device(model), dt)
     handle.vision  # a VLM family the engine cannot run (probes.vision) fails here, at load
     return handle
+
+
+def _unknown_model(model_id: str) -> UnknownModelError:
+    return UnknownModelError(
+        f"unknown model id {model_id[:80]!r}{'...' if len(model_id) > 80 else ''}. Known: {DEFAULT_MODEL}, "
+        f"{', '.join(toy_model_ids())}, tiny-random:<{'|'.join(TINY_ARCHS)}>, "
+        "hf:<repo id or local folder>, ndif:<repo id>. Run `thoughtscope models` for the list.")
+
+
+def check_load_options(model_id: str, device: str = "auto", dtype: str | None = None,
+                       device_map: str | None = None) -> None:
+    """What `load_model` would refuse before reading any weights (an unknown id, device, dtype or device map),
+    refused now: `serve` and `app` call it before they start (a server that printed "running" and then
+    failed to load misled)."""
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise UnknownModelError("empty model id; try 'smollm2-135m' or run `thoughtscope models`")
+    model_id = model_id.strip()
+    resolve_device(device, dtype)
+    parse_device_map(device_map)
+    inner = model_id.split(":", 1)[1] if model_id.startswith("ndif-local:") else model_id
+    if inner.startswith("tiny-random:"):
+        arch = inner.split(":", 1)[1]
+        if arch not in TINY_ARCHS and arch not in _tiny_vlms():
+            raise UnknownModelError(f"unknown tiny-random architecture {arch!r}; choose one of "
+                                    f"{sorted(TINY_ARCHS) + sorted(_tiny_vlms())}")
+    elif not (inner == DEFAULT_MODEL or inner.partition(":")[0] in TOY_MODELS or inner.startswith(("hf:", "ndif:"))):
+        raise _unknown_model(model_id)
 
 
 def needs_training(model_id: str) -> bool:
@@ -534,10 +562,21 @@ def _load_hf(ref: str, dtype: torch.dtype, device_map: Any, trust_remote_code: b
             "save_pretrained (config.json, weights, tokenizer) or a repo id in the local Hugging Face cache."
         )
     source = str(local) if local.exists() else ref
+    if local.exists():  # a folder's config.json read first: transformers fails on a bad one with odd errors
+        try:
+            config = json.loads((local / "config.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ModelLoadError(f"hf:{ref}: config.json is not readable JSON ({type(err).__name__}: "
+                                 f"{str(err)[:120]})") from None
+        if not isinstance(config, dict):
+            raise ModelLoadError(f"hf:{ref}: config.json is not a model configuration (a JSON object with "
+                                 "model_type, as save_pretrained writes it)")
     try:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
         model = _hf_model_class(source, trust_remote_code).from_pretrained(source, local_files_only=True, **kwargs)
     except OSError as err:
+        if local.exists():
+            raise ModelLoadError(f"could not load the model folder hf:{ref}: {str(err)[:300]}") from err
         raise UnknownModelError(
             f"hf:{ref} is not in the local Hugging Face cache nor a folder here ({err.__class__.__name__}). "
             f"Download it first on a machine with network (`huggingface-cli download {ref}`) or pass a folder."
@@ -548,6 +587,9 @@ def _load_hf(ref: str, dtype: torch.dtype, device_map: Any, trust_remote_code: b
                 f"hf:{ref} ships its own modeling code; re-run with --trust-remote-code if you trust it"
             ) from err
         raise ModelLoadError(f"could not load hf:{ref}: {err}") from err
+    except (TypeError, KeyError, AttributeError) as err:  # a config whose fields have the wrong shapes
+        raise ModelLoadError(f"could not load hf:{ref}: its files do not make a model ({type(err).__name__}: "
+                             f"{str(err)[:200]})") from err
     return model, tok
 
 

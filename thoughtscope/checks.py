@@ -205,3 +205,22 @@ def free_port(host: str, port: int, option: str = "--port") -> int:
                                     f"choose another with {option}") from err
             raise BadInputError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
     return port
+
+
+def server_url(url: Any, option: str = "--server") -> str:
+    """`url` when it names a model server (http or https, a host, a valid port), without a trailing slash:
+    otherwise `--server notaurl` started the workbench, which then failed at the first request."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not url.strip():
+        raise BadInputError(f"{option} is empty; give the model server's URL, e.g. http://127.0.0.1:8765")
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port  # raises on a port out of range or not a number
+    except ValueError as err:
+        raise BadInputError(f"{option} {url[:80]!r} is not a URL ({err})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadInputError(f"{option} {url[:80]!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8765")
+    if port == 0:
+        raise BadInputError(f"{option} {url[:80]!r} names port 0")
+    return url.strip().rstrip("/")

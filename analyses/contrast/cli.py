@@ -57,8 +57,9 @@ def register(cli: typer.Typer) -> None:
                 model: str = MODEL_OPTION, server: Optional[str] = SERVER_OPTION, token: Optional[str] = TOKEN_OPTION,
                 as_json: bool = typer.Option(False, "--json")) -> None:
         """Contrast the steps of set A against set B at the chosen sites."""
-        b = backend(model, server, token)
         settings = ContrastSettings(top_k=top_k, n_resamples=n_resamples, seed=seed)
+        settings.validate()  # before the model loads and the traces are read
+        b = backend(model, server, token)
         with TerminalProgress() as progress:
             result, steps, sites = run_contrast(b, site, rule, settings, organism, split, prompts_a, prompts_b,
                                                 on_progress=progress, harvest=harvest, harvest_n=harvest_n,

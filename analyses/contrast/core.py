@@ -327,6 +327,7 @@ def export_direction(result: ContrastResult, row: dict[str, Any], sites: list[Co
 def save_direction(vector: torch.Tensor, site: str, path: Any, meta: dict[str, Any] | None = None) -> bytes:
     """The vector as .safetensors bytes (tensor `vector`, the site in its metadata), written to `path` if given."""
     data = save({"vector": vector.contiguous()}, metadata={"site": site, "source": json.dumps(meta or {})})
-    if path is not None:
+    if path is not None:  # its folder may be new (the CLI checked it can be made): the result is never lost to it
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_bytes(data)
     return data

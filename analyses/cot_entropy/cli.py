@@ -25,7 +25,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, eval_group, numbers
+from analyses.clikit import (
+    MODEL_OPTION,
+    SERVER_OPTION,
+    TOKEN_OPTION,
+    TerminalProgress,
+    backend,
+    eval_group,
+    number_check,
+    numbers,
+)
 from analyses.cot_entropy import evaluate_cot_exit, evaluate_cot_vote
 from analyses.cot_entropy.settling import evaluate_settling
 from analyses.distributed.options import RAY_OPTION, REPLICAS_OPTION, ray_runner
@@ -64,6 +73,12 @@ def parse_dynasor(values: list[str]) -> list[tuple[int, int]]:
     return out
 
 
+def _density(value: str) -> str:
+    from analyses.cot_entropy.detector import DENSITIES
+
+    return checks.choice("--density", value, DENSITIES)  # at parse time: before calibration generates
+
+
 def _family(engine: Backend, step_delimiter: Optional[str]):
     return family_for(engine).with_delimiter(step_delimiter)
 
@@ -96,11 +111,13 @@ def register(cli: typer.Typer) -> None:
                                        help="DEER confidence thresholds to choose from"),
         dynasor: list[str] = typer.Option([], "--dynasor", help="Dynasor k:m pairs to choose from, e.g. 4:2,8:2,8:3 "
                                                                 "(default: around the family's k, m in {2, 3})"),
-        density: str = typer.Option("kde", help="kde (bandwidth chosen on development) | histogram"),
+        density: str = typer.Option("kde", help="kde (bandwidth chosen on development) | histogram",
+                                    callback=_density),
         bandwidth: list[str] = typer.Option([], "--bandwidth", help="KDE bandwidths (nats) to choose from "
                                                                     "(default: 1/4..4 x Silverman's)"),
-        bins: int = typer.Option(10, help="histogram bins (with --density histogram)"),
-        tolerance: float = typer.Option(0.02, help="development accuracy a setting may lose against vanilla"),
+        bins: int = typer.Option(10, min=2, help="histogram bins (with --density histogram)"),
+        tolerance: float = typer.Option(0.02, help="development accuracy a setting may lose against vanilla",
+                                        callback=number_check("--tolerance", low=0, high=1)),
         cost: str = typer.Option("generated", help="token count the choice minimises: generated | with_probes"),
         max_new_tokens: int = typer.Option(96, help="longest trace"),
         batch_size: int = typer.Option(16, help="traces generated together"),
@@ -115,6 +132,8 @@ def register(cli: typer.Typer) -> None:
         h_grid, deer_grid = parse_numbers(h, "--h"), parse_numbers(deer, "--deer")
         dynasor_grid = parse_dynasor(dynasor) or None
         bandwidths = parse_numbers(bandwidth, "--bandwidth") if bandwidth else None
+        if bandwidths is not None and min(bandwidths) <= 0:
+            raise BadInputError(f"--bandwidth takes bandwidths above 0 (nats); got {min(bandwidths):g}")
         replicas_of = ray_runner(model, server, ray, replicas)
         engine = backend(model, server, token)
         with replicas_of as runner, TerminalProgress() as progress:
@@ -163,7 +182,7 @@ def register(cli: typer.Typer) -> None:
         n_dev: int = typer.Option(60, help="development traces (bandwidth and h)"),
         h: list[str] = typer.Option(["0.5,1,2,4,8"], "--h", help="CUSUM thresholds to choose from"),
         bound: int = typer.Option(2, help="an alarm 0..bound steps after the settling step counts as on time"),
-        density: str = typer.Option("kde", help="kde | histogram"),
+        density: str = typer.Option("kde", help="kde | histogram", callback=_density),
         seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
@@ -199,8 +218,10 @@ def register(cli: typer.Typer) -> None:
         n: int = typer.Option(20, help="evaluation problems"),
         n_calibration: int = typer.Option(20, help="calibration problems (disjoint)"),
         samples: int = typer.Option(8, help="sampled trajectories per problem"),
-        temperature: float = typer.Option(0.7),
-        h: float = typer.Option(2.0, "--h", help="CUSUM threshold (the weights do not depend on it)"),
+        temperature: float = typer.Option(0.7, callback=number_check("--temperature", low=0, low_open=True,
+                                                                     why="voting needs sampled trajectories")),
+        h: float = typer.Option(2.0, "--h", help="CUSUM threshold (the weights do not depend on it)",
+                                callback=number_check("--h", low=0, low_open=True)),
         max_new_tokens: int = typer.Option(96),
         batch_size: int = typer.Option(16),
         seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),

@@ -66,9 +66,9 @@ def register(cli: typer.Typer) -> None:
         combined: list[str] = typer.Option([], "--combined", help="token temperatures to choose from for "
                                                                   "Expert-Sample + temperature (default: --temperature)"),
         max_new_tokens: int = typer.Option(48, help="longest answer"),
-        batch_rows: int = typer.Option(128, help="sequences generated together (whole problems of N samples)"),
+        batch_rows: int = typer.Option(128, min=1, help="sequences generated together (whole problems of N samples)"),
         seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
-        n_resamples: int = typer.Option(2000, help="bootstrap resamples"),
+        n_resamples: int = typer.Option(2000, min=10, max=100_000, help="bootstrap resamples"),
         per_problem: bool = typer.Option(False, help="include per-problem rows in the JSON"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
         ray: Optional[str] = RAY_OPTION,
@@ -99,9 +99,9 @@ def register(cli: typer.Typer) -> None:
         n: int = typer.Option(100, help="evaluation problems"),
         ks: list[str] = typer.Option([], "--k", help="experts per token to try (default: the model's k down to 1)"),
         max_new_tokens: int = typer.Option(48, help="longest answer"),
-        batch_rows: int = typer.Option(128, help="sequences generated together"),
+        batch_rows: int = typer.Option(128, min=1, help="sequences generated together"),
         seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
-        n_resamples: int = typer.Option(2000, help="bootstrap resamples"),
+        n_resamples: int = typer.Option(2000, min=10, max=100_000, help="bootstrap resamples"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Greedy accuracy as the number of active experts per token shrinks (top-k' at every MoE layer)."""

@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
-                             group, numbers, path_check)
+                             group, number_check, numbers, path_check)
 from analyses.rlkv.data import task_problems, training_task
 from analyses.rlkv.evaluate import evaluate_rlkv, report_table
 from analyses.rlkv.head_map import HeadMap
@@ -73,7 +73,8 @@ def register(cli: typer.Typer) -> None:
         group_size: int = typer.Option(4, help="G samples per prompt"),
         max_new_tokens: int = typer.Option(48),
         temperature: float = typer.Option(0.7),
-        lr: float = typer.Option(1e-2, help="AdamW learning rate (paper 1e-2)"),
+        lr: float = typer.Option(1e-2, help="AdamW learning rate (paper 1e-2)",
+                                 callback=number_check("--lr", low=0, high=10, low_open=True)),
         beta: float = typer.Option(1e-3, help="L1 weight (paper 1e-3)"),
         tau: float = typer.Option(0.5, help="reward above which the L1 penalty applies (paper 0.5)"),
         sink: int = typer.Option(4, help="local attention's sink tokens in training"),

@@ -244,6 +244,8 @@ class RLKVReport:
 def _methods(methods: str | Sequence[str], have_gates: bool, random_seeds: int) -> list[str]:
     chosen = list(METHODS) if methods in ("all", ["all"], ("all",)) else \
         [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
+    if not chosen:  # "," or " ": the evaluation would print the full-cache row only
+        raise BadInputError(f"--methods names no method; choose from {', '.join(METHODS + CONTROLS)} (or all)")
     bad = [m for m in chosen if m not in METHODS + CONTROLS]
     if bad:
         raise BadInputError(f"unknown method(s) {bad}; choose from {', '.join(METHODS + CONTROLS)} (or all)")

@@ -115,6 +115,8 @@ class HeadGateProbe:
             checks.number(name, getattr(self, name), low=low, high=high)
         if self.temperature == 0:
             raise BadInputError("GRPO needs sampled completions: temperature must be > 0")
+        if self.lr == 0:  # the gates would never move from their initial value
+            raise BadInputError("lr must be above 0: with lr 0 the gates never move from init")
         if not problems:
             raise BadInputError("the probe needs at least one training problem")
 

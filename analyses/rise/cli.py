@@ -34,7 +34,9 @@ from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, Terminal
                              numbers, path_check)
 from analyses.families import default_task
 from analyses.rise.evaluate import DEFAULT_ALPHAS, DEFAULT_PROJECTION_ALPHAS, evaluate_rise_organism
+from analyses.rise.labels import BEHAVIOURS
 from analyses.rise.pipeline import RiseOptions, RisePipeline, saved_saes
+from analyses.rise.steer import check_steering
 from analyses.tasks import canonical_task
 from thoughtscope import checks
 from thoughtscope.provenance import provenance
@@ -95,12 +97,13 @@ def register(cli: typer.Typer) -> None:
 
 def _pipeline(model, server, token, task, n, seed, layers, max_new_tokens, batch_size, delimiter, prompt, augment,
               store, quiet, **extra):
-    chosen_layers = tuple(numbers(layers, "--layers", integer=True))  # refused before the model loads
+    options = RiseOptions(task=task, n=n, seed=seed, layers=tuple(numbers(layers, "--layers", integer=True)),
+                          max_new_tokens=max_new_tokens, batch_size=batch_size, delimiter=delimiter, prompt=prompt,
+                          augment=augment, store=store, **extra)
+    options.validate()  # every setting the command line alone decides, refused before the model loads
     engine = backend(model, server, token)
-    options = RiseOptions(task=default_task(engine) if task == "auto" else task, n=n, seed=seed,
-                          layers=chosen_layers, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, delimiter=delimiter, prompt=prompt, augment=augment, store=store,
-                          **extra)
+    if task == "auto":
+        options.task = default_task(engine)
     progress = TerminalProgress(enabled=not quiet)
     return RisePipeline(engine, options, on_progress=progress), progress
 
@@ -195,7 +198,11 @@ def steer_cmd(behaviour: str = typer.Option("reflection", "--behaviour"),
               prompt: str = _PROMPT, augment: str = _AUG, store: Optional[str] = _STORE,
               arch: str = _ARCH, saes: Optional[str] = _SAES, quiet: bool = _QUIET, as_json: bool = _JSON) -> None:
     """Per alpha: mean reflection and backtracking steps, mean length and accuracy on held-out problems."""
-    alphas = numbers(alpha, "--alpha") or [-1.5, -1.0, 0.0, 1.0, 1.5]
+    alphas = check_steering(numbers(alpha, "--alpha") or [-1.5, -1.0, 0.0, 1.0, 1.5], mode)
+    checks.choice("behaviour", behaviour, BEHAVIOURS)
+    checks.integer("--n (held-out problems per alpha)", n, low=1)
+    if layer is not None:
+        checks.integer("--layer", layer, low=0)  # its range needs the model: RisePipeline.steer
     run, progress = _pipeline(model, server, token, task, n_harvest, seed, layers, max_new_tokens, batch_size,
                               delimiter, prompt, augment, store, quiet, arch=arch, saes=saes, projection="pca")
     with progress:
@@ -238,7 +245,15 @@ def rise_organism_cmd(
     """RISE against the organism's ground truth: held-out SAE quality, latent AUROC per planted behaviour,
     behaviour rates while steering (95% intervals), accuracy beside them."""
     alphas = numbers(alpha, "--alpha") or list(DEFAULT_ALPHAS if mode == "add" else DEFAULT_PROJECTION_ALPHAS)
-    chosen_layers = tuple(numbers(layers, "--layers", integer=True))  # refused before the model loads
+    check_steering(alphas, mode)
+    chosen_layers = tuple(numbers(layers, "--layers", integer=True))
+    # every setting the command line alone decides, refused before the model loads (the task is the organism's)
+    RiseOptions(n=n_harvest, seed=seed, layers=chosen_layers, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                temperature=temperature, heldout=heldout, sae_steps=steps, d_sae=d_sae, l1=l1,
+                projection="pca").validate()
+    checks.integer("--n-steer", n_steer, low=1)
+    if layer is not None:
+        checks.integer("--layer", layer, low=0)  # its range needs the model: RisePipeline.check_layer
     engine = backend(model, server, token)
     with TerminalProgress(enabled=not quiet) as progress:
         report = evaluate_rise_organism(engine, n_harvest=n_harvest, n_steer=n_steer, alphas=alphas, mode=mode,

@@ -165,6 +165,9 @@ def evaluate_rise_organism(backend: Backend, *, n_harvest: int = 400, n_steer: i
                           heldout=heldout, sae_steps=sae_steps, d_sae=d_sae, l1=l1, projection="pca", saes=saes,
                           store=store)
     pipeline = RisePipeline(backend, options, on_progress=progress)
+    pipeline.check_layer(layer)  # before the harvest, not after it and the SAEs' training
+    if n_steer < 1:
+        raise BadInputError(f"steer on at least one eval problem, got n_steer={n_steer!r}")
     t0 = time.perf_counter()
     found = pipeline.run()
     t1 = time.perf_counter()

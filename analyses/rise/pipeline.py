@@ -4,6 +4,9 @@ Every stage reuses what the earlier ones stored, whoever ran them: traces and st
 `cache/` (per trace, resumable), SAEs in SAELens folders and behaviour vectors as safetensors under
 one folder per configuration (default: the user cache, keyed by model fingerprint and settings).
 So the page and the CLI share results, and `steer` alone runs the whole pipeline the first time.
+A stored SAE is reused only when its `rise.json` says it is the one this run would train (same model
+and weights, same training data, same settings where the run sets them); otherwise the run is refused
+with what differs (`stored_sae_differences`), never served another model's or another size's SAE.
 `saved_saes()` lists every SAE the pipeline saved (with its model, site and held-out quality), so
 another page can offer them. Progress goes through `on_progress(stage, done, total)`; nothing here
 prints.
@@ -34,7 +37,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from analyses.rise.columns import RiseAnalysis, analyse
-from analyses.rise.harvest import Harvest, HarvestSettings, harvest
+from analyses.rise.harvest import LABELLERS, PROMPTS, Harvest, HarvestSettings, harvest, resolve_delimiter
 from analyses.rise.labels import BEHAVIOURS
 from analyses.rise.quality import sae_quality
 from analyses.rise.steer import check_steering, steer
@@ -44,7 +47,7 @@ from probes.backend import Backend
 from probes.zoo import user_cache_dir
 from saes.io import is_sae_folder, load_sae, save_sae
 from saes.stats import sae_stats
-from saes.train import SAETrainSettings, train_sae
+from saes.train import ARCHITECTURES, SAETrainSettings, train_sae
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
 
@@ -85,8 +88,51 @@ class RiseOptions:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def validate(self) -> None:
+        """Every check that needs no model, so a caller can refuse a bad setting before the model loads and
+        before any harvest or training (the layers' range and the task's problems need the model or the
+        task; `RisePipeline` checks them)."""
+        checks.integer("n (problems to harvest)", self.n, low=1)
+        checks.integer("seed", self.seed, low=0, high=checks.SEED_MAX)
+        checks.int_list("layers", list(self.layers), low=0, empty_ok=True)
+        checks.integer("max_new_tokens", self.max_new_tokens, low=1)
+        checks.integer("batch_size", self.batch_size, low=1)
+        if self.delimiter != "auto":
+            resolve_delimiter(self.delimiter)  # an invalid regex, or one matching the empty string
+        checks.choice("prompt", self.prompt, PROMPTS)
+        checks.choice("augment", self.augment, ("none", "templated"))
+        checks.choice("labeller", self.labeller, LABELLERS)
+        checks.choice("the SAE architecture", self.arch, ARCHITECTURES)
+        # the SAE's training settings: None is the default scaled to the data (SAETrainSettings.scaled)
+        if self.d_sae is not None:
+            checks.integer("d_sae", self.d_sae, low=1, why="SAE latents")
+        if self.l1 is not None:
+            checks.number("l1", self.l1, low=0, why="the SAE's L1 coefficient")
+        if self.k is not None:
+            checks.integer("k", self.k, low=1, why="active latents per input, TopK")
+            if self.arch == "topk" and self.d_sae is not None and self.k > self.d_sae:
+                raise BadInputError(f"TopK needs k <= d_sae, got k={self.k}, d_sae={self.d_sae}")
+        if self.sae_steps is not None:
+            checks.integer("SAE training steps", self.sae_steps, low=1)
+        if self.lr is not None:
+            checks.number("lr", self.lr, low=0, low_open=True, why="the SAE's learning rate")
+        checks.choice("projection", self.projection, PROJECTIONS)
+        checks.number("heldout", self.heldout, low=0, high=1, high_open=True,
+                      why="the share of traces kept out of SAE training")
+        checks.number("temperature", self.temperature, low=0, why="0 = greedy")
 
+
+PROJECTIONS = ("umap", "pca")
 RISE_META = "rise.json"
+# What a stored SAE was trained on, besides its model: the same settings give the same training steps and the
+# same held-out traces. Layers (one folder per site), the labeller (labels never train) and the projection are
+# not among them; the harvest's batch size only matters to sampled traces (as in the activation store's key).
+SAE_DATA_SETTINGS = ("task", "n", "seed", "heldout", "max_new_tokens", "prompt", "delimiter", "augment",
+                     "temperature")
+# The training settings a run may leave unset (None: "the stored SAE's, else the scaled default"): a run that
+# sets one must find it in the stored SAE. `analyse` and `steer` have no flags for them, so they take the SAEs
+# that `train` made with any of them.
+SAE_TRAIN_SETTINGS = {"d_sae": "d_sae", "l1": "l1_coefficient", "k": "k", "sae_steps": "steps", "lr": "lr"}
 
 
 @dataclass
@@ -152,10 +198,58 @@ class TooFewStepsError(BadInputError):
                          "more tokens, or splice templated reflection/backtracking steps (--augment templated).")
 
 
+class StoredSAEMismatchError(BadInputError):
+    def __init__(self, path: Path, differences: list[str]):
+        super().__init__(
+            f"the SAE stored in {path} does not fit this run ({'; '.join(differences)}). Use a fresh --saes folder, "
+            f"or retrain the SAEs there with `thoughtscope rise train` and this run's settings (it overwrites them).")
+
+
+def stored_sae_differences(meta: dict[str, Any], sae: Any, options: RiseOptions, model_id: str,
+                           fingerprint: str) -> list[str]:
+    """How the SAE stored beside `meta` (its `rise.json`) differs from the one this run would train: its model
+    (id and weights), the data it was trained on (`SAE_DATA_SETTINGS`, `auto` read as the model family's), its
+    architecture, and each training setting this run sets. Empty when the stored SAE is this run's."""
+    stored_model = meta.get("model_id")
+    if stored_model != model_id:
+        return [f"trained on {stored_model!r}, this run uses {model_id!r}"]
+    if meta.get("fingerprint") != fingerprint:
+        return [f"trained on other weights of {model_id} (fingerprint {meta.get('fingerprint')!r}, now {fingerprint!r})"]
+    stored = meta.get("options") or {}
+    differences = []
+
+    def comparable(name: str, value: Any) -> Any:
+        if name == "delimiter":
+            return resolve_delimiter(value, model_id)
+        if name == "prompt":
+            return HarvestSettings(prompt=value).resolved(model_id).prompt
+        return value
+
+    data = list(SAE_DATA_SETTINGS) + (["batch_size"] if options.temperature else [])
+    for name in data:
+        mine, theirs = getattr(options, name), stored.get(name)
+        try:
+            differs = comparable(name, mine) != comparable(name, theirs)
+        except (BadInputError, TypeError):  # a damaged record: not the same settings
+            differs = True
+        if differs:
+            differences.append(f"{name}: stored {theirs!r}, this run {mine!r}")
+    if stored.get("arch") != options.arch:
+        differences.append(f"architecture: stored {stored.get('arch')!r}, this run {options.arch!r}")
+    trained = meta.get("train_settings") or {}  # the values used, scaled defaults included (older records: options)
+    for name, field in SAE_TRAIN_SETTINGS.items():
+        mine = getattr(options, name)
+        theirs = int(sae.cfg.d_sae) if name == "d_sae" else trained.get(field, stored.get(name))
+        if mine is not None and mine != theirs:
+            differences.append(f"{name}: stored {'default' if theirs is None else repr(theirs)}, this run {mine!r}")
+    return differences
+
+
 class RisePipeline:
     """One configuration of RISE on one backend; each stage loads what is stored before computing."""
 
     def __init__(self, backend: Backend, options: RiseOptions, on_progress: Progress | None = None):
+        options.validate()
         self.backend, self.options, self.on_progress = backend, options, on_progress
         self.info = backend.info()
         layers = options.layers or default_layers(backend.arch().n_layers)
@@ -165,9 +259,6 @@ class RisePipeline:
                                         temperature=options.temperature,
                                         labeller=options.labeller).resolved(self.info["model_id"])
         self.settings.validate(backend.arch().n_layers)
-        if not 0 <= options.heldout < 1:
-            raise BadInputError(f"heldout is the share of traces kept out of SAE training, in [0, 1); got "
-                                f"{options.heldout!r}")
 
     # ----- stages -----
 
@@ -216,7 +307,7 @@ class RisePipeline:
         for i, (site, acts) in enumerate(h.acts.items()):
             path = self.folder / site
             if is_sae_folder(path) and not retrain:
-                saes[site] = load_sae(path)
+                saes[site] = self._stored_sae(path)
             else:
                 if len(train_rows) < 2:
                     raise TooFewStepsError(site, len(train_rows))
@@ -231,11 +322,30 @@ class RisePipeline:
                            "heldout": sae_quality(saes[site], acts[held])}
                 (path / RISE_META).write_text(json.dumps(
                     {"model_id": self.info["model_id"], "fingerprint": self.info["fingerprint"], "site": site,
-                     "options": o.to_dict(), "train_steps": len(train_rows), "heldout_steps": len(held),
+                     "options": o.to_dict(), "train_settings": train_settings.to_dict(),
+                     "train_steps": len(train_rows), "heldout_steps": len(held),
                      "quality": quality}, default=str, indent=1))
             stats[site] = sae_stats(saes[site], acts[held] if held else acts)
             self._tick("train", i + 1, len(h.acts))
         return saes, stats
+
+    def _stored_sae(self, path: Path) -> Any:
+        """The SAE stored at `path`, when it is the one this run would train (`stored_sae_differences`). One that is
+        not is refused rather than retrained: the folder is one the user named or another run's, and overwriting
+        SAEs (and the behaviour vectors beside them) nobody asked to replace loses work; reusing them silently
+        reports settings they were not trained with."""
+        try:
+            meta = json.loads((path / RISE_META).read_text())
+            if not isinstance(meta, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as err:
+            raise StoredSAEMismatchError(path, [f"its {RISE_META}, which says which model and settings trained it, "
+                                                f"is missing or unreadable ({err.__class__.__name__})"]) from err
+        sae = load_sae(path)
+        differences = stored_sae_differences(meta, sae, self.options, self.info["model_id"], self.info["fingerprint"])
+        if differences:
+            raise StoredSAEMismatchError(path, differences)
+        return sae
 
     def analyse(self, h: Harvest, saes: dict[str, Any]) -> RiseAnalysis:
         """Column association, geometry and behaviour vectors; the vectors are saved beside the SAEs."""
@@ -260,6 +370,7 @@ class RisePipeline:
         alphas = check_steering(alphas, mode)
         if n_heldout < 1:
             raise BadInputError("steer on at least one held-out problem")
+        self.check_layer(layer)
         found = self.run()
         h, result = found["harvest"], found["analysis"]
         site = f"resid_post.{layer}" if layer is not None else result.best_site
@@ -275,6 +386,13 @@ class RisePipeline:
                       on_progress=self._stage("steer"))
         return {"steering": table.to_dict(), "silhouette_per_layer": result.to_dict()["silhouette_per_layer"],
                 "label_counts": h.label_counts(), "site": site, "folder": str(self.folder)}
+
+    def check_layer(self, layer: int | None) -> None:
+        """A steering layer is one the harvest reads (so it has an SAE and vectors): refused before the harvest."""
+        if layer is not None and layer not in self.settings.layers:
+            raise BadInputError(f"cannot steer at layer {layer}: this run reads layers "
+                                f"{', '.join(map(str, self.settings.layers))} (the model has layers "
+                                f"0..{self.backend.arch().n_layers - 1}); pick one of them, or add it with --layers")
 
     def _steer_split(self) -> str:
         return "eval (the generator's)" if self.options.task in ORGANISM_TASKS else "held-out (after the harvest)"

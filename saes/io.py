@@ -5,7 +5,8 @@
 - `load_sae(ref)`: a folder written by SAELens (here or elsewhere), or a SAELens pretrained
   release (`load_sae("gpt2-small-res-jb", sae_id="blocks.8.hook_resid_pre")`) read from the local
   Hugging Face cache with the hub forced offline: nothing is ever downloaded.
-- `check_fits(sae, d_model, site)`: an SAE whose width does not match the site is a user error.
+- `check_fits(sae, width, site)`: an SAE whose width does not match the site is a user error.
+- An SAE whose weights hold NaN or infinity is refused when it loads: its latents would be NaN everywhere.
 
 Example:
     >>> import tempfile, torch
@@ -68,15 +69,29 @@ def load_sae(ref: str | Path, sae_id: str | None = None, device: str = "cpu") ->
         from safetensors import SafetensorError
 
         try:
-            return SAE.load_from_disk(str(path), device=device)
+            sae = SAE.load_from_disk(str(path), device=device)
         # a malformed folder: cfg.json not an object or missing a field (KeyError, TypeError, AttributeError, bad
         # JSON), weights not safetensors or cut short (SafetensorError), or shaped unlike cfg.json says (RuntimeError)
         except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, SafetensorError, OSError) as err:
             why = " ".join(str(err).split())[:300]  # torch's shape message spans lines
             raise BadInputError(f"{path} holds an SAE this SAELens cannot read ({type(err).__name__}: {why})") from err
+        return check_finite(sae, str(path / WEIGHTS_FILENAME))
     if sae_id is None:
         raise BadInputError(f"{ref!r} is not a folder; for a SAELens pretrained release pass sae_id= too")
-    return _load_pretrained_offline(str(ref), sae_id, device)
+    return check_finite(_load_pretrained_offline(str(ref), sae_id, device), f"{ref}/{sae_id}")
+
+
+def check_finite(sae: Any, source: str) -> Any:
+    """`sae` when every weight is finite; NaN or infinity (a training run that diverged) would make every
+    latent NaN, and a score of NaN is neither a ranking nor valid JSON."""
+    import torch
+
+    for name, weight in sae.state_dict().items():
+        if torch.is_floating_point(weight) and not bool(torch.isfinite(weight).all()):
+            bad = int((~torch.isfinite(weight)).sum())
+            raise BadInputError(f"{source} holds an SAE whose {name} has {bad:,} NaN or infinite values of "
+                                f"{weight.numel():,}; retrain it (a lower learning rate) or pick another SAE")
+    return sae
 
 
 @contextlib.contextmanager
@@ -143,10 +158,11 @@ def _load_cached_folder(path: Path, release: str, sae_id: str, device: str) -> A
     return sae
 
 
-def check_fits(sae: Any, d_model: int, site: str = "") -> None:
-    """Raise a user error when the SAE's input width is not the site's width."""
+def check_fits(sae: Any, width: int, site: str = "") -> None:
+    """Raise a user error when the SAE's input width is not `width`, the values per token at the site
+    (`probes.sites.site_width`: d_model on the residual stream, heads * head_dim at `z.L`)."""
     d_in = int(sae.cfg.d_in)
-    if d_in != int(d_model):
+    if d_in != int(width):
         where = f" at {site}" if site else ""
         raise BadInputError(f"this SAE reads vectors of width {d_in} but the model's activations{where} have width "
-                            f"{d_model}; pick an SAE trained on this model and site")
+                            f"{width}; pick an SAE trained on this model and site")

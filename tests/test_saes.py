@@ -123,6 +123,17 @@ def test_user_errors_say_what_to_do(tmp_path):
         train_sae(acts, SAETrainSettings(architecture="gated", progress=False))
 
 
+def test_an_sae_whose_weights_are_nan_is_refused_when_it_loads(tmp_path):
+    sae, _ = train_sae(torch.randn(64, 8), SAETrainSettings(d_sae=8, batch_size=32, steps=2, progress=False))
+    with torch.no_grad():
+        sae.b_dec[2] = float("inf")  # a run that diverged: every latent would read NaN
+    save_sae(sae, tmp_path / "diverged")
+    with pytest.raises(BadInputError) as err:
+        load_sae(tmp_path / "diverged")
+    assert str(err.value).startswith(f"{tmp_path / 'diverged' / 'sae_weights.safetensors'} holds an SAE whose "
+                                     "b_dec has 1 NaN or infinite values of 8")
+
+
 def test_stats_count_dead_latents_and_l0():
     acts = torch.randn(128, 8)
     sae, _ = train_sae(acts, SAETrainSettings(d_sae=16, batch_size=32, steps=2, progress=False))

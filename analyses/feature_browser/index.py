@@ -30,6 +30,7 @@ import torch
 from analyses.feature_browser.corpus import Corpus
 from cache.store import ActivationStore
 from probes.backend import Backend
+from probes.sites import GLOBAL_SITES, SITE_KINDS, parse_site
 from thoughtscope.errors import BadInputError
 
 INDEX_VERSION = 1
@@ -37,6 +38,21 @@ FLOAT16_MAX = 65_000.0
 DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 Progress = Callable[[int, int], None]  # (contexts done, contexts in all)
+# one d_model vector per token: the residual stream and what the attention and MLP blocks write into it, where a
+# direction's write vector reads through the unembedding (per-head, pattern, router and logit sites do not)
+BROWSABLE_KINDS = tuple(kind for kind, spec in SITE_KINDS.items() if spec.shape == "[d_model]")
+
+
+def check_site(site: str) -> str:
+    """`site` when the feature browser can read it (see `BROWSABLE_KINDS`), else a clear error naming the sites
+    it can; the layer is checked against the model later (`probes.sites.site_width`)."""
+    parsed = parse_site(site)
+    if parsed.kind not in BROWSABLE_KINDS:
+        spec = GLOBAL_SITES.get(parsed.kind) or SITE_KINDS[parsed.kind]
+        usable = ", ".join(f"{kind}.<layer>" for kind in BROWSABLE_KINDS)
+        raise BadInputError(f"site {site!r} holds {spec.shape} per token ({spec.doc}), not one residual-stream "
+                            f"vector; the feature browser reads {usable}")
+    return site
 
 
 @dataclass
@@ -152,6 +168,7 @@ def build_index(backend: Backend, corpus: Corpus, site: str, settings: IndexSett
     cache, None for no cache) where they are, computed (and stored) where not."""
     settings = settings or IndexSettings()
     settings.validate()
+    check_site(site)
     info = backend.info()
     if site not in {row["site"] for row in backend.sites()}:
         raise BadInputError(f"{info.get('model_id')} has no site {site!r}; pick e.g. resid_post.<layer>")

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from analyses.feature_browser.index import check_site
 from probes.backend import Backend
+from probes.sites import site_width
 from saes.io import check_fits
 from thoughtscope.errors import BadInputError
 
@@ -31,9 +33,14 @@ SCORES = ("max", "sum")
 
 
 def check_sae(sae: Any, backend: Backend, site: str) -> None:
-    """A clear error for an SAE of another width or (when its config names one) of another model or site."""
+    """A clear error for an SAE of another width than the site's own or (when its config names one) of another
+    model or site."""
     info = backend.info()
-    check_fits(sae, backend.arch().d_model, site)
+    width = site_width(site, backend.arch())  # checks the site's layer too
+    if width is None:
+        raise BadInputError(f"site {site!r} has no fixed width per token (it grows with the sequence); an SAE reads "
+                            "one vector per token, e.g. at resid_post.<layer>")
+    check_fits(sae, width, site)
     meta = getattr(sae.cfg, "metadata", None)
     trained_on = getattr(meta, "model_name", None)
     if trained_on and info.get("model_id") and trained_on != info["model_id"]:
@@ -93,6 +100,7 @@ def trace_latents(backend: Backend, token_ids: Sequence[int], sae: Any, site: st
     ids = [int(i) for i in token_ids]
     if not ids:
         raise BadInputError("the trace has no tokens: generate or paste one first")
+    check_site(site)
     check_sae(sae, backend, site)
     if rows is None:
         rows = backend.capture_batch([ids], [site], positions=[list(range(len(ids)))])[site]

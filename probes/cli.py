@@ -71,7 +71,7 @@ def _ship(action: str, ids: list[str], out: Optional[str]) -> None:
 def sites(
     model: str = typer.Option("smollm2-135m", help="model id"),
     as_json: bool = typer.Option(False, "--json"),
-    layer: Optional[int] = typer.Option(None, help="only this layer"),
+    layer: Optional[int] = typer.Option(None, min=0, help="only this layer"),
 ) -> None:
     """List the hook sites of a model (one naming scheme across architectures)."""
     from probes.sites import list_sites
@@ -105,10 +105,16 @@ def generate(
                                            help="let an hf: model folder run its own modeling code"),
 ) -> None:
     """Stream tokens with their entropy to the terminal (or JSON records with --json)."""
-    from probes.engine import Engine, Sampling
+    from probes.engine import MAX_NEW_TOKENS_LIMIT, Engine, Sampling
+    from thoughtscope.errors import BadInputError
 
+    # what the command line alone decides, refused before the model loads
+    if not prompt.strip():
+        raise BadInputError("--prompt is empty; give the text to continue")
+    checks.integer("--max-new-tokens", max_new_tokens, low=1, high=MAX_NEW_TOKENS_LIMIT)
+    sampling = Sampling(temperature=temperature)
     engine = Engine.from_id(model, trust_remote_code=trust_remote_code)
-    stream = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=Sampling(temperature=temperature),
+    stream = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
                              seed=seed, capture=capture, chat=chat)
     out = Console(highlight=False)
     for rec in stream:

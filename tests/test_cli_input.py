@@ -32,9 +32,12 @@ def _run(monkeypatch, capsys, argv: list[str]) -> tuple[int, str]:
 def no_model(monkeypatch):
     """Every method command's backend, recorded instead of loaded: a check that runs first leaves it empty."""
     loaded: list[tuple] = []
+    import probes.engine
+
     for module in ("analyses.cot_entropy.cli", "analyses.moe_router.cli", "analyses.contrast.cli",
-                   "analyses.rlkv.cli"):
+                   "analyses.rlkv.cli", "analyses.fuzzy_concepts.cli", "analyses.visual_attribution.cli"):
         monkeypatch.setattr(f"{module}.backend", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr(probes.engine.Engine, "from_id", lambda *a, **k: loaded.append(a))
     return loaded
 
 
@@ -65,6 +68,23 @@ def no_model(monkeypatch):
      "error: n_resamples must be an integer in 10..100000, got -1"),
     (["rlkv", "train", "--model", "tiny-random:llama", "--lr", "0"], "error: --lr must be a finite number in (0, 10]"),
     (["models", "--out", "/tmp/x"], "error: --out applies to `thoughtscope models ship ID...` only"),
+    (["generate", "--model", "tiny-random:llama", "--prompt", "  "], "error: --prompt is empty"),
+    (["generate", "--model", "tiny-random:llama", "--prompt", "hi", "--max-new-tokens", "0"],
+     "error: --max-new-tokens must be an integer in 1..8192, got 0"),
+    (["generate", "--model", "tiny-random:llama", "--prompt", "hi", "--temperature", "nan"],
+     "error: temperature must be a finite number >= 0"),
+    (["sites", "--model", "tiny-random:llama", "--layer", "-1"], "Invalid value for '--layer'"),
+    (["router", "profile", "--model", "tiny-random:qwen3_moe", "--p", "nan"], "error: --p must be a finite number"),
+    (["router", "profile", "--model", "tiny-random:qwen3_moe", "--k-h", "0"], "Invalid value for '--k-h'"),
+    (["router", "profile", "--model", "tiny-random:qwen3_moe", "--n", "0"], "Invalid value for '--n'"),
+    (["eval", "fuzzy-concepts", "--model", "tiny-random:llama", "--token", "water", "--where", "bogus"],
+     "error: --where 'bogus' is not an option; use one of 'generated', 'any'"),
+    (["eval", "fuzzy-concepts", "--model", "tiny-random:llama", "--token", "water", "--membership", "bogus"],
+     "error: --membership 'bogus' is not an option"),
+    (["eval", "vis-attr", "--model", "tiny-random:llava", "--n", "0"], "Invalid value for '--n'"),
+    (["eval", "vis-attr", "--model", "tiny-random:llava", "--epochs", "0"], "Invalid value for '--epochs'"),
+    (["rlkv", "train", "--model", "tiny-random:llama", "--sink", "-1"], "Invalid value for '--sink'"),
+    (["rlkv", "train", "--model", "tiny-random:llama", "--recent", "0"], "Invalid value for '--recent'"),
 ])
 def test_an_option_the_command_line_can_check_is_refused_before_any_model_loads(monkeypatch, capsys, no_model,
                                                                                  argv, says):

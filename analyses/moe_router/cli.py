@@ -22,7 +22,7 @@ from typing import Optional
 import typer
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, eval_group,
-                             group, numbers)
+                             group, number_check, numbers)
 from analyses.distributed.options import RAY_OPTION, REPLICAS_OPTION, ray_runner
 from analyses.moe_router.evaluate import ExpertSetting, evaluate_active_experts, evaluate_expert_sample
 from analyses.moe_router.maps import profile_task
@@ -123,16 +123,17 @@ def register(cli: typer.Typer) -> None:
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
         task: str = typer.Option("auto", help=TASK_HELP, callback=canonical_task),
-        n: int = typer.Option(50, help="development problems whose prompt + greedy answer are read"),
-        k_h: int = typer.Option(2, "--k-h", help="head size of the fixed rule"),
-        p: float = typer.Option(0.5, help="mass of the cumulative-probability rule"),
-        max_new_tokens: int = typer.Option(48, help="longest answer"),
+        n: int = typer.Option(50, min=1, help="development problems whose prompt + greedy answer are read"),
+        k_h: int = typer.Option(2, "--k-h", min=1, help="head size of the fixed rule"),
+        p: float = typer.Option(0.5, help="mass of the cumulative-probability rule",
+                                callback=number_check("--p", low=0, high=1, low_open=True)),
+        max_new_tokens: int = typer.Option(48, min=1, help="longest answer"),
         seed: int = typer.Option(0, min=0, max=checks.SEED_MAX),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Sorted router probabilities, entropy, gap and head sizes (fixed / cumulative / gap), per MoE layer."""
-        b = backend(model, server, token)
         rules = (HeadTail("fixed", k_h=k_h), HeadTail("cumulative", p=p), HeadTail("gap"))
+        b = backend(model, server, token)
         with TerminalProgress(enabled=not as_json) as progress:
             fitted, task_name = profile_task(b, task, n, rules=rules, max_new_tokens=max_new_tokens, seed=seed,
                                              progress=progress)

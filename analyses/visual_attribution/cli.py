@@ -38,11 +38,11 @@ def register(cli: typer.Typer) -> None:
                                   "resized to its input"),
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
-        n: int = typer.Option(40, "--n", help="held-out (eval split) scenes"),
-        n_train: int = typer.Option(40, "--n-train", help="training scenes for the estimator"),
+        n: int = typer.Option(40, "--n", min=1, help="held-out (eval split) scenes"),
+        n_train: int = typer.Option(40, "--n-train", min=1, help="training scenes for the estimator"),
         n_dev: int = typer.Option(20, "--n-dev", help="development scenes on which the estimator's settings are "
                                   "chosen (features, epochs, l2); 0 = no choice, the defaults with --epochs"),
-        epochs: int = typer.Option(300, "--epochs", help="estimator epochs when --n-dev 0 (full batch, Adam)"),
+        epochs: int = typer.Option(300, "--epochs", min=1, help="estimator epochs when --n-dev 0 (full batch, Adam)"),
         lds_subsets: int = typer.Option(8, "--lds-subsets", help="random half-size cell sets per scene for the LDS "
                                         "(0 skips it)"),
         k: int = typer.Option(0, "--k", help="regions: 0 = --regions; K = K Ward clusters of the visual tokens"),

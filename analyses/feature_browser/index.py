@@ -14,8 +14,8 @@ Example:
     >>> from analyses.feature_browser import load_corpus
     >>> engine = Engine.from_id("tiny-random:llama")
     >>> index = build_index(engine, load_corpus("gsm8k-questions", n=4), "resid_post.1", store=None)
-    >>> index.n_contexts, index.acts.shape[1]
-    (4, 64)
+    >>> index.n_contexts, index.acts.shape[1]   # 4 questions; the first, 66 tokens, is cut into two windows
+    (5, 64)
 """
 
 from __future__ import annotations

@@ -144,13 +144,13 @@ def main() -> None:
         app()
     except ThoughtscopeError as err:
         # the message verbatim: it may hold brackets rich would read as markup (the rule `kind:<A>[/<B>]` crashed it)
-        console.print("[red]error:[/red]", escape(str(err)))
+        console.print("[red]error:[/red]", escape(str(err)), soft_wrap=True)  # a path in it stays whole
         sys.exit(2)
     except OSError as err:
         if err.filename is None:  # not the file system's refusal of a path: a bug's traceback
             raise
         # what the checks before the work cannot foresee (a full disk, a folder made read-only meanwhile)
-        console.print("[red]error:[/red]", escape(f"{err.strerror or err}: {err.filename}"))
+        console.print("[red]error:[/red]", escape(f"{err.strerror or err}: {err.filename}"), soft_wrap=True)
         sys.exit(2)
 
 

@@ -15,8 +15,8 @@ the final norm, as Neuronpedia and SAEDashboard do).
 Example:
     >>> import torch
     >>> d = VectorDirection(torch.tensor([3.0, 4.0]), "resid_post.0", "concept")
-    >>> d.scores(torch.tensor([[1.0, 1.0], [0.0, 5.0]])).tolist()
-    [1.399999976158142, 4.0]
+    >>> [round(x, 5) for x in d.scores(torch.tensor([[1.0, 1.0], [0.0, 5.0]])).tolist()]   # (3 + 4) / 5, 20 / 5
+    [1.4, 4.0]
 """
 
 from __future__ import annotations

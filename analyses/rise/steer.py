@@ -124,8 +124,9 @@ def steer(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, s
     ignore it: a row's random draws depend on its place in the batch.
 
     Example:
-        >>> result = steer(engine, problems[:1], vector, "resid_post.2", alphas=[-1, 0, 1], batch_alphas=True)
-        >>> result.traces[1.0][0].text  # the steered trace at alpha 1
+        >>> result = steer(engine, problems[:1], vector, "resid_post.2", alphas=[-1, 0, 1],
+        ...                batch_alphas=True)  # doctest: +SKIP
+        >>> result.traces[1.0][0].text  # the steered trace at alpha 1  # doctest: +SKIP
     """
     alphas = check_steering(alphas, mode)
     model_id = backend.info()["model_id"]

@@ -491,7 +491,7 @@ def preset_from_bytes(data: bytes, d_model: int | None = None) -> SteeringStack:
     """A stack from a preset file's bytes (an upload): not JSON, or not a preset, is a clear error."""
     try:
         parsed = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise BadInputError(f"the preset is not a JSON file ({err})") from err
     return from_preset(parsed, d_model)
 

@@ -401,8 +401,9 @@ def _file_problems(path: str, data: bytes) -> list[Problem]:
         where = f"{path} line {number}"
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise BadInputError(f"{where} is not JSON ({err.msg}): a problem file holds one JSON object a line") from err
+        except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: arrays nested past Python's stack
+            why = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+            raise BadInputError(f"{where} is not JSON ({why}): a problem file holds one JSON object a line") from err
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
             raise BadInputError(f'{where}: each line is an object with a "question" (text) and an "answer" (a number)')
         answer = row.get("answer")
@@ -612,8 +613,8 @@ def extract_answer(text: str) -> str | None:
 def normalize_answer(value: str | int | float) -> str | None:
     """A canonical string for a number: no commas, dollar signs or trailing zeros.
 
-    >>> [normalize_answer(v) for v in ("1,234", "$5", "18.0", "3.50", "-3", "7.", 4)]
-    ['1234', '5', '18', '3.5', '-3', '7', '4']
+    >>> [normalize_answer(v) for v in ("1,234", "$5", "18.0", "3.50", "-3", "7.", 4, "2.5e-3", "-1E3")]
+    ['1234', '5', '18', '3.5', '-3', '7', '4', '0.0025', '-1000']
     """
     number = _parse_number(value)
     if number is None:
@@ -623,15 +624,23 @@ def normalize_answer(value: str | int | float) -> str | None:
     return format(number.normalize(), "f")
 
 
+MAX_ANSWER_DIGITS = 100  # an answer past this many digits is not a number a task compares (nor prints: 4,300)
+
+
 def _parse_number(value: str | int | float) -> Decimal | None:
+    """The number in an answer ("$1,234", "-$5", "2.5e-3"), or None. Minus signs before the digits count
+    (an odd number of them is negative); an exponent keeps its own sign (2.5e-3 is 0.0025, not -2500)."""
     text = str(value).strip().replace(",", "").replace(" ", "").rstrip(".")
-    negative = text.count("-") % 2 == 1
-    text = text.replace("$", "").replace("-", "")
+    if len(text) > 4 * MAX_ANSWER_DIGITS:
+        return None
+    mantissa, e, exponent = text.replace("E", "e").partition("e")
+    negative = mantissa.count("-") % 2 == 1
+    mantissa = mantissa.replace("$", "").replace("-", "")
     try:
-        number = Decimal(text)
+        number = Decimal(mantissa + e + exponent)
     except InvalidOperation:
         return None
-    if not number.is_finite():
+    if not number.is_finite() or (number and abs(number.adjusted()) > MAX_ANSWER_DIGITS):
         return None
     return -number if negative else number
 

@@ -233,7 +233,7 @@ def register(cli: typer.Typer) -> None:
         wanted = parse_formats(formats)
         try:
             data = json.loads(source.read_text())
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RecursionError) as err:
             raise ExportError(f"could not read {source}: {err}") from err
         name = figure.replace(".", "-")
         own = [fmt for fmt in wanted if (out / f"{name}.{fmt}").resolve() == source.resolve()]

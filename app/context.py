@@ -399,10 +399,35 @@ def compute(key: str, work: Callable[[], Any], *, start: bool, spinner: str | No
     return result
 
 
+def read_report(path: str | Path, what: str, needs: dict[str, type], command: str) -> dict[str, Any] | None:
+    """An evaluation report the user named: a JSON object whose fields `needs` ({name: type}) are there with
+    those types, else a `BadInputError` naming what is missing and the command that writes one. `{}` and `null`
+    are refused too (they drew nothing, silently)."""
+    data = read_json(path)
+    wrong = [name for name, kind in needs.items() if not isinstance(data, dict) or not isinstance(data.get(name), kind)]
+    if wrong:
+        got = "a JSON " + type(data).__name__.replace("dict", "object").replace("NoneType", "null") \
+            if not isinstance(data, dict) else f"an object without {', '.join(repr(w) for w in wrong)} as a report has them"
+        raise BadInputError(f"{path} is not {what}: {got}; make one with `{command}`")
+    return data
+
+
+@contextlib.contextmanager
+def drawing_report(path: str | Path, what: str) -> Iterator[None]:
+    """Inside `shows_errors`: a report from a user's file whose inner fields have other shapes than the figure
+    reads (a hand-edited or truncated file) is said as a `BadInputError`, not a traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+        field = f"the field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {str(err)[:120]}"
+        raise BadInputError(f"{path} does not hold {what} the page can draw ({field}); is it the unedited JSON "
+                            "the command wrote?") from err
+
+
 def read_json(path: str | Path) -> Any:
     """A JSON file the user named (an evaluation report): its content, or a `BadInputError` saying why not."""
     file = checks.user_path("JSON file", path)
     try:
         return json.loads(file.read_text())
-    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8 (UnicodeDecodeError)
+    except (OSError, ValueError, RecursionError) as err:  # not JSON, not UTF-8, or nested past Python's stack
         raise BadInputError(f"cannot read {path}: {err}") from err

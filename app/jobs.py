@@ -214,7 +214,8 @@ class JobRegistry:
         """The job with this id (from the URL): refused with a message when tampered, unknown or not this
         page's."""
         raw, _, sig = str(job_id).partition(".")
-        if not raw or not hmac.compare_digest(sig, self._sign(raw)):
+        # bytes: compare_digest refuses str with non-ASCII characters (a TypeError, for `?job=abc.é`)
+        if not raw or not hmac.compare_digest(sig.encode("utf-8", "replace"), self._sign(raw).encode()):
             raise BadInputError(f"the job id {job_id!r} in the address is not one this app made (tampered with, "
                                 "or from another app process); it was ignored")
         with self._lock:

@@ -71,7 +71,10 @@ def remote_backend(url: str, token: str | None = None):
         from probes.client import RemoteBackend
     except ImportError as err:
         raise ThoughtscopeError(f"the model-server client (probes.client) is not available here: {err}") from err
-    return RemoteBackend(url, token=token)
+    from thoughtscope import checks
+
+    # a URL httpx cannot even parse (a NUL, a bad port, an address past 255) is said, not an InvalidURL traceback
+    return RemoteBackend(checks.server_url(url, "the server URL"), token=token)
 
 
 @st.cache_resource

@@ -333,7 +333,7 @@ class _Gate:
                 "missing or wrong bearer token: send 'Authorization: Bearer <token>' with the token the server "
                 "was started with (--token)"))
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+        if length is not None and length.isascii() and length.isdigit() and int(length) > self.max_body_bytes:
             return await _send_error(send, self._too_large(int(length)))
         body, more = bytearray(), True
         while more:  # read the body up front: a chunked upload has no content-length to check

@@ -67,7 +67,7 @@ def check_device(device: Any, module: str) -> Any:
         return device
     index = device
     if isinstance(device, str) and device.startswith("cuda"):
-        index = int(device.split(":", 1)[1]) if device[4:5] == ":" and device[5:].isdigit() else (
+        index = int(device.split(":", 1)[1]) if device[4:5] == ":" and device[5:].isascii() and device[5:].isdigit() else (
             0 if device == "cuda" else None)
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise BadInputError(f"device map: {module!r} -> {device!r} is not a device; use a GPU index (0, 1, ...), "

@@ -160,7 +160,7 @@ def parse_site(name: str) -> Site:
     if name in GLOBAL_SITES:
         return Site(name, None)
     kind, _, layer = name.rpartition(".")
-    if kind not in SITE_KINDS or not layer.isdigit() or len(layer) > 6:
+    if kind not in SITE_KINDS or not (layer.isascii() and layer.isdigit()) or len(layer) > 6:  # "²".isdigit()
         kinds = ", ".join([f"{k}.L" for k in SITE_KINDS] + list(GLOBAL_SITES))
         shown = name if len(name) <= 40 else name[:40] + "..."
         raise UnknownSiteError(f"unknown site {shown!r}; sites are {kinds} (L = layer index)")

@@ -84,7 +84,10 @@ def number(name: str, value: Any, *, low: float | None = None, high: float | Non
         return None
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
     if ok:
-        ok = math.isfinite(value)
+        try:
+            ok = math.isfinite(value)
+        except OverflowError:  # an int past float's range (a JSON number with 400 digits)
+            ok = False
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:
@@ -92,8 +95,9 @@ def number(name: str, value: Any, *, low: float | None = None, high: float | Non
     if not ok:
         note = f" ({why})" if why else ""
         alt = " or None" if none_ok else ""
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
         raise BadInputError(f"{name} must be a finite number{_num_range(low, high, low_open, high_open)}{alt}{note}, "
-                            f"got {value!r}")
+                            f"got {shown}")
     return value if type(value) in (int, float) else float(value)
 
 
@@ -223,4 +227,10 @@ def server_url(url: Any, option: str = "--server") -> str:
         raise BadInputError(f"{option} {url[:80]!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8765")
     if port == 0:
         raise BadInputError(f"{option} {url[:80]!r} names port 0")
+    import httpx  # the client's own parser: it also refuses what urlsplit lets through (an address such as 256.0.0.1)
+
+    try:
+        httpx.URL(url.strip())
+    except httpx.InvalidURL as err:
+        raise BadInputError(f"{option} {url[:80]!r} is not a URL ({err})") from None
     return url.strip().rstrip("/")

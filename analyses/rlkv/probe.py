@@ -316,7 +316,7 @@ def read_gates(path: str | Path, backend: Backend | None = None) -> dict[str, An
     if log_path.is_file():
         try:
             meta = json.loads(log_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
             raise BadInputError(f"{log_path} is not valid JSON: {err}") from err
         kinds = {"settings": dict, "log": list}
         if not isinstance(meta, dict) or any(not isinstance(meta.get(k, kind()), kind) for k, kind in kinds.items()):

@@ -164,7 +164,7 @@ class AmortizedAttribution:
         try:
             meta = json.loads(stem.with_suffix(".json").read_text())
             tensors = load_file(str(stem.with_suffix(".safetensors")))
-        except (OSError, ValueError, SafetensorError) as err:
+        except (OSError, ValueError, RecursionError, SafetensorError) as err:
             raise BadInputError(f"no saved estimator at {stem} (.json + .safetensors): {err}") from err
         if not isinstance(meta, dict) or meta.get("version") != VERSION:
             got = meta.get("version") if isinstance(meta, dict) else "none (not a JSON object)"

@@ -139,7 +139,7 @@ def regions_from_json(spec: VisionSpec, data: Any, size: tuple[int, int]) -> lis
             raise BadInputError(f"the regions JSON is {len(data)} bytes; the limit is {MAX_REGIONS_JSON_BYTES}")
         try:
             data = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise BadInputError(f"the regions file is not JSON ({err})") from err
     doc = {"regions": data} if isinstance(data, list) else data
     if not isinstance(doc, dict) or not isinstance(doc.get("regions"), list):

@@ -12,7 +12,7 @@ import streamlit as st
 from analyses.moe_router.evaluate import ExpertSetting
 from analyses.moe_router.maps import RouterMap, divergence_data, heatmap_data, score_view
 from analyses.moe_router.ship import DEFAULT_MODEL, NAME, default_setting, map_from_dict
-from app.context import read_json, shows_errors
+from app.context import drawing_report, read_report, shows_errors
 from app.export import show_figure
 from app.switch import stored_elsewhere
 
@@ -66,8 +66,9 @@ def active_section() -> None:
                          key="moe_active_path").strip()
     if not path:
         return
-    with shows_errors():
-        report = read_json(path)
+    with shows_errors(), drawing_report(path, "an active-experts report"):
+        report = read_report(path, "an active-experts report", {"rows": list},
+                             "thoughtscope eval active-experts --json > active.json")
         show_figure(None, report, "moe_active_experts", provenance=report.get("provenance"))
 
 

@@ -56,7 +56,7 @@ def browse_view(_index: CorpusIndex, _direction: Any, _ctx, key: str, k: int) ->
 def url_site(n_layers: int) -> tuple[str, int]:
     """The site a link opened (`?site=resid_post.3`), else the residual stream after the middle layer."""
     kind, _, layer = str(st.query_params.get("site", "")).partition(".")
-    if kind in RESIDUAL_KINDS and layer.isdigit() and int(layer) < n_layers:
+    if kind in RESIDUAL_KINDS and layer.isascii() and layer.isdigit() and int(layer) < n_layers:  # not "²"
         return kind, int(layer)
     return "resid_post", n_layers // 2
 
@@ -68,7 +68,7 @@ def url_latent() -> int:
     """The latent a link opened (`?latent=J`, from a search hit or the trace explorer), else 0; a number past the
     box's range is dropped (handed to the box, it stopped the page; a latent past the SAE's width is said later)."""
     value = str(st.query_params.get("latent", "0"))
-    return int(value) if value.isdigit() and int(value) <= MAX_LATENT else 0
+    return int(value) if value.isascii() and value.isdigit() and int(value) <= MAX_LATENT else 0
 
 
 def direction_section(ctx, site: str, d_model: int, index: CorpusIndex, ikey: str) -> Any | None:
@@ -87,8 +87,11 @@ def direction_section(ctx, site: str, d_model: int, index: CorpusIndex, ikey: st
         if not folder:
             st.info(f"No saved SAE at {site} yet: give a SAELens folder, or train one on the RISE page.")
             return None
+        hit = None
         with shows_errors() as spot:
             hit = search_section(ctx, index, ikey, folder, cached_sae(folder), site)
+        if spot.failed:  # the folder's error is shown; nothing to browse
+            return None
         latent = latent if hit is None else hit  # a search match, while the box holds a query
         with shows_errors() as spot:
             direction = sae_direction(folder, int(latent), site)

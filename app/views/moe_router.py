@@ -29,7 +29,7 @@ from analyses.moe_router.maps import RouterMap, generation_map
 from analyses.moe_router.problems import TOY_TASKS, resolve_task
 from analyses.moe_router.ship import (EVAL_SETTINGS, MAP_SETTINGS, NAME, PROFILE_N, map_from_dict, router_profile,
                                       task_prompt)
-from app.context import read_json, shows_errors
+from app.context import drawing_report, read_report, shows_errors
 from app.export import show_figure
 from app.jobs import run_job
 from app.registry import PageSpec
@@ -141,7 +141,9 @@ def evaluation_section(ctx, stored: Any, task: str) -> None:
                          key="moe_eval_path").strip()
     report = None
     with shows_errors():
-        report = read_json(path) if path else None
+        report = read_report(path, "an Expert-Sample evaluation report", {"methods": list, "choices": dict},
+                             "thoughtscope eval expert-sample --json > es.json") if path else None
+    from_file = report is not None
     e = EVAL_SETTINGS
     c1, c2, c3, c4 = st.columns(4)
     n = int(c1.number_input("Or run one here: evaluation problems", 1, 200, e["n"], key="moe_eval_n"))
@@ -177,7 +179,9 @@ def evaluation_section(ctx, stored: Any, task: str) -> None:
         st.info("The stored evaluation was made with other settings (12 problems, 4 samples, the default grid, "
                 "48 new tokens, seed 0); press **Run evaluation** for yours.")
     if report is not None:
-        draw_evaluation(report)
+        with shows_errors(), drawing_report(path if from_file else "the stored evaluation",
+                                            "an Expert-Sample evaluation report"):
+            draw_evaluation(report)
 
 
 def _grid(text: str) -> list[ExpertSetting]:

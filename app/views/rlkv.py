@@ -22,7 +22,7 @@ from analyses.rlkv.evaluate import compressed_generation, evaluate_rlkv
 from analyses.rlkv.head_map import HeadMap
 from analyses.rlkv.train import SHIPPED_RUN, train_gates, training_folder
 from analyses.rlkv.data import task_problems
-from app.context import read_json, shows_errors
+from app.context import drawing_report, read_report, shows_errors
 from app.export import show_figure
 from app.figures.rlkv import head_map_figure, memory_figure, training_figure
 from app.jobs import one_step, run_job
@@ -172,7 +172,8 @@ def evaluation_section(ctx, head_map: HeadMap | None, task: str) -> None:
                          value=shipped(ctx.model_id, 1), key="rlkv_eval_path").strip()
     report = None
     with shows_errors():
-        report = read_json(path) if path else None
+        report = read_report(path, "an RLKV evaluation report", {"curves": dict, "rows": list},
+                             "thoughtscope eval rlkv --json > eval.json") if path else None
     c1, c2, c3 = st.columns(3)
     n = c1.slider("Or run one here: evaluation problems", 2, 100, 4, key="rlkv_eval_n")
     levels = sorted(c2.multiselect("Sparsities", [0.2, 0.4, 0.5, 0.6, 0.8], default=[0.5], key="rlkv_eval_levels"))
@@ -193,8 +194,11 @@ def evaluation_section(ctx, head_map: HeadMap | None, task: str) -> None:
     if report is not None and found is None and report.get("task") not in (None, task):
         st.caption(f"The evaluation file was run on **{report['task']}**, not on the task chosen above; press **Run "
                    "evaluation** for that task.")
-    if (report or found) is not None:
-        draw_evaluation(report or found)
+    if report is not None:  # the file named above is drawn first (as before), its inner fields checked as it draws
+        with shows_errors(), drawing_report(path, "an RLKV evaluation report"):
+            draw_evaluation(report)
+    elif found is not None:
+        draw_evaluation(found)
 
 
 def render(ctx) -> None:

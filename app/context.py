@@ -165,6 +165,7 @@ class PageContext:
     one_shot: bool = True  # chat mode: prepend the worked example that helps the embedded model
     prompt_warn_tokens: int = field(default_factory=prompt_warn_default)
     long_prompt_confirmed: bool = False  # the sidebar's "Run with this long prompt"
+    prompt_box: str = "the sidebar"  # where the prompt was typed (a page with its own box says so in errors)
     _estimate: Any = field(default=None, init=False, repr=False, compare=False)
     _context_length: Any = field(default=-1, init=False, repr=False, compare=False)
 
@@ -180,7 +181,7 @@ class PageContext:
 
     def _unchecked_input(self) -> str | ChatMessages:
         if not self.prompt.strip():
-            raise BadInputError("the prompt is empty; type a question in the sidebar (or reload for the example)")
+            raise BadInputError(f"the prompt is empty; type a question in {self.prompt_box} (or reload for the example)")
         if len(self.prompt) > MAX_PROMPT_CHARS:
             raise BadInputError(f"the prompt has {len(self.prompt):,} characters; the workbench takes at most "
                                 f"{MAX_PROMPT_CHARS:,} (probes.tokens.MAX_PROMPT_CHARS): shorten it")

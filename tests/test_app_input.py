@@ -146,3 +146,11 @@ def test_numbers_past_floats_range_and_answers_in_exponent_form():
     assert normalize_answer("-2E3") == "-2000"
     assert normalize_answer("9" * 5000) is None  # was a ValueError past Python's 4,300-digit limit
     assert normalize_answer("1e999") is None
+
+
+def test_the_steering_pages_own_empty_prompt_is_said_to_be_there():
+    """It said "type a question in the sidebar", whose prompt the page was not reading."""
+    at = _page("steering")
+    at.text_area(key="steer_prompt").set_value("   ").run()
+    helpers.assert_clean(at, no_errors=False)
+    assert "the prompt is empty; type a question in this page's prompt box" in _errors(at), _errors(at)

@@ -50,7 +50,8 @@ def page_context(ctx):
                             height=68, disabled=use_sidebar,
                             help="the development prompt on which the default direction's steered text showed "
                                  "the most concept words while staying fluent (docs/steering_default.json)")
-    return ctx if use_sidebar else dataclasses.replace(ctx, prompt=prompt, one_shot=False)
+    return ctx if use_sidebar else dataclasses.replace(ctx, prompt=prompt, one_shot=False,
+                                                      prompt_box="this page's prompt box")
 
 
 def default_layer(ctx, n_layers: int) -> int:

@@ -21,19 +21,9 @@ from probes import Engine
 from probes.server import ServerLimits, create_app
 from probes.server_bench import serving_in_thread
 from probes.wire import tensors_to_b64
+from tests.counting import ForwardCounter
 
 LIMITS = ServerLimits(max_stream_s=3.0, read_timeout_s=1.0)
-
-
-class ForwardCounter:
-    """Counts calls of a model's top-level forward: any model work goes through it."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.calls = 0
-        model.register_forward_pre_hook(self._count)
-
-    def _count(self, *_: object) -> None:
-        self.calls += 1
 
 
 @pytest.fixture(scope="module")

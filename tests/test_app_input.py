@@ -40,7 +40,7 @@ def _errors(at) -> str:
 
 
 def test_a_job_id_with_a_non_ascii_character_is_dropped_with_a_warning():
-    at = _page("rise", job="abc.\u00e9")  # hmac.compare_digest raised TypeError on non-ASCII str
+    at = _page("feature_browser", job="abc.\u00e9")  # hmac.compare_digest raised TypeError on non-ASCII str
     helpers.assert_clean(at, no_errors=False)
     assert any("is not one this app made" in w.value for w in at.warning)
 
@@ -72,35 +72,36 @@ def test_a_feature_browser_sae_folder_that_cannot_be_read_is_an_error_only(tmp_p
     assert "nowhere" in _errors(at)
 
 
-@pytest.mark.parametrize("content, says", [
+RLKV_FILES = [  # (content, what the page says), one page session for all of them
     ("[1, 2]", "is not an RLKV evaluation report: a JSON list"),
     ("{}", "is not an RLKV evaluation report: an object without 'curves', 'rows'"),  # drew nothing, silently
     ('{"rows": "x", "curves": {}}', "an object without 'rows' as a report has them"),
     ('{"rows": [], "curves": {"full cache": 3}}', "does not hold an RLKV evaluation report the page can draw"),
     (DEEP, "cannot read"),
-])
-def test_an_rlkv_file_that_is_not_a_report_is_said_on_the_page(tmp_path, content, says):
-    path = tmp_path / "eval.json"
-    path.write_text(content)
-    at = _page("rlkv")
-    at.text_input(key="rlkv_eval_path").set_value(str(path)).run()
-    helpers.assert_clean(at, no_errors=False)
-    assert says in _errors(at), _errors(at)
-
-
-@pytest.mark.parametrize("content, says", [
+]
+ACTIVE_FILES = [
     ("{}", "is not an active-experts report: an object without 'rows'"),
     ('{"rows": "x"}', "is not an active-experts report"),
     ('{"rows": [{"active_experts": 1}]}', "does not hold an active-experts report the page can draw (the field"),
-])
-def test_an_active_experts_file_that_is_not_a_report_is_said_on_the_page(monkeypatch, tmp_path, content, says):
+]
+
+
+def _each_file_said(at, key: str, folder, files) -> None:
+    for i, (content, says) in enumerate(files):
+        path = folder / f"report{i}.json"
+        path.write_text(content)
+        at.text_input(key=key).set_value(str(path)).run()
+        helpers.assert_clean(at, no_errors=False)
+        assert says in _errors(at), (content[:40], _errors(at))
+
+
+def test_an_rlkv_file_that_is_not_a_report_is_said_on_the_page(tmp_path):
+    _each_file_said(_page("rlkv"), "rlkv_eval_path", tmp_path, RLKV_FILES)
+
+
+def test_an_active_experts_file_that_is_not_a_report_is_said_on_the_page(monkeypatch, tmp_path):
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:qwen3_moe")
-    path = tmp_path / "active.json"
-    path.write_text(content)
-    at = _page("moe_router")
-    at.text_input(key="moe_active_path").set_value(str(path)).run()
-    helpers.assert_clean(at, no_errors=False)
-    assert says in _errors(at), _errors(at)
+    _each_file_said(_page("moe_router"), "moe_active_path", tmp_path, ACTIVE_FILES)
 
 
 def test_a_server_url_the_http_client_cannot_parse_is_said_once():

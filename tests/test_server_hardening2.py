@@ -27,17 +27,15 @@ from probes.interventions import AddVector, MaskAttention
 from probes.server import ServerLimits, create_app
 from probes.server_bench import serving_in_thread
 from probes.wire import ServerBusyError, intervention_to_spec, tensors_to_b64
-from tests.counting import ForwardCounter
+from tests.counting import ForwardCounter, counted_tiny_server
 
 LIMITS = ServerLimits(max_sequences=16, max_request_pixels=2 * 4096 * 4096)
 
 
 @pytest.fixture(scope="module")
 def llama():
-    engine = Engine.from_id("tiny-random:llama", device="cpu")
-    counter = ForwardCounter(engine.model)
-    with serving_in_thread(create_app(engine, max_queue=2, limits=LIMITS)) as url:
-        yield url, engine, counter
+    with counted_tiny_server(LIMITS) as served:
+        yield served
 
 
 def _trace(url: str, **body) -> httpx.Response:

@@ -18,20 +18,17 @@ import pytest
 import torch
 
 from probes import Engine
-from probes.server import ServerLimits, create_app
-from probes.server_bench import serving_in_thread
+from probes.server import ServerLimits
 from probes.wire import tensors_to_b64
-from tests.counting import ForwardCounter
+from tests.counting import ForwardCounter, counted_tiny_server
 
 LIMITS = ServerLimits(max_stream_s=3.0, read_timeout_s=1.0)
 
 
 @pytest.fixture(scope="module")
 def llama():
-    engine = Engine.from_id("tiny-random:llama", device="cpu")
-    counter = ForwardCounter(engine.model)
-    with serving_in_thread(create_app(engine, max_queue=2, limits=LIMITS)) as url:
-        yield url, engine, counter
+    with counted_tiny_server(LIMITS) as served:
+        yield served
 
 
 def _refused(url: str, counter: ForwardCounter, path: str, body: dict, words: str, status: int = 400) -> None:

@@ -19,6 +19,8 @@ import typer
 
 from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TerminalProgress, backend, emit, eval_group, numbers,
                              path_check)
+from analyses.fuzzy_concepts.harvest import WHERE
+from analyses.fuzzy_concepts.rules import MEMBERSHIPS
 from analyses.fuzzy_concepts.study import FuzzyOptions, run_study
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
@@ -27,14 +29,6 @@ from thoughtscope.provenance import provenance, with_provenance
 SERVER_TOKEN_OPTION = typer.Option(None, "--server-token", envvar="THOUGHTSCOPE_TOKEN",
                                    help="the model server's bearer token (--token is the target word here)")
 
-
-
-def _choice(option: str, value: str, names: str) -> str:
-    """One of the package's named choices, checked when the command line is read (before the model loads)."""
-    from analyses.fuzzy_concepts.harvest import WHERE
-    from analyses.fuzzy_concepts.rules import MEMBERSHIPS
-
-    return checks.choice(option, value, WHERE if names == "WHERE" else MEMBERSHIPS)
 
 def fuzzy_concepts_cmd(
     word: Optional[str] = typer.Option(None, "--token", "--word",
@@ -48,10 +42,10 @@ def fuzzy_concepts_cmd(
                                          callback=path_check("--texts")),
     n: int = typer.Option(200, "--n", help="samples to generate (or corpus texts to take)"),
     where: str = typer.Option("generated", "--where", help="generated: only occurrences in generated text; any",
-                              callback=lambda v: _choice("--where", v, "WHERE")),
+                              callback=lambda v: checks.choice("--where", v, WHERE)),
     seeds: int = typer.Option(5, "--seeds", help="fits per method (intervals over seeds)"),
     membership: str = typer.Option("gaussian", "--membership", help="gaussian (one width per rule) or product",
-                                   callback=lambda v: _choice("--membership", v, "MEMBERSHIPS")),
+                                   callback=lambda v: checks.choice("--membership", v, MEMBERSHIPS)),
     steps: int = typer.Option(400, "--steps", help="gradient steps of the fuzzy layer"),
     sparsity: Optional[str] = typer.Option(None, "--sparsity", help="development grid, e.g. 0.003,0.01,0.03,0.1"),
     features: Optional[str] = typer.Option(None, "--features", help="development grid of m, e.g. 8,16,32"),

@@ -81,12 +81,17 @@ def behaviour_counts(text: str) -> dict[str, int]:
     return {k: counts.get(k, 0) for k in (*_reasoner().KINDS, _reasoner().OTHER)}
 
 
+def check_split(split: str) -> None:
+    """One of the generator's own splits, or a clear error (before any model work)."""
+    if split not in SPLITS:
+        raise BadInputError(f"split {split!r}; use one of calibration, dev, eval")
+
+
 def organism_problems(n: int, split: str = "eval", seed: int = 0, size: str = "full") -> list[Problem]:
     """`n` problems of one of the generator's own splits (train, calibration, dev, eval: disjoint by
     construction), each with its planted trace and ground truth in `meta`."""
     r = _reasoner()
-    if split not in SPLITS:
-        raise BadInputError(f"split {split!r}; use one of calibration, dev, eval")
+    check_split(split)
     gen_split = SPLITS[split]
     if size not in SIZES:
         raise BadInputError(f"{NAME} comes in sizes {', '.join(SIZES)}, not {size!r}")

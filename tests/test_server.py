@@ -222,7 +222,10 @@ def test_load_200_requests_from_8_clients_none_lost(url, capsys):
                     except ServerBusyError as err:
                         with lock:
                             retried_503s[0] += 1
-                        time.sleep(err.retry_after)  # what Retry-After asks
+                        # the server's estimate to the millisecond (the header rounds it up to whole seconds,
+                        # which made this test sleep about 25 of its 30 s)
+                        precise = getattr(err, "retry_after_s", None)
+                        time.sleep(err.retry_after if precise is None else precise)
                     except Exception as err:  # lost: anything but success or an explicit 503
                         with lock:
                             failures.append(repr(err))
@@ -240,7 +243,7 @@ def test_load_200_requests_from_8_clients_none_lost(url, capsys):
     elapsed = time.perf_counter() - began
     assert not any(t.is_alive() for t in threads), "a client hung"
     assert not failures, failures[:3]
-    assert len(latencies) + len(rejected) == n_requests
+    assert len(latencies) + len(rejected) == n_requests and not rejected  # each answered within its 20 tries
     cuts = statistics.quantiles(latencies, n=20)
     with capsys.disabled():
         print(f"\nload test: {n_requests} requests from {n_clients} clients in {elapsed:.1f} s: "

@@ -21,7 +21,7 @@ import typer
 
 from analyses.clikit import MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, TerminalProgress, backend, emit, group, path_check
 from analyses.contrast.core import ContrastSettings, export_direction, save_direction
-from analyses.contrast.run import run_contrast
+from analyses.contrast.run import check_sources, run_contrast
 from analyses.tasks import canonical_task
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
@@ -59,6 +59,7 @@ def register(cli: typer.Typer) -> None:
         """Contrast the steps of set A against set B at the chosen sites."""
         settings = ContrastSettings(top_k=top_k, n_resamples=n_resamples, seed=seed)
         settings.validate()  # before the model loads and the traces are read
+        check_sources(organism, split, prompts_a, prompts_b, harvest)
         b = backend(model, server, token)
         with TerminalProgress() as progress:
             result, steps, sites = run_contrast(b, site, rule, settings, organism, split, prompts_a, prompts_b,

@@ -28,7 +28,7 @@ from analyses.contrast.steps import (StepSet, check_rule, harvest_steps, organis
                                      organism_steps, prompt_lines_steps, questions_of, read_questions, select)
 from analyses.feature_browser.token_latents import check_sae
 from analyses.families import default_task
-from analyses.organism import is_organism, organism_problems, size_of
+from analyses.organism import check_split, is_organism, organism_problems, size_of
 from analyses.rise.labels import LABELS as HARVEST_KINDS
 from probes.backend import Backend
 from probes.toys.reasoner import KINDS as ORGANISM_KINDS
@@ -98,6 +98,32 @@ def harvest_source(backend: Backend, layers: Sequence[int], task: str = "auto", 
     return harvest_steps(RisePipeline(backend, options, on_progress=tick).harvest())
 
 
+def check_sources(organism: int = 60, split: str = "dev", prompts_a: Any = None, prompts_b: Any = None,
+                  harvest: str | None = None) -> None:
+    """Where the steps come from, checked before any model loads: one source, two prompt files that each hold
+    enough questions, or an organism split that exists and enough of its traces.
+
+    >>> check_sources(split="test")
+    Traceback (most recent call last):
+    ...
+    thoughtscope.errors.BadInputError: split 'test'; use one of calibration, dev, eval
+    """
+    if harvest:
+        if prompts_a or prompts_b:
+            raise BadInputError("steps come from a RISE harvest or from two prompt sets, not both")
+        return
+    if isinstance(prompts_a, list) or isinstance(prompts_b, list):  # the page's text boxes: read in gather_steps
+        return
+    if prompts_a or prompts_b:
+        if not (prompts_a and prompts_b):
+            raise BadInputError("give two prompt files (--prompts-a and --prompts-b) to contrast them")
+        read_questions(prompts_a), read_questions(prompts_b)
+        return
+    check_split(split)
+    if organism < 4:
+        raise BadInputError(f"ask for at least 4 organism traces, got {organism}")
+
+
 def gather_steps(backend: Backend, sites: Sequence[ContrastSite], organism: int = 0, split: str = "dev",
                  prompts_a: Any = None, prompts_b: Any = None, max_new_tokens: int = 96,
                  on_progress: Progress | None = None, alarms: bool = False, sampled: bool = False) -> StepSet:
@@ -140,9 +166,8 @@ def run_contrast(backend: Backend, site_specs: Sequence[str], rule: str, setting
     """One contrast; on the organism, `correct` reads its own sampled traces (planted ones are all correct).
     `harvest` (a task, or `auto`): the steps of a RISE harvest of `harvest_n` of its problems instead."""
     settings = settings or ContrastSettings()
+    check_sources(organism, split, prompts_a, prompts_b, harvest)
     if harvest:
-        if prompts_a or prompts_b:
-            raise BadInputError("steps come from a RISE harvest or from two prompt sets, not both")
         sites = parse_sites(site_specs, backend)
         layers = check_harvest(rule, sites, harvest_n)
         steps = harvest_source(backend, layers, harvest, harvest_n, store, on_progress)

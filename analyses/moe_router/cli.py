@@ -26,6 +26,7 @@ from analyses.clikit import (MODEL_OPTION, SERVER_OPTION, TOKEN_OPTION, Terminal
 from analyses.distributed.options import RAY_OPTION, REPLICAS_OPTION, ray_runner
 from analyses.moe_router.evaluate import ExpertSetting, evaluate_active_experts, evaluate_expert_sample
 from analyses.moe_router.maps import profile_task
+from analyses.moe_router.problems import resolve_task
 from analyses.moe_router.stats import HeadTail
 from analyses.tasks import canonical_task
 from thoughtscope import checks
@@ -34,6 +35,12 @@ from thoughtscope.provenance import provenance, with_provenance
 
 TASK_HELP = ("auto (the model's own task: toy-moe for the toy, else arith) | toy-moe | toy-moe:small | arith | gsm8k "
              "... | PROBLEMS.jsonl")
+
+
+def _router_task(name: str) -> str:
+    """--task, checked when the command line is read (`auto` needs the model, so it waits for it)."""
+    task = canonical_task(name)
+    return task if task == "auto" else resolve_task(task)
 
 
 def parse_grid(values: list[str]) -> list:
@@ -56,7 +63,7 @@ def register(cli: typer.Typer) -> None:
         model: str = MODEL_OPTION,
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
-        task: str = typer.Option("auto", help=TASK_HELP, callback=canonical_task),
+        task: str = typer.Option("auto", help=TASK_HELP, callback=_router_task),
         n: int = typer.Option(100, help="evaluation problems (each method runs once on them)"),
         n_dev: int = typer.Option(40, "--n-dev", help="development problems (the settings are chosen on them)"),
         samples: int = typer.Option(16, "--samples", help="samples per problem (N of pass@N)"),
@@ -95,7 +102,7 @@ def register(cli: typer.Typer) -> None:
         model: str = MODEL_OPTION,
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
-        task: str = typer.Option("auto", help=TASK_HELP, callback=canonical_task),
+        task: str = typer.Option("auto", help=TASK_HELP, callback=_router_task),
         n: int = typer.Option(100, help="evaluation problems"),
         ks: list[str] = typer.Option([], "--k", help="experts per token to try (default: the model's k down to 1)"),
         max_new_tokens: int = typer.Option(48, help="longest answer"),
@@ -122,7 +129,7 @@ def register(cli: typer.Typer) -> None:
         model: str = MODEL_OPTION,
         server: Optional[str] = SERVER_OPTION,
         token: Optional[str] = TOKEN_OPTION,
-        task: str = typer.Option("auto", help=TASK_HELP, callback=canonical_task),
+        task: str = typer.Option("auto", help=TASK_HELP, callback=_router_task),
         n: int = typer.Option(50, min=1, help="development problems whose prompt + greedy answer are read"),
         k_h: int = typer.Option(2, "--k-h", min=1, help="head size of the fixed rule"),
         p: float = typer.Option(0.5, help="mass of the cumulative-probability rule",

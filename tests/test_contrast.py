@@ -510,3 +510,18 @@ def test_a_bad_rule_is_refused_before_any_step_is_read(monkeypatch, reasoner, ru
     with pytest.raises(BadInputError, match=re.escape(says)):
         contrast_run.run_contrast(reasoner, ["direction:resid_post.1"], rule)
     assert read == []
+
+
+@pytest.mark.parametrize("box_a, box_b, says", [
+    ([], [], "set A holds no question (one a line)"),
+    (["2 + 2?"] * 4, [], "set B holds no question (one a line)"),
+    (["2 + 2?"] * 4, ["", "3 + 3?"], "set B holds 1 question(s)"),
+])
+def test_the_pages_emptied_question_boxes_are_named_before_any_model_work(box_a, box_b, says):
+    """Both boxes emptied on the page said "source: needs two sources, e.g. source:a.txt/b.txt", the command
+    line's rule syntax (the fuzzing pass of 2026-12-07). No backend is given: nothing may reach one."""
+    from analyses.contrast.run import run_contrast
+
+    with pytest.raises(BadInputError) as refused:
+        run_contrast(None, ["direction:resid_post.1"], "source", prompts_a=box_a, prompts_b=box_b)
+    assert str(refused.value).startswith(says)

@@ -83,6 +83,22 @@ def test_long_texts_are_cut_into_windows(engine):
     assert sum(map(len, windows)) == len(engine.encode(long.texts[0]))
 
 
+
+def test_a_text_past_the_models_context_is_named_with_how_to_cut_it(engine):
+    """One long paragraph (a pasted article without blank lines) said only "the prompt has N tokens; ...:
+    shorten it" (the fuzzing pass of 2026-12-07): which text, and that blank lines or lines cut it, were left
+    for the user to guess."""
+    context = engine.arch().context_length
+    mine = text_corpus("A short one.\n\n" + " ".join(["seven"] * (context + 10)), "article.txt")
+    with pytest.raises(BadInputError) as refused:
+        tokenize_corpus(engine, mine, 16)
+    message = str(refused.value)
+    assert message.startswith(f"text 2 of 'article.txt' ({len(mine.texts[1]):,} characters): the prompt has ")
+    assert message.endswith("split it with blank lines (one context per paragraph) or take one context per line")
+    lines = text_corpus("\n".join(["seven seven"] * (context + 10)), "article.txt", unit="line")  # the way out
+    assert [len(w) for w in tokenize_corpus(engine, lines, 16)] == [2] * (context + 10)
+
+
 # ----------------------------------------------------------------- the same top contexts as a direct computation
 
 def test_a_neuron_and_a_vector_top_the_same_contexts_as_a_direct_computation(engine, corpus, index):

@@ -581,3 +581,14 @@ def test_scene_rows_through_the_model_server_equal_in_process(tmp_path):
         there = harvest(remote, SceneSource(n=6), layer=1)
     assert [s.labels for s in here.samples] == [s.labels for s in there.samples]
     assert torch.allclose(here.Z, there.Z, atol=1e-5)
+
+
+@pytest.mark.parametrize("word", ["", "   ", None])
+def test_an_empty_target_word_is_asked_for_in_words_the_page_shares(word):
+    """The page's emptied "Target word" box said "give the target word (--token WORD), e.g. --token water": the
+    command line's syntax (the fuzzing pass of 2026-12-07). The command line checks --token itself first."""
+    from analyses.fuzzy_concepts.harvest import check_word
+
+    with pytest.raises(BadInputError) as refused:
+        check_word(word)
+    assert str(refused.value) == "give a target word, e.g. water (the word whose hidden states are decomposed)"

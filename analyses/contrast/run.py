@@ -112,7 +112,8 @@ def check_sources(organism: int = 60, split: str = "dev", prompts_a: Any = None,
         if prompts_a or prompts_b:
             raise BadInputError("steps come from a RISE harvest or from two prompt sets, not both")
         return
-    if isinstance(prompts_a, list) or isinstance(prompts_b, list):  # the page's text boxes: read in gather_steps
+    if isinstance(prompts_a, list) or isinstance(prompts_b, list):  # the page's two text boxes
+        questions_of(prompts_a, "set A"), questions_of(prompts_b, "set B")
         return
     if prompts_a or prompts_b:
         if not (prompts_a and prompts_b):

@@ -134,8 +134,13 @@ class CorpusIndex:
 def tokenize_corpus(backend: Backend, corpus: Corpus, max_tokens: int) -> list[list[int]]:
     """Every text as token ids, cut into windows of at most `max_tokens`; windows of one token dropped."""
     contexts = []
-    for text in corpus.texts:
-        ids = backend.encode(text)
+    for number, text in enumerate(corpus.texts, 1):
+        try:
+            ids = backend.encode(text)
+        except BadInputError as err:  # a paragraph past the model's context: say which, and how to cut it
+            raise BadInputError(f"text {number} of {corpus.name!r} ({len(text):,} characters): {err}. Each text is "
+                                f"read whole before it is cut into windows of {max_tokens} tokens: split it with "
+                                "blank lines (one context per paragraph) or take one context per line") from err
         contexts += [ids[i:i + max_tokens] for i in range(0, len(ids), max_tokens) if len(ids[i:i + max_tokens]) > 1]
     if not contexts:
         raise BadInputError(f"the corpus {corpus.name!r} has no text of two tokens or more")

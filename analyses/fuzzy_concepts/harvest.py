@@ -76,7 +76,7 @@ def check_layer(layer: int, n_layers: int) -> str:
 
 def check_word(word: Any) -> str:
     if not isinstance(word, str) or not word.strip():
-        raise BadInputError("give the target word (--token WORD), e.g. --token water")
+        raise BadInputError("give a target word, e.g. water (the word whose hidden states are decomposed)")
     if "\n" in word or len(word.strip()) > 64:
         raise BadInputError(f"the target must be one word or a short phrase on one line, got {word!r}")
     return word.strip()

@@ -102,7 +102,8 @@ KEEPALIVE_S = 5.0  # a queued stream sends an SSE comment this often, so proxies
 RETRY_AFTER_S = 1
 MIN_RETRY_S = 0.05  # the shortest wait a refusal asks for
 TICKET_GRACE_S = 2.0  # a refused client's place in line is kept this long past its Retry-After
-SERVICE_EWMA = 0.2  # weight of the latest request in the mean service time
+SERVICE_EWMA = 0.2  # weight of the latest request in the mean service time (and in its mean deviation)
+DEVIATIONS = 4  # a refusal's wait adds this many mean deviations x sqrt(places), as TCP's timeout does
 
 
 @dataclass(frozen=True)
@@ -182,10 +183,17 @@ class ModelQueue:
         self.max_queue, self.max_backlog = max_queue, max_backlog
         self.waiting = 0
         self.mean_service_s = float(RETRY_AFTER_S)  # seconds between requests leaving (this until measured)
+        self.dev_service_s = 0.0  # its mean deviation
         self._measured = False
         self._last_release: float | None = None  # when the model was last let go, if others were waiting then
+        # Time since that release when the model sat free with nobody admitted (the refused clients still
+        # asleep): not service, so not in the estimate. Counted, it fed on itself (longer waits, a model free
+        # longer, longer waits): with 16 clients and --max-queue 2 the model was busy under half the time.
+        self._idle_s, self._idle_from = 0.0, None
+        self._held_since: float | None = None  # when the request holding the model took it
         self._lock = asyncio.Lock()
         self._backlog: dict[str, float] = {}  # ticket -> expiry (monotonic s), oldest refusal first
+        self._due: dict[str, float] = {}  # ticket -> when its holder was asked to come back
 
     @property
     def busy(self) -> bool:
@@ -205,17 +213,31 @@ class ModelQueue:
         # arrives before the first one takes the lock is still bounded.
         occupied, capacity = self.waiting + self.busy, self.max_queue + 1
         holder = ticket in self._backlog
-        # A free place goes to any ticket holder; a newcomer needs one beyond those kept for all of them.
-        if occupied + (0 if holder else len(self._backlog)) < capacity:
+        order = list(self._backlog)
+        ahead = order.index(ticket) if holder else len(order)  # refused before this client
+        # A newcomer needs a place beyond those kept for every ticket holder. A holder needs one beyond those
+        # kept for the holders refused before it that are due back by now: one back a moment early is not
+        # overtaken by a later one (when any holder could take a free place, that race cost up to 6 retries a
+        # request in the fair-queue test once waits came from the service time alone), and one still asleep
+        # holds up nobody.
+        kept = len(order) if not holder else sum(self._due.get(t, now) <= now for t in order[:ahead])
+        if occupied + kept < capacity:
             self._backlog.pop(ticket, None)
+            self._due.pop(ticket, None)
             self.waiting += 1
             return Ticket(self)
-        ahead = list(self._backlog).index(ticket) if holder else len(self._backlog)  # refused before this client
-        wait_s = max(MIN_RETRY_S, (occupied + ahead + 1 - capacity) * self.mean_service_s)
+        # n places free after the holder's remaining time and n - 1 more service times; a whole service time
+        # for the first overshot it whenever the holder was part-way through (a client back a moment early
+        # then waited a whole service time more, and its place sat free)
+        places = occupied + ahead + 1 - capacity
+        held = 0.0 if self._held_since is None else now - self._held_since
+        wait_s = max(MIN_RETRY_S, max(0.0, self.mean_service_s - held) + (places - 1) * self.mean_service_s
+                     + DEVIATIONS * self.dev_service_s * math.sqrt(places))
         if ticket not in self._backlog:
             ticket = uuid.uuid4().hex if len(self._backlog) < self.max_backlog else None
         if ticket is not None:  # a retry refreshes the expiry; the place (insertion order) stays
             self._backlog[ticket] = now + math.ceil(wait_s) + TICKET_GRACE_S
+            self._due[ticket] = now + wait_s
         err = ServerBusyError(
             f"the model is busy and {self.waiting} requests are already waiting (max_queue={self.max_queue}); "
             f"retry in {wait_s:.2f} s" + (f" sending the header {QUEUE_TICKET_HEADER}: {ticket} to keep your place "
@@ -231,15 +253,28 @@ class ModelQueue:
         includes the work around the model call: parsing, checks, the answer), so that is measured
         then; otherwise the hold time. A moving average of either."""
         now = time.monotonic()
-        sample = held_s if self._last_release is None else max(held_s, now - self._last_release)
+        gap = None if self._last_release is None else now - self._last_release - self._idle_s
+        sample = held_s if gap is None else max(held_s, gap)
         weight = SERVICE_EWMA if self._measured else 1.0
+        if self._measured:
+            self.dev_service_s += SERVICE_EWMA * (abs(sample - self.mean_service_s) - self.dev_service_s)
         self.mean_service_s += weight * (sample - self.mean_service_s)
         self._measured = True
         self._last_release = now if (self.waiting or self._backlog) else None
+        self._idle_s, self._idle_from, self._held_since = 0.0, (now if self.waiting == 0 else None), None
+
+    def _taken(self) -> None:
+        """The model was just taken: the time it sat free with nobody admitted ends here."""
+        now = time.monotonic()
+        if self._idle_from is not None:
+            self._idle_s += now - self._idle_from
+            self._idle_from = None
+        self._held_since = now
 
     def _expire(self, now: float) -> None:
         for ticket in [t for t, expiry in self._backlog.items() if expiry < now]:
             del self._backlog[ticket]
+            self._due.pop(ticket, None)
 
 
 class Ticket:
@@ -252,6 +287,7 @@ class Ticket:
     async def wait(self) -> None:
         await self.queue._lock.acquire()  # cancellation-safe: a cancelled waiter never ends up holding it
         self.queue.waiting -= 1
+        self.queue._taken()
         self.holding, self.since = True, time.monotonic()
 
     async def wait_for(self, timeout_s: float, gone: Callable[[], Any] | None = None,

@@ -272,6 +272,105 @@ def test_a_refused_client_keeps_its_place_ahead_of_newcomers():
     assert queue.backlog == 1 and queue.waiting == 1
 
 
+class _Clock:
+    """probes.server's monotonic clock, moved by hand."""
+
+    def __init__(self, monkeypatch):
+        import probes.server
+
+        self.now = 100.0
+        monkeypatch.setattr(probes.server.time, "monotonic", lambda: self.now)
+
+
+def test_the_service_estimate_leaves_out_the_time_the_model_sat_free(monkeypatch):
+    """Two requests each hold the model 0.1 s; between them it sits free 2 s while the refused client sleeps
+    its Retry-After. The estimate counted those 2 s as service (0.5 s after one such gap), so the next refusals
+    asked for longer waits and the model sat free longer: with 16 clients and --max-queue 2 it was busy under
+    half the time (the fair-queue test above took 27 s of the serial tier; 5-14 s now)."""
+    import asyncio
+
+    from probes.server import ModelQueue, ServerBusyError
+
+    clock = _Clock(monkeypatch)
+
+    async def scenario() -> tuple[float, float, str | None]:
+        queue = ModelQueue(max_queue=0)
+        first = queue.admit()
+        await first.wait()
+        with pytest.raises(ServerBusyError) as refused:  # keeps a place in line: contention
+            queue.admit()
+        clock.now += 0.1
+        first.release()
+        measured = queue.mean_service_s  # the first hold, 0.1 s
+        clock.now += 2.0  # nobody admitted: the refused client is asleep
+        back = queue.admit(refused.value.queue_ticket)  # the refused client, back in its place
+        await back.wait()
+        clock.now += 0.1
+        back.release()
+        return measured, queue.mean_service_s, refused.value.queue_ticket
+
+    measured, after_idle, ticket = asyncio.run(scenario())
+    assert ticket and measured == pytest.approx(0.1)
+    assert after_idle == pytest.approx(0.1)
+
+
+def test_a_refusal_waits_for_the_holders_remaining_time_and_holders_keep_their_order(monkeypatch):
+    """The first place frees when the request holding the model is done: the wait asked for is what remains
+    of its service time (it was a whole service time, however far along the holder was). A ticket holder back
+    on time is not overtaken by one refused after it; one still asleep holds up nobody."""
+    import asyncio
+
+    from probes.server import ModelQueue, ServerBusyError
+
+    clock = _Clock(monkeypatch)
+
+    def refused(queue: ModelQueue, ticket: str | None = None) -> ServerBusyError:
+        with pytest.raises(ServerBusyError) as err:
+            queue.admit(ticket)
+        return err.value
+
+    async def scenario() -> None:
+        queue = ModelQueue(max_queue=0)
+        holder = queue.admit()
+        await holder.wait()
+        clock.now += 0.1
+        holder.release()  # measured: 0.1 s a request, no deviation yet
+        holder = queue.admit()
+        await holder.wait()
+        clock.now += 0.03
+        first = refused(queue)  # the holder is 0.03 s into its 0.1 s
+        assert first.retry_after == pytest.approx(0.07)
+        second = refused(queue)  # one place more: 0.07 + 0.1
+        assert second.retry_after == pytest.approx(0.17)
+        clock.now += 0.07
+        holder.release()  # the place frees as estimated
+        # the second holder is not due yet and the first one is: the first keeps the place
+        assert isinstance(refused(queue, second.queue_ticket), ServerBusyError)
+        taken = queue.admit(first.queue_ticket)
+        await taken.wait()
+        clock.now += 0.1
+        taken.release()
+        assert queue.backlog == 1  # the second holder, still in line
+
+    async def asleep() -> None:
+        queue = ModelQueue(max_queue=0)  # nothing measured yet: a place is guessed at 1 s
+        holder = queue.admit()
+        await holder.wait()
+        early = refused(queue)
+        assert early.retry_after == pytest.approx(1.0)
+        clock.now += 0.1
+        holder.release()  # measured: 0.1 s
+        late = refused(queue)  # a newcomer: the early holder's place is kept
+        assert late.retry_after == pytest.approx(0.1)
+        clock.now += 0.1
+        back = queue.admit(late.queue_ticket)  # the early holder is not due for 0.8 s: it holds up nobody
+        await back.wait()
+        back.release()
+
+    asyncio.run(scenario())
+    asyncio.run(asleep())
+
+
 def test_waiting_requests_are_served_in_the_order_they_were_admitted_across_keep_alive_ticks():
     """A trace waits with a 0.5 s tick (to notice a gone client), a stream with a 5 s one (its keep-alive).
     Each tick used to cancel the lock's acquire and start another at the back of the line, so the trace

@@ -172,9 +172,10 @@ class ModelQueue:
     Beyond that a request is refused (503), but its client keeps a place in line: the refusal carries
     a ticket (`X-Queue-Ticket`) and a wait estimated from the measured service time (Retry-After; the
     body's `retry_after_s` to the millisecond). Places that free up go to ticket holders before any
-    newcomer (a newcomer gets a place only beyond one kept for each of them), and each holder's wait
-    is estimated from its place in line, so a client that keeps retrying cannot be starved by faster
-    ones. A ticket whose holder does not come back expires `TICKET_GRACE_S` after its wait.
+    newcomer (a newcomer gets a place only beyond one kept for each of them), and among holders to the
+    earlier refused ones due back by then; each holder's wait is estimated from its place in line, so a
+    client that keeps retrying cannot be starved by faster ones. A ticket whose holder does not come back
+    expires `TICKET_GRACE_S` after its wait; until then it holds up the holders behind it.
     """
 
     def __init__(self, max_queue: int, max_backlog: int = 1024):
@@ -251,7 +252,8 @@ class ModelQueue:
 
         Under contention the time between two requests leaving is what one place in line costs (it
         includes the work around the model call: parsing, checks, the answer), so that is measured
-        then; otherwise the hold time. A moving average of either."""
+        then, less any time the model sat free with nobody admitted; otherwise the hold time. A moving
+        average of either, and of its mean deviation."""
         now = time.monotonic()
         gap = None if self._last_release is None else now - self._last_release - self._idle_s
         sample = held_s if gap is None else max(held_s, gap)

@@ -1066,6 +1066,67 @@ def _start_validation(engine: Engine) -> None:
     badge(engine, background=True)
 
 
+def uvicorn_config(app: Any, host: str, port: int, log_level: str = "info") -> Any:
+    """uvicorn's configuration for `app` (from `create_app`), with a deadline for each request's line and
+    headers: the app's `read_timeout_s` (see `header_deadline_protocol`)."""
+    import uvicorn
+
+    limits = app.state.server.limits
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2,
+                          http=header_deadline_protocol(limits.read_timeout_s))
+
+
+def header_deadline_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline for a request's line and headers: a client that connects and
+    stops before its headers end gets a 408 after `timeout_s` and the connection is closed. (uvicorn times
+    out neither; its keep-alive timer stops at a request's first byte, so a client sending headers a byte
+    at a time held its connection and buffer for ever. The body's own deadline is `_Gate`'s.)"""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        _deadline: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:  # between a request's first byte and its headers' end
+                self._arm()
+            else:
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is None and not self.transport.is_closing():
+                self._deadline = self.loop.call_later(timeout_s, self._stalled)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _stalled(self) -> None:
+            self._deadline = None
+            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a response is still being sent: uvicorn's own cycle owns the connection
+            body = json.dumps(error_body(RequestTimeoutError(
+                f"the request line and headers did not arrive within {timeout_s:g} s; send the whole request "
+                "at once"))).encode()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
+
+    return HeaderDeadline
+
+
 def serve(
     model_id: str = "smollm2-135m",
     host: str = DEFAULT_HOST,
@@ -1104,8 +1165,7 @@ def serve(
                      max_new_tokens_cap=max_new_tokens_cap, load_kwargs=load_kwargs, on_load_error=stop,
                      max_states=max_states, max_state_bytes=max_state_bytes, state_ttl_s=state_ttl_s,
                      limits=limits, on_ready=_start_validation if validate else None)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
     server.run()
     if load_error:
         raise load_error[0]

@@ -180,8 +180,10 @@ def served(model_id: str, device: str = "cpu", torch_threads: int | None = 1) ->
 def serving_in_thread(app: Any) -> Iterator[str]:
     """An ASGI app (`probes.server.create_app(engine)`) served by uvicorn in a thread of this process on a
     free loopback port; yields its URL. Tests use it to watch the engine the server drives."""
+    from probes.server import uvicorn_config
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))  # as `thoughtscope serve` runs it
     thread = threading.Thread(target=server.run, name=f"server-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

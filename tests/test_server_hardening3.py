@@ -187,3 +187,44 @@ def test_a_stalled_upload_gets_a_408_and_the_server_goes_on(llama):
     assert answer.startswith("HTTP/1.1 408"), answer
     assert "the request body stopped arriving after 9 bytes" in answer
     assert httpx.post(f"{url}/trace", json={"text": "2 + 2"}, timeout=60).status_code == 200
+
+
+def _answer(conn: socket.socket) -> str:
+    answer = b""
+    while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+        chunk = conn.recv(65536)
+        assert chunk, f"the server closed the connection after {answer!r}"
+        answer += chunk
+    return answer.decode("latin-1")
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /trace HTTP/1.1\r\nHost: x\r\nContent-Ty"])
+def test_a_stalled_request_line_or_headers_get_a_408_and_the_connection_is_closed(llama, sent):
+    """uvicorn times out neither: a client that connected and sent nothing, or stopped inside its headers
+    (h11 buffers up to 16 KiB of them), held its connection for ever. Now the same deadline as a stalled
+    body (`read_timeout_s`, 1 s here)."""
+    url, _, counter = llama
+    host, port = url.rsplit("/", 1)[1].split(":")
+    before = counter.calls
+    with socket.create_connection((host, int(port)), timeout=30) as stalled:
+        stalled.sendall(sent)
+        answer = _answer(stalled)
+        assert stalled.recv(1) == b""  # closed after the answer
+    assert answer.startswith("HTTP/1.1 408"), answer
+    assert ('"error": "the request line and headers did not arrive within 1 s; send the whole request at once", '
+            '"kind": "RequestTimeoutError"') in answer
+    assert counter.calls == before
+    assert httpx.post(f"{url}/trace", json={"text": "2 + 2"}, timeout=60).status_code == 200
+
+
+def test_a_kept_alive_connection_that_stalls_in_its_next_headers_gets_a_408(llama):
+    url, _, _ = llama
+    host, port = url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _answer(conn).startswith("HTTP/1.1 200")
+        time.sleep(1.5)  # idle past the deadline between requests: that is keep-alive's (5 s), not a stall
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _answer(conn).startswith("HTTP/1.1 200")
+        conn.sendall(b"GET /health HTTP/1.1\r\nHo")
+        assert _answer(conn).startswith("HTTP/1.1 408")

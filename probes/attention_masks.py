@@ -260,24 +260,49 @@ class AttentionMasker:
         for remover in self._removers:
             remover.remove()
         self._removers.clear()
+        self._last_row_pairs = None  # [rows, queries, keys] bools: not kept past the forward
 
     def pairs(self, layer: int, query_cols: torch.Tensor, width: int, row: int | None = None) -> torch.Tensor:
         """bool [queries, width]: the (query, key) pairs masked in `layer` (in batch `row`, with row masks)."""
-        dev = query_cols.device
-        cols = torch.arange(width, device=dev)
-        out = torch.zeros(len(query_cols), width, dtype=torch.bool, device=dev)
+        cols = torch.arange(width, device=query_cols.device)
+        out = torch.zeros(len(query_cols), width, dtype=torch.bool, device=query_cols.device)
         for m in self.masks:
-            if (m.layers is not None and layer not in m.layers) or not _applies(m, row):
-                continue
-            keys = torch.isin(cols, torch.tensor(m.positions, device=dev))
-            if m.queries is not None:
-                rows = torch.isin(query_cols, torch.tensor(m.queries, device=dev))
-            elif self.first_query is not None:
-                rows = query_cols >= self.first_query
-            else:
-                rows = ~torch.isin(query_cols, torch.tensor(m.positions, device=dev))
-            out |= rows.view(-1, 1) & keys.view(1, -1)
+            if (m.layers is None or layer in m.layers) and _applies(m, row):
+                out |= self._mask_pairs(m, query_cols, cols)
         return out
+
+    def row_pairs(self, layer: int, query_cols: torch.Tensor, width: int, n_rows: int) -> torch.Tensor:
+        """bool [n_rows, queries, width]: `pairs` of every batch row, each mask's pairs built once and set in the
+        rows it acts on. Layers whose masks are the same share one tensor within a forward (the last one is
+        kept), so K row masks over R rows and L layers cost K pair builds, not R x K x L (the K + 1 rows of an
+        exhaustive ablation: tests/test_attention_masks.py counts them)."""
+        chosen = tuple(i for i, m in enumerate(self.masks) if m.layers is None or layer in m.layers)
+        key = (chosen, int(query_cols[0]) if len(query_cols) else 0, len(query_cols), width, n_rows,
+               str(query_cols.device))
+        last = getattr(self, "_last_row_pairs", None)
+        if last is not None and last[0] == key:
+            return last[1]
+        cols = torch.arange(width, device=query_cols.device)
+        out = torch.zeros(n_rows, len(query_cols), width, dtype=torch.bool, device=query_cols.device)
+        for i in chosen:
+            m = self.masks[i]
+            rows = [r for r in m.rows if 0 <= r < n_rows] if m.per_row else list(range(n_rows))
+            if rows:
+                out[rows] |= self._mask_pairs(m, query_cols, cols)
+        self._last_row_pairs = (key, out)
+        return out
+
+    def _mask_pairs(self, m: Any, query_cols: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """bool [queries, width]: the pairs one mask removes."""
+        dev = query_cols.device
+        keys = torch.isin(cols, torch.tensor(m.positions, device=dev))
+        if m.queries is not None:
+            rows = torch.isin(query_cols, torch.tensor(m.queries, device=dev))
+        elif self.first_query is not None:
+            rows = query_cols >= self.first_query
+        else:
+            rows = ~torch.isin(query_cols, torch.tensor(m.positions, device=dev))
+        return rows.view(-1, 1) & keys.view(1, -1)
 
     def _hook(self, layer: int):
         def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -292,8 +317,7 @@ class AttentionMasker:
                                     f"got shape {tuple(mask.shape)} (sliding-window caches are not supported)")
             query_cols = torch.arange(offset, width, device=hidden.device)
             if any(m.per_row for m in self.masks):  # one mask per batch row: [batch, 1, q, k]
-                pairs = torch.stack([self.pairs(layer, query_cols, width, row=b)
-                                     for b in range(hidden.shape[0])]).unsqueeze(1)
+                pairs = self.row_pairs(layer, query_cols, width, hidden.shape[0]).unsqueeze(1)
             else:
                 pairs = self.pairs(layer, query_cols, width)
             if not bool(pairs.any()):

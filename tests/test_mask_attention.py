@@ -176,3 +176,32 @@ def test_queries_and_kv_policies_belong_to_their_own_calls(llama, ids, forwards)
     with pytest.raises(BadInputError, match="pass it to generate"):
         llama.trace(ids, interventions=[SinkRecent(sink=1, recent=4)])
     assert forwards == []
+
+
+def test_row_pairs_equal_each_rows_pairs_and_build_each_mask_once_per_forward(llama, ids, monkeypatch):
+    """`AttentionMasker.row_pairs` (the per-row mask of a RowMask batch) equals stacking `pairs` row by row,
+    with masks limited to layers, queries and mixed with a whole-batch mask; in a traced forward of 5 rows
+    whose 4 row masks cover every layer, each mask's pairs are built once, not once per row and layer."""
+    from probes.attention_masks import AttentionMasker, RowMask
+
+    masks = [RowMask([1], queries=[3, 5], rows=[1]), RowMask([0, 2], rows=[2, 3], layers=[1]),
+             RowMask([4], rows=[4]), MaskAttention([6], queries=[8])]
+    masker = AttentionMasker(None, masks)
+    cols = torch.arange(2, 10)  # queries 2..9 of 10 keys (a part of the sequence, as after a prefix)
+    for layer in (0, 1):
+        want = torch.stack([masker.pairs(layer, cols, 10, row=r) for r in range(5)])
+        got = masker.row_pairs(layer, cols, 10, 5)
+        assert torch.equal(got, want) and int(got.sum()) > 0
+    assert not torch.equal(masker.row_pairs(0, cols, 10, 5), masker.row_pairs(1, cols, 10, 5))  # layers=[1]
+
+    built = []
+    original = AttentionMasker._mask_pairs
+    monkeypatch.setattr(AttentionMasker, "_mask_pairs",
+                        lambda self, m, q, c: built.append(m) or original(self, m, q, c))
+    row_masks = [RowMask([k], rows=[k]) for k in range(1, 5)]
+    t = llama.trace(ids, interventions=row_masks)
+    assert t.logprobs.shape == (5, len(ids))
+    assert len(built) == len(row_masks)  # once per mask (before: once per mask and layer, 8)
+    for k in (1, 4):  # each row still equals its own masked trace
+        ref = llama.trace(ids, interventions=[MaskAttention([k])])
+        torch.testing.assert_close(t.logprobs[k, 1:], ref.logprobs[1:], atol=1e-5, rtol=0)

@@ -381,6 +381,11 @@ def test_the_k16_speedup_bench_runs_on_toy_vlms_architecture_with_16_visual_toke
     row = bench_speedup(engine, 4, n_scenes=1)
     assert row["regions"] == 16 and row["spans"] == len(ex.spans)
     assert row["ratio"] == pytest.approx(row["exhaustive_s_per_span"] / row["amortized_s_per_span"])
+    # the amortized side batches scenes (one here); its one-scene-a-forward cost is reported beside it
+    assert row["per_scene_ratio"] == pytest.approx(row["exhaustive_s_per_span"] / row["amortized_per_scene_s_per_span"])
+    assert (row["batch_rows"], row["scenes_per_amortized_forward"]) == (32, 1)
+    # both sides ran on SDPA (the faster kernel of an eager-built model), and the model is eager again after
+    assert row["attention"] == "sdpa" and engine.model.config._attn_implementation == "eager"
     assert min(row["exhaustive_s_per_span"], row["exhaustive_unbatched_s_per_span"], row["amortized_s_per_span"]) > 0
     # the CPU clock and the load average beside the wall clock
     assert row["cpu_ratio"] > 0 and row["cpu_unbatched_ratio"] > 0 and len(row["load"]) == 2
@@ -458,3 +463,46 @@ def test_the_amortized_pass_on_the_k16_architecture_counts_its_work_and_equals_h
                     want[i, j, layer * n_heads + head] = float(rows[:, key].sum(-1).mean())
     assert feats.shape == want.shape and float(np.abs(want).sum()) > 0
     np.testing.assert_allclose(feats, want, atol=1e-6)
+
+
+def test_batched_attention_features_equal_each_scenes_own_pass_and_run_one_forward_per_batch():
+    """`attention_features_batch` (the bench's amortized side): scenes of different lengths, right-padded
+    `batch_size` to a forward, give each scene the features of its own one-scene pass; 5 scenes at 3 a
+    forward run 2 forwards and 2 vision-tower passes, and the last layer's MLP never runs. A bad scene is
+    named before any model work."""
+    from analyses.visual_attribution import attention_features_batch
+    from analyses.visual_attribution.bench import _scene, random_toy_vlm
+    from probes.toys import vlm
+
+    engine = random_toy_vlm(4)
+    model = engine.model
+    scenes = [_scene(engine, ex, 4) for ex in vlm.examples("eval", 5, seed=3)]
+    assert len({len(engine.encode(text)) for text, *_ in scenes}) > 1  # padding is exercised
+    single = [attention_features(engine, *scene) for scene in scenes]
+    counts = {"forward": 0, "vision": 0, "last_mlp": 0}
+
+    def bump(key):
+        def hook(*_):
+            counts[key] += 1
+        return hook
+
+    hooks = [model.register_forward_pre_hook(bump("forward")),
+             model.model.vision_tower.register_forward_pre_hook(bump("vision")),
+             model.model.language_model.layers[-1].mlp.register_forward_pre_hook(bump("last_mlp"))]
+    try:
+        batched = attention_features_batch(engine, scenes, batch_size=3)
+        assert counts == {"forward": 2, "vision": 2, "last_mlp": 0}
+        text, image, spans, regions = scenes[2]
+        bad = scenes[:2] + [(text, image, [(spans[0][0], 10_000)], regions)]
+        with pytest.raises(BadInputError, match=r"scene 2: span .* not a non-empty range"):
+            attention_features_batch(engine, bad)
+        with pytest.raises(BadInputError, match="at least one scene"):
+            attention_features_batch(engine, [])
+        assert counts["forward"] == 2  # refused before model work
+    finally:
+        for h in hooks:
+            h.remove()
+    assert [f.shape for f in batched] == [f.shape for f in single]
+    for got, want in zip(batched, single):
+        assert float(np.abs(want).sum()) > 0
+        np.testing.assert_allclose(got, want, atol=1e-6)

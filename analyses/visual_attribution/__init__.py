@@ -13,12 +13,14 @@ which image regions a vision-language model's reasoning spans draw on.
 What is built and measured: docs/visual_attribution.md.
 """
 
-from analyses.visual_attribution.attribution import (attention_features, check_spans, exhaustive_effects,
-                                                     gradient_scores, masked_drops, raw_attention, span_logprobs)
+from analyses.visual_attribution.attribution import (attention_features, attention_features_batch, check_spans,
+                                                     exhaustive_effects, gradient_scores, masked_drops, raw_attention,
+                                                     span_logprobs)
 from analyses.visual_attribution.estimator import AmortizedAttribution, pearson_loss
 from analyses.visual_attribution.regions import (Region, box_regions, cell_map, cluster_regions, grid_regions,
                                                  mask_regions, object_regions, positions, regions_from_json)
 
-__all__ = ["AmortizedAttribution", "Region", "attention_features", "box_regions", "cell_map", "check_spans",
-           "cluster_regions", "exhaustive_effects", "gradient_scores", "grid_regions", "mask_regions", "masked_drops",
-           "object_regions", "pearson_loss", "positions", "raw_attention", "regions_from_json", "span_logprobs"]
+__all__ = ["AmortizedAttribution", "Region", "attention_features", "attention_features_batch", "box_regions",
+           "cell_map", "check_spans", "cluster_regions", "exhaustive_effects", "gradient_scores", "grid_regions",
+           "mask_regions", "masked_drops", "object_regions", "pearson_loss", "positions", "raw_attention",
+           "regions_from_json", "span_logprobs"]

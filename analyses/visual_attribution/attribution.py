@@ -151,17 +151,53 @@ def _features_from_rows(backend: Backend, text: Any, image: Any, spans: Sequence
     queries predicting a span's tokens, over every key: `capture_batch` with `positions`, which an engine
     computes as rows, probes.attention_rows), and ends after the last layer's attention. The text is
     tokenised once: the pass takes its ids."""
+    return attention_features_batch(backend, [(text, image, spans, regions)])[0]
+
+
+def attention_features_batch(backend: Backend, scenes: Sequence[tuple[Any, Any, Sequence[Sequence[int]],
+                                                                     Sequence[Region]]],
+                             batch_size: int = 32) -> list[np.ndarray]:
+    """`attention_features` of many scenes (text, image, spans, regions), `batch_size` scenes a forward.
+
+    Each forward holds up to `batch_size` scenes as right-padded rows (`capture_batch` with images and
+    `positions`): only the attention rows the features read are computed, and the forward ends inside the
+    last layer's attention. A causal model's real tokens never see the padding after them, so each scene's
+    features equal its own one-scene pass (tests/test_visual_attribution_engine.py compares them). This is
+    the row budget exhaustive ablation already gets (`exhaustive_effects`' `batch_size`, one forward of
+    K + 1 rows per scene), given to the amortized side: one forward pays the model's fixed per-forward cost
+    (vision tower call, masks, every module's call) for many scenes. Every scene is checked before model
+    work."""
     require(backend, "vision", "trace", "interventions")
+    checks.integer("batch_size", batch_size, low=1)
+    if not scenes:
+        raise BadInputError("give at least one scene")
     spec = spec_of(backend)
-    text_ids = backend.encode(text)
-    ids = expand(spec, text_ids, 1)[0]  # the token layout, as the backend expands it
-    spans = check_spans(spans, len(ids), 0)
-    region_matrix = _region_matrix(spec, ids, regions)  # checks the regions before model work
-    queries = sorted({q for s, e in spans for q in range(s - 1, e - 1)})
-    rows = backend.capture_batch([text_ids], sites, positions=[queries], images=[image])
-    at = {q: i for i, q in enumerate(queries)}
-    pat = torch.stack([rows[s] for s in sites])  # [layers, queries, heads, kv]
-    return _span_region_features(pat, [[at[q] for q in range(s - 1, e - 1)] for s, e in spans], region_matrix)
+    sites = [f"attn_pattern.{layer}" for layer in range(backend.arch().n_layers)]
+    prepared = []  # (text ids, span query rows, region matrix, queries) per scene
+    for i, (text, _image, spans, regions) in enumerate(scenes):
+        text_ids = backend.encode(text)
+        ids = expand(spec, text_ids, 1)[0]  # the token layout, as the backend expands it
+        try:
+            spans = check_spans(spans, len(ids), 0)
+            region_matrix = _region_matrix(spec, ids, regions)
+        except BadInputError as e:
+            raise BadInputError(f"scene {i}: {e}" if len(scenes) > 1 else str(e)) from None
+        queries = sorted({q for s, e in spans for q in range(s - 1, e - 1)})
+        at = {q: j for j, q in enumerate(queries)}
+        prepared.append((text_ids, [[at[q] for q in range(s - 1, e - 1)] for s, e in spans], region_matrix, queries))
+    out = []
+    for first in range(0, len(scenes), batch_size):
+        chunk = range(first, min(first + batch_size, len(scenes)))
+        rows = backend.capture_batch([prepared[i][0] for i in chunk], sites, positions=[prepared[i][3] for i in chunk],
+                                     images=[scenes[i][1] for i in chunk])
+        pat = torch.stack([rows[s] for s in sites])  # [layers, all scenes' queries, heads, width]
+        offset = 0
+        for i in chunk:
+            _ids, span_rows, region_matrix, queries = prepared[i]
+            own = pat[:, offset:offset + len(queries)]  # keys past the scene's length are padding (weight 0)
+            offset += len(queries)
+            out.append(_span_region_features(own, span_rows, region_matrix))
+    return out
 
 
 def region_positions(spec: Any, ids: Sequence[int], regions: Sequence[Region]) -> list[list[int]]:

@@ -15,24 +15,33 @@ exhaustive ablation cost / amortized cost per span, and streaming attribution / 
   2026-12-05, two runs: 25.6 and 20.1 here, against 5.35-5.7 at toy width; batching the exhaustive side no
   longer pays here, 0.83-1.02x).
 
-Exhaustive ablation is batched over regions (`exhaustive_effects`: K masked rows + the unmasked row in
-one forward); its unbatched cost (K + 1 sequential passes) is reported beside it. The amortized cost
-(the ratio) is one pass capturing attention in every layer, the per-(span, region) features and a dot
-product; the pass computes only the attention rows the features read (the queries predicting the spans,
-over every key: probes.attention_rows), tokenises the text once and ends inside the last layer's attention.
-The in-stream cost beside it leaves the pass out (during generation the attention rows exist already).
-Exhaustive, unbatched exhaustive and amortized alternate per scene. Beside the wall-clock ratio, `cpu_ratio`
-is the same ratio in this process's CPU seconds, and `load` the 1-minute load average at start and end:
-on the shared machine the wall clock also counts waiting for a core.
+Both sides get the same row budget a forward (`batch_size`, 32 rows, `exhaustive_effects`' default):
+- exhaustive ablation fills it with one scene's K masked rows + the unmasked row (17 rows at K = 16); its
+  unbatched cost (K + 1 sequential passes) is reported beside it. Packing two scenes (34 rows) would exceed
+  the budget, and here it would not pay either: a bare forward costs 0.99 ms a row at 17 rows, 1.14 at 34
+  and 1.20 at 51 (two threads, 2026-12-07);
+- the amortized side fills it with one row per scene (`attention_features_batch`, right-padded scenes, each
+  scene's features equal to its own pass), so the bench attributes 32 scenes: the K = 16 row's ratio is
+  exhaustive cost / amortized cost per span at 32 scenes a forward, and `per_scene_ratio` beside it the
+  same against one scene a forward (the protocol up to 2026-12-07, which stayed at 4-6.4: that one-row
+  forward is mostly a small model's fixed per-forward cost).
+Each amortized pass computes only the attention rows the features read (the queries predicting the spans,
+over every key: probes.attention_rows), tokenises each text once and ends inside the last layer's
+attention; then the per-(span, region) features and one dot product. The in-stream cost beside it leaves
+the pass out (during generation the attention rows exist already). An eager-built model (toy-vlm) runs
+both sides on SDPA (`_fastest_attention`): the masked passes are ~9% faster there than on eager.
+Exhaustive, unbatched exhaustive, the one-scene amortized pass and the whole amortized batch alternate per
+scene (the batch's time divided by the scenes). Beside the wall-clock ratio, `cpu_ratio` is the same ratio
+in this process's CPU seconds, and `load` the 1-minute load average at start and end: on the shared machine
+the wall clock also counts waiting for a core.
 
-Why K = 16 stays under 10 (profiled 2026-12-02, thread CPU time per scene, medians, load 3-7): the
-amortized side is one one-row forward of ~46 tokens, and that forward is mostly fixed cost: the vision
-tower (2 CLIP layers over 17 patches, 1.4-2.1 ms, nearly all per-call) and the language model's per-forward
-cost (a 1-token forward of its 3 layers: 1.8-2.7 ms) against ~1.9 ms of per-token work. The exhaustive side
-runs 17 rows in one forward, paying those fixed costs once (36-48 ms). The bare rows forward alone (no
-engine, no features) measured 5.3-6.7 ms, so exhaustive / bare forward was 6.5-8.1 with everything around
-the forward cut away; the full amortized path is within ~1 ms of it. The ratio grows with K (K = 36: ~19,
-K = 64: ~70 on the same machine), and with sequence length, where the rows matter.
+Why the one-scene ratio stays under 10 at K = 16 (profiled 2026-12-02, thread CPU time per scene, medians,
+load 3-7): the amortized side is one one-row forward of ~46 tokens, and that forward is mostly fixed cost:
+the vision tower (2 CLIP layers over 17 patches, 1.4-2.1 ms, nearly all per-call) and the language model's
+per-forward cost (a 1-token forward of its 3 layers: 1.8-2.7 ms) against ~1.9 ms of per-token work. The
+exhaustive side runs 17 rows in one forward, paying those fixed costs once (36-48 ms). Batching the
+amortized side's scenes pays them once per 32 scenes. The ratio also grows with K (K = 36: ~19 at one scene
+a forward, K = 64: ~70), and with sequence length, where the rows matter.
 """
 
 from __future__ import annotations
@@ -40,12 +49,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from analyses.visual_attribution.attribution import attention_features, exhaustive_effects
+from analyses.visual_attribution.attribution import attention_features, attention_features_batch, exhaustive_effects
 from analyses.visual_attribution.estimator import AmortizedAttribution
 from analyses.visual_attribution.evaluate import toy_scene
 from analyses.visual_attribution.regions import grid_regions
@@ -70,28 +80,54 @@ def _scene(backend: Backend, example: Any, grid: int,
 
 
 def _fit(backend: Backend, scenes: list[tuple], seed: int) -> Any:
-    X, y = [], []
-    for text, image, spans, regions in scenes:
-        feats = attention_features(backend, text, image, spans, regions)
-        X.append(feats.reshape(-1, feats.shape[-1]))
-        y.append(exhaustive_effects(backend, text, image, spans, regions).reshape(-1))
+    X = [f.reshape(-1, f.shape[-1]) for f in attention_features_batch(backend, scenes)]
+    y = [exhaustive_effects(backend, text, image, spans, regions).reshape(-1) for text, image, spans, regions in scenes]
     return AmortizedAttribution(epochs=50, seed=seed).fit(np.concatenate(X), np.concatenate(y))
 
 
-def bench_speedup(backend: Backend, grid: int, n_scenes: int = 6, seed: int = 0, name: str = "vis_attr_speedup",
-                  note: str = "", target: float | None = 10.0, region_grid: int | None = None) -> dict[str, Any]:
+@contextmanager
+def _fastest_attention(backend: Backend) -> Iterator[str]:
+    """Inside: an in-process model built with eager attention (toy-vlm is) runs on SDPA, the faster kernel
+    the exhaustive side's masked passes take (the attention masks edit SDPA's 4D mask as they do eager's;
+    effects equal to ~1e-6); the amortized rows pass runs its own attention function either way, and a
+    pattern capture switches to eager by itself. Yields the implementation the passes run on."""
+    model = getattr(backend, "model", None)
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl != "eager":
+        yield impl or "the server's"
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield "sdpa"
+    finally:
+        model.set_attn_implementation(impl)
+
+
+def bench_speedup(backend: Backend, grid: int, n_scenes: int = 32, seed: int = 0, name: str = "vis_attr_speedup",
+                  note: str = "", target: float | None = 10.0, region_grid: int | None = None,
+                  batch_size: int = 32) -> dict[str, Any]:
     """Seconds per span of exhaustive ablation (batched over regions, and unbatched) / of the amortized
     estimate, over `n_scenes` toy eval scenes on a model with grid x grid visual tokens, one region per token
-    or `region_grid` x `region_grid` blocks (`target` None: a reported row)."""
+    or `region_grid` x `region_grid` blocks (`target` None: a reported row). Both sides get `batch_size`
+    rows a forward: the exhaustive side's K + 1 rows of one scene, the amortized side's one row per scene
+    (`attention_features_batch`); the amortized side's cost at one scene a forward is reported beside it."""
+    with _fastest_attention(backend) as attention:
+        row = _bench_speedup(backend, grid, n_scenes, seed, name, note, target, region_grid, batch_size)
+    return {**row, "attention": attention}
+
+
+def _bench_speedup(backend: Backend, grid: int, n_scenes: int, seed: int, name: str, note: str,
+                   target: float | None, region_grid: int | None, batch_size: int) -> dict[str, Any]:
     est = _fit(backend, [_scene(backend, ex, grid, region_grid) for ex in vlm.examples("train", 2, seed=seed)], seed)
     scenes = [_scene(backend, ex, grid, region_grid) for ex in vlm.examples("eval", n_scenes, seed=seed)]
     text, image, spans, regions = scenes[0]
-    for batch_size in (32, 1):  # warm-up of every side
-        exhaustive_effects(backend, text, image, spans, regions, batch_size=batch_size)
+    for rows in (batch_size, 1):  # warm-up of every side
+        exhaustive_effects(backend, text, image, spans, regions, batch_size=rows)
     attention_features(backend, text, image, spans, regions)
     # wall seconds (the ratio) and this process's CPU seconds beside them: on a loaded shared machine
     # the wall clock also counts time spent waiting for a core, the CPU clock mostly does not
-    seconds = {"exhaustive": 0.0, "exhaustive_unbatched": 0.0, "amortized": 0.0, "in_stream": 0.0}
+    seconds = {"exhaustive": 0.0, "exhaustive_unbatched": 0.0, "amortized": 0.0, "amortized_per_scene": 0.0,
+               "in_stream": 0.0}
     cpu = dict.fromkeys(seconds, 0.0)
     sites = [f"attn_pattern.{layer}" for layer in range(backend.arch().n_layers)]
     load = os.getloadavg()[0]
@@ -106,29 +142,43 @@ def bench_speedup(backend: Backend, grid: int, n_scenes: int = 6, seed: int = 0,
         feats = attention_features(backend, text, image, spans, regions, trace=trace)
         est.predict(feats.reshape(-1, feats.shape[-1]))
 
+    def amortized_batch() -> None:  # every scene, `batch_size` scenes a forward, one prediction call
+        feats = attention_features_batch(backend, scenes, batch_size=batch_size)
+        est.predict(np.concatenate([f.reshape(-1, f.shape[-1]) for f in feats]))
+
+    amortized_batch()  # warm-up at the batch's shape
     n_spans = 0
     for text, image, spans, regions in scenes:
-        timed("exhaustive", lambda: exhaustive_effects(backend, text, image, spans, regions))
+        timed("exhaustive", lambda: exhaustive_effects(backend, text, image, spans, regions, batch_size=batch_size))
         timed("exhaustive_unbatched", lambda: exhaustive_effects(backend, text, image, spans, regions, batch_size=1))
-        timed("amortized", lambda: amortized(text, image, spans, regions))
+        timed("amortized_per_scene", lambda: amortized(text, image, spans, regions))
+        # the whole batch once per scene, so that it runs beside every scene's exhaustive side (divided below)
+        timed("amortized", amortized_batch)
         # in a stream the attention rows exist already: only the features and the dot product remain
         trace = backend.trace(text, capture=sites, images=[image])
         timed("in_stream", lambda: amortized(text, image, spans, regions, trace))
         n_spans += len(spans)
+    seconds["amortized"] /= len(scenes)
+    cpu["amortized"] /= len(scenes)
     per_span = {k: v / n_spans for k, v in seconds.items()}
     return {"bench": name, "ratio": per_span["exhaustive"] / per_span["amortized"], "target": target,
             "higher_is_better": True, "exhaustive_s_per_span": per_span["exhaustive"],
             "exhaustive_unbatched_s_per_span": per_span["exhaustive_unbatched"],
             "amortized_s_per_span": per_span["amortized"],
-            "unbatched_ratio": per_span["exhaustive_unbatched"] / per_span["amortized"],
+            "amortized_per_scene_s_per_span": per_span["amortized_per_scene"],
+            "per_scene_ratio": per_span["exhaustive"] / per_span["amortized_per_scene"],
+            # one row a forward on both sides
+            "unbatched_ratio": per_span["exhaustive_unbatched"] / per_span["amortized_per_scene"],
             "amortized_in_stream_s_per_span": per_span["in_stream"],
             "in_stream_ratio": per_span["exhaustive"] / per_span["in_stream"],
             "batching_gain": per_span["exhaustive_unbatched"] / per_span["exhaustive"],
             "cpu_ratio": cpu["exhaustive"] / cpu["amortized"],
-            "cpu_unbatched_ratio": cpu["exhaustive_unbatched"] / cpu["amortized"],
+            "cpu_per_scene_ratio": cpu["exhaustive"] / cpu["amortized_per_scene"],
+            "cpu_unbatched_ratio": cpu["exhaustive_unbatched"] / cpu["amortized_per_scene"],
             "load": [round(load, 2), round(os.getloadavg()[0], 2)],  # 1-minute load average at start and end
-            "regions": len(regions), "visual_tokens": grid * grid, "scenes": n_scenes, "spans": n_spans, "model": backend.info()["model_id"],
-            "note": note}
+            "batch_rows": batch_size, "scenes_per_amortized_forward": min(batch_size, len(scenes)),
+            "regions": len(regions), "visual_tokens": grid * grid, "scenes": n_scenes, "spans": n_spans,
+            "model": backend.info()["model_id"], "note": note}
 
 
 def random_toy_vlm(grid: int = 4, config: Any = None, label: str = "toy-vlm-architecture") -> Any:

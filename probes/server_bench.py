@@ -216,3 +216,100 @@ def bench_server_fork_probe(model_id: str = "smollm2-135m", prefix_tokens: int =
 
 if __name__ == "__main__":
     print(json.dumps(bench_server(*sys.argv[1:2])))
+
+
+def _load_run(url: str, n_requests: int, n_clients: int, max_new_tokens: int, max_retries: int) -> dict[str, Any]:
+    """`n_requests` split over `n_clients` threads, streams and traces alternating; a refused request sleeps the
+    server's estimate (`retry_after_s`, its queue ticket kept by the client) and is lost after `max_retries`
+    retries. Latency counts from the first try to the answer."""
+    from probes.wire import ServerBusyError
+
+    counts = [n_requests // n_clients + (k < n_requests % n_clients) for k in range(n_clients)]
+    latencies: list[float] = []
+    retries: list[int] = []
+    lost: list[tuple[int, int]] = []
+    errors: list[str] = []
+    refusals = [0]
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        with RemoteBackend(url, timeout=120.0) as backend:
+            for i in range(counts[k]):
+                start = time.perf_counter()
+                for attempt in range(max_retries + 1):
+                    try:
+                        if (k + i) % 2:
+                            ok = len(list(backend.generate(f"client {k} asks {i}", max_new_tokens=max_new_tokens,
+                                                           stop=[]))) == max_new_tokens
+                        else:
+                            ok = len(backend.trace(f"client {k} asks {i} about a longer text").token_ids) > 3
+                        with lock:
+                            latencies.append(time.perf_counter() - start)
+                            retries.append(attempt)
+                            if not ok:
+                                errors.append(f"client {k} request {i}: a short answer")
+                        break
+                    except ServerBusyError as err:
+                        with lock:
+                            refusals[0] += 1
+                        time.sleep(err.retry_after_s)
+                    except Exception as err:  # lost: anything but an answer or an explicit 503
+                        with lock:
+                            errors.append(repr(err))
+                        break
+                else:
+                    with lock:
+                        lost.append((k, i))
+
+    began = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - began
+    cuts = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else [float("nan")] * 19
+    return {"answered": len(latencies), "lost": len(lost), "errors": errors[:3], "n_errors": len(errors),
+            "refusals_503": refusals[0], "most_retries": max(retries, default=0),
+            "retries_histogram": {str(r): retries.count(r) for r in sorted(set(retries))},
+            "p50_s": round(cuts[9], 3), "p95_s": round(cuts[18], 3), "wall_s": round(wall, 2)}
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return None
+
+
+def bench_server_load(model_id: str = "tiny-random:llama", n_requests: int = 300, n_clients: int = 16,
+                      max_new_tokens: int = 16, max_retries: int = 5,
+                      queues: Sequence[int] = (16, 2)) -> dict[str, Any]:
+    """`server_load`: `n_requests` (streams of `max_new_tokens` and traces, alternating) from `n_clients` clients
+    against `thoughtscope serve` with each waiting room of `queues` (a fresh server each, one torch thread),
+    at most `max_retries` retries a request. `ratio`: wall time with the last (smallest) waiting room / with
+    the first: what refusing and sleeping costs the same work (reported, no target); per room: answered, lost
+    (refused `max_retries` + 1 times), errors, 503s, the most retries one request needed, p50 / p95 latency
+    (retries included) and the server's RSS before and after."""
+    rooms: dict[str, Any] = {}
+    load = os.getloadavg()[0]
+    for max_queue in queues:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start_server(model_id, port, extra=f"max_queue={int(max_queue)}", device="cpu", torch_threads=1)
+        try:
+            wait_ready(proc, url)
+            rss = _rss_mb(proc.pid)
+            row = _load_run(url, n_requests, n_clients, max_new_tokens, max_retries)
+            after = _rss_mb(proc.pid)
+            row["rss_mb"] = [None if v is None else round(v) for v in (rss, after)]
+            row["traceback_in_log"] = "Traceback" in server_log(proc)
+        finally:
+            stop_server(proc)
+        rooms[str(max_queue)] = row
+    first, last = rooms[str(queues[0])], rooms[str(queues[-1])]
+    return {"bench": "server_load", "ratio": round(last["wall_s"] / first["wall_s"], 3), "target": None,
+            "model": model_id, "requests": n_requests, "clients": n_clients, "max_new_tokens": max_new_tokens,
+            "max_retries": max_retries, "waiting_rooms": rooms,
+            "load": [round(load, 2), round(os.getloadavg()[0], 2)]}

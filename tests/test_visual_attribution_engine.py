@@ -405,6 +405,24 @@ def test_the_wide_rows_regions_are_blocks_of_visual_tokens_covering_the_image_on
     assert len(_scene(engine, vlm.examples("eval", 1)[0], 4)[3]) == 16  # one region per token by default
 
 
+def _counting_hooks(model, counts):
+    """Pre-hooks adding 1 to `counts` at each Llava forward ("forward"), vision-tower pass ("vision"), call of
+    the last decoder layer's MLP ("last_mlp") and, where `counts` has "layers", of any decoder layer."""
+    lm = model.model.language_model
+
+    def bump(key):
+        def hook(*_):
+            counts[key] += 1
+        return hook
+
+    hooks = [model.register_forward_pre_hook(bump("forward")),
+             model.model.vision_tower.register_forward_pre_hook(bump("vision")),
+             lm.layers[-1].mlp.register_forward_pre_hook(bump("last_mlp"))]
+    if "layers" in counts:
+        hooks += [layer.register_forward_pre_hook(bump("layers")) for layer in lm.layers]
+    return hooks
+
+
 def test_the_amortized_pass_on_the_k16_architecture_counts_its_work_and_equals_hf_attention_weights():
     """The bench's amortized side (`attention_features` without a trace) on toy-vlm's K = 16 architecture:
     the text is tokenised once, the model runs one forward with one vision-tower pass, every decoder layer
@@ -420,18 +438,8 @@ def test_the_amortized_pass_on_the_k16_architecture_counts_its_work_and_equals_h
     engine = random_toy_vlm(4)
     model, spec = engine.model, spec_of(engine)
     text, image, spans, regions = _scene(engine, vlm.examples("eval", 1)[0], 4)
-    lm = model.model.language_model
     counts = {"forward": 0, "vision": 0, "layers": 0, "last_mlp": 0, "encode_text": 0}
-
-    def bump(key):
-        def hook(*_):
-            counts[key] += 1
-        return hook
-
-    hooks = [model.register_forward_pre_hook(bump("forward")),
-             model.model.vision_tower.register_forward_pre_hook(bump("vision")),
-             lm.layers[-1].mlp.register_forward_pre_hook(bump("last_mlp"))]
-    hooks += [layer.register_forward_pre_hook(bump("layers")) for layer in lm.layers]
+    hooks = _counting_hooks(model, counts)
     encode = engine.encode
 
     def counting_encode(prompt, *args, **kwargs):
@@ -480,15 +488,7 @@ def test_batched_attention_features_equal_each_scenes_own_pass_and_run_one_forwa
     assert len({len(engine.encode(text)) for text, *_ in scenes}) > 1  # padding is exercised
     single = [attention_features(engine, *scene) for scene in scenes]
     counts = {"forward": 0, "vision": 0, "last_mlp": 0}
-
-    def bump(key):
-        def hook(*_):
-            counts[key] += 1
-        return hook
-
-    hooks = [model.register_forward_pre_hook(bump("forward")),
-             model.model.vision_tower.register_forward_pre_hook(bump("vision")),
-             model.model.language_model.layers[-1].mlp.register_forward_pre_hook(bump("last_mlp"))]
+    hooks = _counting_hooks(model, counts)
     try:
         batched = attention_features_batch(engine, scenes, batch_size=3)
         assert counts == {"forward": 2, "vision": 2, "last_mlp": 0}

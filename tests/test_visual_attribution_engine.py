@@ -506,3 +506,24 @@ def test_batched_attention_features_equal_each_scenes_own_pass_and_run_one_forwa
     for got, want in zip(batched, single):
         assert float(np.abs(want).sum()) > 0
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_batched_attention_features_through_a_server_equal_the_in_process_features(llava):
+    """`attention_features_batch` through `thoughtscope serve`'s API (one capture_batch request per batch, images
+    as bytes): three scenes of different lengths, two a request, equal each scene's in-process features."""
+    from analyses.visual_attribution import attention_features_batch
+    from probes.client import RemoteBackend
+    from probes.server import create_app
+    from probes.server_bench import serving_in_thread
+
+    spec = spec_of(llava)
+    scenes = []
+    for seed, text in enumerate(["a b <image> c d e f g", "see <image> one two three four five six", "x <image> y z"]):
+        n = len(llava.trace(text, images=[_image(seed)]).token_ids)
+        scenes.append((text, _image(seed), [(n - 3, n - 1), (n - 2, n)], grid_regions(spec, 2, 2)))
+    local = [attention_features(llava, *scene) for scene in scenes]
+    with serving_in_thread(create_app(llava, max_queue=2)) as url, RemoteBackend(url) as remote:
+        served = attention_features_batch(remote, scenes, batch_size=2)
+    for got, want in zip(served, local):
+        assert float(np.abs(want).sum()) > 0
+        np.testing.assert_allclose(got, want, atol=1e-6)

@@ -275,7 +275,7 @@ class AttentionMasker:
         """bool [n_rows, queries, width]: `pairs` of every batch row, each mask's pairs built once and set in the
         rows it acts on. Layers whose masks are the same share one tensor within a forward (the last one is
         kept), so K row masks over R rows and L layers cost K pair builds, not R x K x L (the K + 1 rows of an
-        exhaustive ablation: tests/test_attention_masks.py counts them)."""
+        exhaustive ablation: tests/test_mask_attention.py counts them)."""
         chosen = tuple(i for i, m in enumerate(self.masks) if m.layers is None or layer in m.layers)
         key = (chosen, int(query_cols[0]) if len(query_cols) else 0, len(query_cols), width, n_rows,
                str(query_cols.device))

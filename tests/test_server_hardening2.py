@@ -371,6 +371,54 @@ def test_a_refusal_waits_for_the_holders_remaining_time_and_holders_keep_their_o
     asyncio.run(asleep())
 
 
+def test_a_holder_past_the_estimate_spaces_the_retries_out_instead_of_inviting_a_storm(monkeypatch):
+    """Once the request holding the model has run past the estimated service time, its remainder is unknown: the
+    first place is guessed at half the overrun. Before, the wait fell to the 0.05 s floor, and on a fresh
+    server (guess 1 s) a client retried 44 times while SmolLM2 streams ran. Before the overrun the
+    remaining-time rule holds as it was."""
+    import asyncio
+
+    from probes.server import MIN_RETRY_S, ModelQueue
+
+    clock = _Clock(monkeypatch)
+
+    def wait_now(queue: ModelQueue, ticket: str | None = None) -> ServerBusyError:
+        with pytest.raises(ServerBusyError) as err:
+            queue.admit(ticket)
+        return err.value
+
+    async def fresh() -> list[float]:
+        queue = ModelQueue(max_queue=0)  # nothing measured: a place is guessed at 1 s
+        holder = queue.admit()
+        await holder.wait()
+        waits, ticket = [], None
+        for held in (0.4, 3.0, 4.5, 6.75):
+            clock.now = 100.0 + held
+            refusal = wait_now(queue, ticket)
+            ticket = refusal.queue_ticket
+            waits.append(refusal.retry_after)
+        holder.release()
+        return waits
+
+    async def measured() -> tuple[float, float]:
+        queue = ModelQueue(max_queue=0)
+        holder = queue.admit()
+        await holder.wait()
+        clock.now += 0.1
+        holder.release()  # 0.1 s a request, no deviation yet
+        holder = queue.admit()
+        await holder.wait()
+        clock.now += 0.5  # five times the estimate
+        first = wait_now(queue)
+        second = wait_now(queue)  # one place more: one service time more
+        return first.retry_after, second.retry_after
+
+    # 0.6 s left of the guess, then half the overrun past it: 2 s over -> 1 s, 3.5 s -> 1.75 s, 5.75 s -> 2.875 s
+    assert asyncio.run(fresh()) == pytest.approx([0.6, 1.0, 1.75, 2.875])
+    first, second = asyncio.run(measured())  # 0.4 s over the 0.1 s estimate: 0.2 s, and one service time more
+    assert first == pytest.approx(0.2) and second == pytest.approx(0.3) and first > MIN_RETRY_S
+
+
 def test_waiting_requests_are_served_in_the_order_they_were_admitted_across_keep_alive_ticks():
     """A trace waits with a 0.5 s tick (to notice a gone client), a stream with a 5 s one (its keep-alive).
     Each tick used to cancel the lock's acquire and start another at the back of the line, so the trace

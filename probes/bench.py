@@ -9,9 +9,6 @@
 - `ndif_local_overhead`: a 3-site capture through nnsight `remote="local"` (the NDIF path) / the engine's
   (reported, no target; probes.ndif_bench)
 
-`thoughtscope bench server-load --model tiny-random:llama`: `server_load`, 300 requests from 16 clients against
-a fresh `thoughtscope serve` with a waiting room of 16, then of 2 (probes.server_bench.bench_server_load).
-
 `thoughtscope bench validation`: `validate_s` and `badge_overhead` (probes.validate_bench).
 
 `thoughtscope bench vision`: `vlm_stream_generate`, a tiny Qwen2.5-VL streaming with an image / HF
@@ -31,7 +28,7 @@ import torch
 
 from probes.engine import Engine
 from probes.interventions import AddVector
-from probes.server_bench import bench_server, bench_server_fork_probe, bench_server_load
+from probes.server_bench import bench_server, bench_server_fork_probe
 from probes.timing import STORY, alternate_pair, sig
 from probes.validate_bench import run_validation as run_validation_group
 from probes.vision_bench import run_vision
@@ -133,14 +130,10 @@ def run_server(model_id: str = "smollm2-135m") -> Iterator[dict[str, Any]]:
     yield bench_server_fork_probe(model_id)
 
 
-def run_server_load(model_id: str = "tiny-random:llama") -> Iterator[dict[str, Any]]:
-    yield bench_server_load(model_id)
-
-
 def run_validation(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
     return run_validation_group(model_id)
 
 
 # Groups for `thoughtscope bench GROUP` (discovered by the entry point, as each method's bench.py is).
-BENCHMARKS = {"hooks": run_hooks, "server": run_server, "server-load": run_server_load, "validation": run_validation,
+BENCHMARKS = {"hooks": run_hooks, "server": run_server, "validation": run_validation,
               "vision": run_vision}  # probes.vision_bench: vlm_stream_generate

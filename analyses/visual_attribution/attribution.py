@@ -130,10 +130,9 @@ def attention_features(backend: Backend, text: Any, image: Any, spans: Sequence[
     """[n_spans, n_regions, n_layers * n_heads]: attention from the span's tokens to the region's
     tokens, per layer and head (mean over the span's queries, sum over the region's keys). Pass a
     `trace` that captured every `attn_pattern.L` to reuse it (streaming does)."""
-    n_layers = backend.arch().n_layers
-    sites = [f"attn_pattern.{layer}" for layer in range(n_layers)]
-    if trace is None:
-        return _features_from_rows(backend, text, image, spans, regions, sites)
+    if trace is None:  # one pass computing only the attention rows the features read
+        return attention_features_batch(backend, [(text, image, spans, regions)])[0]
+    sites = [f"attn_pattern.{layer}" for layer in range(backend.arch().n_layers)]
     spec = spec_of(backend)
     missing = [s for s in sites if s not in trace.activations]
     if missing:
@@ -145,21 +144,14 @@ def attention_features(backend: Backend, text: Any, image: Any, spans: Sequence[
     return _span_region_features(pat, [range(s - 1, e - 1) for s, e in spans], _region_matrix(spec, ids, regions))
 
 
-def _features_from_rows(backend: Backend, text: Any, image: Any, spans: Sequence[Sequence[int]],
-                        regions: Sequence[Region], sites: list[str]) -> np.ndarray:
-    """`attention_features` from one pass that computes only the attention rows the features read (the
-    queries predicting a span's tokens, over every key: `capture_batch` with `positions`, which an engine
-    computes as rows, probes.attention_rows), and ends after the last layer's attention. The text is
-    tokenised once: the pass takes its ids."""
-    return attention_features_batch(backend, [(text, image, spans, regions)])[0]
-
-
 def attention_features_batch(backend: Backend, scenes: Sequence[tuple[Any, Any, Sequence[Sequence[int]],
                                                                      Sequence[Region]]],
                              batch_size: int = 32) -> list[np.ndarray]:
     """`attention_features` of many scenes (text, image, spans, regions), `batch_size` scenes a forward.
 
-    Each forward holds up to `batch_size` scenes as right-padded rows (`capture_batch` with images and
+    The pass computes only the attention rows the features read (the queries predicting a span's tokens,
+    over every key: `capture_batch` with `positions`, which an engine computes as rows,
+    probes.attention_rows); each text is tokenised once. Each forward holds up to `batch_size` scenes as right-padded rows (`capture_batch` with images and
     `positions`): only the attention rows the features read are computed, and the forward ends inside the
     last layer's attention. A causal model's real tokens never see the padding after them, so each scene's
     features equal its own one-scene pass (tests/test_visual_attribution_engine.py compares them). This is

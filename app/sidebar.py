@@ -89,14 +89,16 @@ def model_choices() -> list[str]:
 
 
 def _pick_model() -> str:
-    apply_request()
+    requested = apply_request()  # a "Switch to" button's model, written into the box's state
     choices = model_choices()
     wanted = os.environ.get(MODEL_ENV, DEFAULT_MODEL)
     options = choices if wanted in choices else [wanted, *choices]
     held = kept("model_pick", wanted)
     options = options if held in options or held == CUSTOM else [held, *options]
     choice = [*options, CUSTOM]
-    picked = st.selectbox("Model", choice, index=choice.index(held), key="model_pick",
+    # A requested model is the box's state already; an index beside it made Streamlit log "created with a
+    # default value but also had its value set via the Session State API" (the state, not the index, wins).
+    picked = st.selectbox("Model", choice, index=None if requested else choice.index(held), key="model_pick",
                           help="zoo models (toy-* models are trained here on first use, minutes, then cached), "
                                "hf: models in the local Hugging Face cache; tiny-random ids are for tests")
     keep("model_pick", picked)

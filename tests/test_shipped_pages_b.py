@@ -190,6 +190,37 @@ def test_the_moe_page_opens_on_the_toys_shipped_result_and_a_dense_model_switche
     assert np.nanmax(divergence) > 0
 
 
+def test_a_switch_button_moves_the_model_box_without_a_streamlit_warning(monkeypatch):
+    """The visual attribution page on a text model offers toy-vlm's stored result and a switch to it; one click
+    and the sidebar's box holds toy-vlm (its state written, so a browser's box moves too), and Streamlit logs
+    nothing: an index passed beside that state made it log "created with a default value but also had its
+    value set via the Session State API" (with a stack) on every switch's first run."""
+    import logging
+
+    import streamlit.elements.lib.policies as policies
+
+    monkeypatch.setenv("THOUGHTSCOPE_MODEL", "tiny-random:llama")
+    monkeypatch.setattr(policies, "_shown_default_value_warning", False)  # logged once a process otherwise
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(policies.__name__)
+    logger.addHandler(handler)
+    try:
+        at = helpers.open_page("visual_attribution", None)
+        helpers.assert_clean(at)
+        switch = next(b for b in at.button if b.key == "va_switch")
+        assert switch.label == "Switch to toy-vlm"
+        at = switch.click().run()
+    finally:
+        logger.removeHandler(handler)
+    helpers.assert_clean(at)
+    assert at.session_state["model_pick"] == "toy-vlm" and at.selectbox(key="model_pick").value == "toy-vlm"
+    found = shipped.find("visual-attribution", "toy-vlm", None, root=REPO_SHIPPED)
+    assert any(s.value.startswith(found.label()) for s in at.success)  # now on the toy's own stored result
+    assert logged == []
+
+
 @pytest.mark.model
 def test_the_visual_attribution_page_opens_on_the_toys_shipped_estimator_and_study(monkeypatch):
     monkeypatch.setenv("THOUGHTSCOPE_MODEL", "toy-vlm:small")

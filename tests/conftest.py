@@ -19,6 +19,33 @@ os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 import pytest  # noqa: E402
 
 
+def _private_cache() -> None:
+    """Tests neither read nor write the user's thoughtscope cache: a RISE run made on the app's page showed its
+    SAE in the trace explorer's tests (and failed them), and tests wrote their traces into the user's store. A
+    run gets a private cache folder (kept by its subprocesses, xdist's workers, servers and apps, through the
+    environment, and removed at the end), except `models`: the user's, so SmolLM2's dequantised weights and
+    the toy models (content-addressed, minutes to build) are built once. A cache folder the caller names
+    (`THOUGHTSCOPE_CACHE_DIR=...`) is used as it is."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from probes.paths import user_cache_dir
+
+    if os.environ.get("THOUGHTSCOPE_CACHE_DIR"):
+        return
+    models = user_cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    private = tempfile.mkdtemp(prefix="thoughtscope-tests-cache-")
+    os.symlink(models, os.path.join(private, "models"), target_is_directory=True)
+    os.environ["THOUGHTSCOPE_CACHE_DIR"] = private
+    creator = os.getpid()
+    atexit.register(lambda: os.getpid() == creator and shutil.rmtree(private, ignore_errors=True))
+
+
+_private_cache()
+
+
 def _installed_packages(paths: list[str]) -> dict[str, str]:
     from importlib import metadata
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from analyses import evaluation, organism, problem, tasks
@@ -55,3 +57,34 @@ def test_the_cache_root_comes_from_the_environment(monkeypatch, tmp_path):
     assert user_cache_dir is paths.user_cache_dir
     monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path))
     assert paths.user_cache_dir() == tmp_path
+
+
+def test_a_test_run_uses_a_private_cache_with_the_users_models(tmp_path):
+    """tests/conftest.py: a run without THOUGHTSCOPE_CACHE_DIR gets a private cache folder whose `models` is the
+    user's; what the run writes elsewhere in the cache never reaches the user's folder, and the private folder
+    is gone when the run ends. Here the "user's cache" is a temporary XDG cache home."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "THOUGHTSCOPE_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    script = ("import json, tests.conftest; from probes.paths import user_cache_dir; d = user_cache_dir(); "
+              "(d / 'store').mkdir(); (d / 'store' / 'a-trace').write_text('x'); "
+              "print(json.dumps([str(d), str((d / 'models').resolve())]))")
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    private, models = json.loads(out.stdout.strip().splitlines()[-1])
+    users = tmp_path / "xdg" / "thoughtscope"
+    assert Path(private).name.startswith("thoughtscope-tests-cache-") and Path(models) == users / "models"
+    assert not Path(private).exists()  # removed at the end of the run
+    assert sorted(p.name for p in users.iterdir()) == ["models"]  # the store went to the private folder only
+    # a folder the caller names is used as it is
+    named = tmp_path / "named"
+    env["THOUGHTSCOPE_CACHE_DIR"] = str(named)
+    out = subprocess.run([sys.executable, "-c", "import tests.conftest; from probes.paths import user_cache_dir; "
+                          "print(user_cache_dir())"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == str(named), out.stderr

@@ -468,6 +468,24 @@ def test_the_method_pages_run_against_the_model_server(model_server, monkeypatch
     assert int(helpers.metric(rise, "Traces")) == 4 and "Decoder columns" in " ".join(helpers.chart_titles(rise))
 
 
+def test_rlkv_training_through_the_model_server_is_offered_in_process_only(model_server, monkeypatch, tmp_path):
+    """The RLKV page on the server backend: the gates live inside the model's attention, so its Train button is
+    disabled with the way to train them (in-process, or the command on the server's machine); in-process it is
+    enabled and says nothing of the kind."""
+    monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("THOUGHTSCOPE_SERVER", model_server)
+    remote = open_page("rlkv", max_new_tokens=8)
+    assert_clean(remote)
+    assert remote.radio(key="backend_kind").value == "server"
+    assert remote.button(key="rlkv_train_run").disabled
+    assert any(c.value.startswith("Training the gates runs in the process that holds the model") for c in remote.caption)
+    monkeypatch.delenv("THOUGHTSCOPE_SERVER")
+    local = open_page("rlkv", max_new_tokens=8)
+    assert_clean(local)
+    assert local.radio(key="backend_kind").value == "in-process" and not local.button(key="rlkv_train_run").disabled
+    assert not any(c.value.startswith("Training the gates runs in the process") for c in local.caption)
+
+
 def test_a_server_that_does_not_answer_is_an_error_in_the_sidebar(monkeypatch):
     monkeypatch.setenv("THOUGHTSCOPE_SERVER", "http://127.0.0.1:9")  # nothing listens on the discard port
     at = open_page("home")

@@ -151,7 +151,13 @@ def training_section(ctx, head_map: HeadMap | None) -> None:
     if shipped(ctx.model_id, 0) and settings == {**d, "sink": 4, "recent": 32}:
         st.caption(f"These are the settings of the shipped run ({shipped(ctx.model_id, 0)}, docs/rlkv.md): its head "
                    "map and training curves are shown above. Training again takes about 80 s a step on two CPU cores.")
-    start = c4.button("Train", key="rlkv_train_run", icon=":material/play_arrow:")
+    # the gates sit inside the model's attention (capability "head_gates"), so a model server cannot train them:
+    # the button says so before a click rather than failing with the command line's advice
+    trainable = bool(ctx.backend.capabilities().get("head_gates", False))
+    start = c4.button("Train", key="rlkv_train_run", icon=":material/play_arrow:", disabled=not trainable)
+    if not trainable:
+        st.caption("Training the gates runs in the process that holds the model: pick **in-process** under "
+                   "Backend in the sidebar, or run `thoughtscope rlkv train --model ...` on the server's machine.")
     backend, folder = ctx.backend, training_folder(ctx.backend.info()["fingerprint"], settings)
     with shows_errors():
         done = run_job(ctx.result_key("rlkv-train", **settings),

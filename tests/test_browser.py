@@ -374,6 +374,9 @@ def test_screenshot_of_the_embedded_model_for_the_readme(browser):
         p.goto(f"{url}/trace_explorer")
         p.locator(".st-key-generate button").first.click()
         figure(p, 3).wait_for()
+        # the correctness badge, finished: the test run's cache is private (tests/conftest.py), so SmolLM2 is
+        # validated afresh beside the generation (about 12 s on one core), as on a newcomer's first page
+        p.get_by_text("numbers checked").first.wait_for()
         p.wait_for_timeout(1000)  # let plotly finish its layout
         shot = ARTIFACTS / "readme_trace_explorer.png"
         p.screenshot(path=str(shot))

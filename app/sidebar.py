@@ -17,7 +17,7 @@ import torch
 from app import outage
 from app.context import (CONFIRM_LABEL, FinishedGenerations, GenerationSettings, PageContext, prompt_warn_default)
 from app.persist import keep, kept, mirror_to_url, seed_from_url
-from app.switch import apply_request
+from app.switch import apply_backend_request, apply_request
 from probes.engine import Engine
 from probes.zoo import DEFAULT_MODEL, TINY_ARCHS, local_hf_models, needs_training, prepare_model, toy_model_ids
 from thoughtscope import checks
@@ -159,8 +159,9 @@ def sidebar_context() -> PageContext | None:
         st.header("thoughtscope")
         default_server = os.environ.get(SERVER_ENV, "")
         kinds = ["in-process", "server"]
+        moved = apply_backend_request()  # a "Switch to" button's model runs in this app: the radio's state is set
         where = keep("backend_kind", st.radio(
-            "Backend", kinds, index=kinds.index(kept("backend_kind", kinds[1 if default_server else 0])),
+            "Backend", kinds, index=None if moved else kinds.index(kept("backend_kind", kinds[1 if default_server else 0])),
             horizontal=True, key="backend_kind", help="in-process: the model runs in this app; server: `thoughtscope serve`"))
         server_url = None
         if where == "server":

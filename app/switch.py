@@ -17,12 +17,25 @@ from app.persist import keep
 from thoughtscope import shipped
 
 PICK_KEY = "model_pick"  # app/sidebar.py's model selectbox
+BACKEND_KEY = "backend_kind"  # app/sidebar.py's backend radio
 _REQUEST = "_switch_model_request"
 
 
 def request_model(model_id: str) -> None:
     """Ask the sidebar to load `model_id` on the next run (then call `st.rerun()`)."""
     st.session_state[_REQUEST] = str(model_id)
+
+
+def apply_backend_request() -> bool:
+    """Called by the sidebar before its backend radio draws: a requested model runs in this app (a model server
+    serves the one model it was started with), so the radio moves to in-process. True when a request is pending.
+    (Before, a switch clicked on the server backend did nothing, and its request waited to change the model the
+    next time the user picked in-process.)"""
+    if not st.session_state.get(_REQUEST):
+        return False
+    st.session_state[BACKEND_KEY] = "in-process"
+    keep(BACKEND_KEY, "in-process")
+    return True
 
 
 def apply_request() -> str | None:
@@ -35,9 +48,14 @@ def apply_request() -> str | None:
 
 
 def switch_button(model_id: str, key: str) -> None:
-    """A button "Switch to <model_id>" that requests the model and reruns the app."""
+    """A button "Switch to <model_id>" that requests the model and reruns the app; on the server backend it says
+    that the model will run in this app ("(in-process)"), since the server keeps its own."""
+    remote = st.session_state.get(BACKEND_KEY) == "server"
+    label = f"Switch to {model_id}" + (" (in-process)" if remote else "")
     # a colon escaped: the label is Markdown, where `toy-vlm:small` would draw as "toy-vlm" (`:small` a directive)
-    if st.button(f"Switch to {model_id}".replace(":", "\\:"), key=key, type="primary", icon=":material/swap_horiz:"):
+    if st.button(label.replace(":", "\\:"), key=key, type="primary", icon=":material/swap_horiz:",
+                 help=(f"the model server serves the model it was started with; {model_id} loads in this app"
+                       if remote else None)):
         request_model(model_id)
         st.rerun()
 

@@ -486,6 +486,28 @@ def test_rlkv_training_through_the_model_server_is_offered_in_process_only(model
     assert not any(c.value.startswith("Training the gates runs in the process") for c in local.caption)
 
 
+def test_a_switch_on_the_server_backend_loads_the_toy_in_process(model_server, monkeypatch, tmp_path):
+    """The visual attribution page through a server of a text model: its switch says the toy runs in this app,
+    and one click moves the backend to in-process and the model to toy-vlm, whose stored result the page then
+    shows; no request is left waiting. (Before, the click did nothing on the server backend, and the request
+    waited to change the model the next time the user picked in-process.)"""
+    from app import switch
+
+    monkeypatch.setenv("THOUGHTSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("THOUGHTSCOPE_SERVER", model_server)
+    at = open_page("visual_attribution", None)
+    helpers.assert_clean(at)
+    assert at.radio(key="backend_kind").value == "server"
+    button = at.button(key="va_switch")
+    assert button.label == "Switch to toy-vlm (in-process)" and "started with" in button.help
+    at = button.click().run()
+    helpers.assert_clean(at)
+    assert at.radio(key="backend_kind").value == "in-process"
+    assert at.selectbox(key="model_pick").value == "toy-vlm" and switch._REQUEST not in at.session_state
+    assert any(s.value.startswith("A stored result, made on") and "on `toy-vlm`" in s.value for s in at.success)
+    assert any(c.value == "model: `toy-vlm` (in-process)" for c in at.caption)
+
+
 def test_a_server_that_does_not_answer_is_an_error_in_the_sidebar(monkeypatch):
     monkeypatch.setenv("THOUGHTSCOPE_SERVER", "http://127.0.0.1:9")  # nothing listens on the discard port
     at = open_page("home")

@@ -155,6 +155,32 @@ def test_a_full_validation_is_the_cached_badge_in_info_and_provenance(private_ca
     assert [p.name.split("-")[0] for p in private_cache.iterdir()] == [engine.handle.fingerprint]
 
 
+def test_a_background_badge_leaves_no_half_imported_pandas_to_the_callers_figures(tmp_path):
+    """The validation thread imports pandas (TransformerLens -> datasets); plotly in the page's thread reads it
+    from `sys.modules` however far its import has got. So pandas is imported whole before the thread starts: in a
+    fresh interpreter, right after `badge` starts the thread, pandas is loaded and not initialising. (Before, it
+    was absent then, and half-imported a moment later while the page drew its figures.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys; from probes import Engine, validate as V; e = Engine.from_id('tiny-random:llama'); "
+              "before = 'pandas' in sys.modules; assert V.badge(e, background=True) is None; "
+              "m = sys.modules.get('pandas'); "
+              "print(before, V.badge_running(e), m is not None and not m.__spec__._initializing, flush=True); "
+              "import time\nwhile V.badge_running(e): time.sleep(0.1)")  # a daemon thread mid-validation aborts the exit
+    from probes.paths import user_cache_dir
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "models").symlink_to(user_cache_dir() / "models")  # no badge cached, the models built
+    env = {**os.environ, "THOUGHTSCOPE_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "True"]
+
+
 def test_the_badge_is_computed_in_the_background_once_then_read_from_the_cache(llama, monkeypatch):
     assert V.badge(llama, background=True) is None  # nothing cached: a thread starts, the caller goes on
     thread = V._RUNNING[str(V.cache_path(llama.handle))]

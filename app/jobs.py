@@ -41,6 +41,7 @@ import streamlit as st
 
 from probes.zoo import user_cache_dir
 from thoughtscope.errors import BadInputError, ThoughtscopeError
+from thoughtscope.imports import before_thread
 
 RUNNING, DONE, FAILED, STOPPED = "running", "done", "failed", "stopped"
 URL_PARAM = "job"
@@ -191,6 +192,7 @@ class JobRegistry:
                       prior_s_per_unit=self._prior(kind or key), resumes=resumes)
             self._jobs[job.id] = job
             self._trim()
+        before_thread()  # a job may import pandas (RISE: sae_lens -> transformer_lens -> datasets): thoughtscope.imports
         job.thread = threading.Thread(target=self._run, args=(job, work), name=f"thoughtscope-job-{kind}",
                                       daemon=True)
         job.thread.start()

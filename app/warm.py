@@ -28,6 +28,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from thoughtscope.imports import PEEKED
+
 log = logging.getLogger(__name__)
 
 # in the order the pages reach them: CoT's calibration densities and data frames, then RISE's SAE loading and
@@ -35,9 +37,8 @@ log = logging.getLogger(__name__)
 MODULES = ("pyarrow", "sklearn.neighbors", "sklearn.metrics", "sae_lens", "sae_lens.evals",
            "sklearn.linear_model", "sklearn.cluster", "sklearn.decomposition")
 # imported by `start` in the calling script thread, after its page has drawn (about 0.4 s), never in the background:
-# plotly peeks at pandas in `sys.modules` whenever it builds a trace, and a page drawing a figure while the thread
-# was half-way through importing pandas failed ("partially initialized module 'pandas' has no attribute 'Series'")
-FIRST = ("pandas",)
+# the modules plotly reads half-imported (thoughtscope.imports.PEEKED)
+FIRST = PEEKED
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None

@@ -50,7 +50,7 @@ from probes.paths import user_cache_dir
 from probes.sampling import Sampling
 from probes.sites import SITE_KINDS, Site, list_sites, validate_site
 from thoughtscope.errors import BadInputError, UnknownSiteError
-from thoughtscope.imports import import_module
+from thoughtscope.imports import before_thread
 
 VALIDATION_TEXT = ("The quick brown fox jumps over the lazy dog. 17 + 25 = 42, and 6 times 7 is 42 too. "
                    "Is that a coincidence?")
@@ -329,11 +329,9 @@ def badge(engine: Any, *, background: bool = True) -> dict[str, Any] | None:
         report = validate(engine)
         return report.summary()
     name = str(cache_path(engine.handle))
-    # The validation imports TransformerLens, and through it `datasets` imports pandas. Plotly in the caller's
-    # thread reads pandas from `sys.modules` however far its import has got, so a page figure drawn while this
-    # thread was half-way through importing it failed ("partially initialized module 'pandas' has no attribute
-    # 'Series'": the trace explorer's tests on a fresh cache, 2026-12-07). It is imported whole here, first.
-    import_module("pandas")
+    # the validation imports TransformerLens, and through it `datasets` imports pandas, which a page's figures
+    # then read half-imported (the trace explorer's tests on a fresh cache, 2026-12-07): thoughtscope.imports
+    before_thread()
     with _RUNNING_LOCK:
         if name not in _RUNNING or not _RUNNING[name].is_alive():
             thread = threading.Thread(target=_validate_quietly, args=(engine,), daemon=True,

@@ -139,3 +139,22 @@ def test_after_a_stop_the_page_says_whether_starting_again_goes_on(tmp_path):
     assert said.startswith("Training: stopped by the user after ") and "(1/10 batches)" in said
     assert said.endswith("Start it again to go on where it stopped: checkpointed after every step.")
     assert stopped_message(plain).endswith("(1/10 batches). Start it again to go on from scratch.")
+
+
+def test_a_job_starts_after_pandas_is_imported_whole(tmp_path):
+    """A job may import pandas (RISE: sae_lens -> transformer_lens -> datasets), which plotly in the page's thread
+    reads half-imported (thoughtscope.imports.PEEKED): `start` imports it in the caller first. In a fresh
+    interpreter, right after starting a job that imports nothing, pandas is loaded and not initialising."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys; from app.jobs import JobRegistry; before = 'pandas' in sys.modules; "
+              "job = JobRegistry(grace_s=60).start('k', lambda job: 1, label='nothing'); job.thread.join(); "
+              "m = sys.modules.get('pandas'); print(before, m is not None and not m.__spec__._initializing)")
+    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ, "THOUGHTSCOPE_CACHE_DIR": str(tmp_path)}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["False", "True"]

@@ -56,6 +56,20 @@ def import_module(name: str) -> Any:
         return importlib.import_module(name)
 
 
+# Modules plotly reads from `sys.modules` however far their import has got (`get_module(name, should_load=False)`
+# whenever it builds a trace): a figure drawn while another thread was half-way through importing one failed
+# ("partially initialized module 'pandas' has no attribute 'Series'"). A thread that may import one (the app's
+# warm-up, the badge's validation via TransformerLens -> datasets, a job) is started after `before_thread()`.
+PEEKED = ("pandas",)
+
+
+def before_thread() -> None:
+    """Import the `PEEKED` modules whole in the calling thread, before it starts a thread that may import them
+    (once they are loaded, a dictionary lookup each)."""
+    for name in PEEKED:
+        import_module(name)
+
+
 def settle(name: str) -> None:
     """Wait until a module another thread is importing has finished, so that code which only peeks at
     `sys.modules` sees it whole. Plotly builds every trace with `get_module("pandas", should_load=False)` (the

@@ -75,6 +75,12 @@ def default_reward(text: str, problem: Any) -> float:
     return 1.0 if is_correct(text, problem) else 0.0
 
 
+def can_train(backend: Backend) -> bool:
+    """Whether gates can be trained on `backend`: only in the process that holds the model (capability
+    "head_gates"; the gates sit inside its attention), never through a model server."""
+    return bool(backend.capabilities().get("head_gates", False))
+
+
 @dataclass
 class HeadGateProbe:
     """Gates learned with GRPO without KL plus the adaptive L1 penalty (see the module docstring)."""
@@ -131,7 +137,7 @@ class HeadGateProbe:
         With `checkpoint_dir`, resumes a run of the same settings found there and saves as it goes.
         """
         self._check(problems)
-        if not backend.capabilities().get("head_gates", False):
+        if not can_train(backend):
             raise BadInputError("RLKV gate training runs in the process that holds the model (the issue's design); "
                                 "pass --model, not --server, to `thoughtscope rlkv train`")
         require(backend, "generate", "grad")

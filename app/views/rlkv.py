@@ -20,6 +20,7 @@ import streamlit as st
 
 from analyses.rlkv.evaluate import compressed_generation, evaluate_rlkv
 from analyses.rlkv.head_map import HeadMap
+from analyses.rlkv.probe import can_train
 from analyses.rlkv.train import SHIPPED_RUN, train_gates, training_folder
 from analyses.rlkv.data import task_problems
 from app.context import drawing_report, read_report, shows_errors
@@ -151,9 +152,9 @@ def training_section(ctx, head_map: HeadMap | None) -> None:
     if shipped(ctx.model_id, 0) and settings == {**d, "sink": 4, "recent": 32}:
         st.caption(f"These are the settings of the shipped run ({shipped(ctx.model_id, 0)}, docs/rlkv.md): its head "
                    "map and training curves are shown above. Training again takes about 80 s a step on two CPU cores.")
-    # the gates sit inside the model's attention (capability "head_gates"), so a model server cannot train them:
-    # the button says so before a click rather than failing with the command line's advice
-    trainable = bool(ctx.backend.capabilities().get("head_gates", False))
+    # a model server cannot train the gates: the button says so before a click rather than failing with the
+    # command line's advice
+    trainable = can_train(ctx.backend)
     start = c4.button("Train", key="rlkv_train_run", icon=":material/play_arrow:", disabled=not trainable)
     if not trainable:
         st.caption("Training the gates runs in the process that holds the model: pick **in-process** under "

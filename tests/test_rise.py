@@ -245,6 +245,29 @@ def test_a_batched_alpha_grid_equals_one_generation_per_alpha(tiny, mode):
     assert "per row" in iv.describe()
 
 
+@pytest.mark.parametrize("batch_alphas", [True, False])
+def test_a_stop_during_a_steering_sweep_ends_it_within_one_model_call(tiny, batch_alphas):
+    """The RISE page's Stop: `on_step` runs once per decoding step of every generation, so an exception it
+    raises ends the sweep there. (A batched grid reports progress only when its one generation ends: before
+    `on_step`, a Stop waited for the whole grid, 11 s on SmolLM2.)"""
+    from tests.counting import ForwardCounter
+
+    settings = HarvestSettings(layers=(1,), max_new_tokens=12, batch_size=8, delimiter="sentence")
+    problems = arithmetic_problems(2, seed=4)
+    counter, steps = ForwardCounter(tiny.model), []
+
+    def stop_at_third_step(n_finished: int) -> None:
+        steps.append(n_finished)
+        if len(steps) == 3:
+            raise KeyboardInterrupt("stopped by the test")
+
+    before = counter.calls
+    with pytest.raises(KeyboardInterrupt, match="stopped by the test"):
+        rise.steer(tiny, problems, torch.linspace(-3, 2, 64), "resid_post.1", alphas=(0.0, 1.5),
+                   settings=settings, batch_alphas=batch_alphas, on_step=stop_at_third_step)
+    assert counter.calls - before == 3  # three decoding steps of the first generation, of 12 a full one makes
+
+
 def test_cli_stages_print_json(tmp_path):
     import typer
     from typer.testing import CliRunner

@@ -171,6 +171,14 @@ BUDGET = {
 # ----- the waiting room -----
 
 
+def clock() -> float:
+    """The waiting room's clock, in seconds: `time.monotonic`, under a name of its own, so that a test can
+    move this clock alone. (A test that moved `time.monotonic` itself moved every event loop's clock in the
+    process: an in-thread server's loop then computed its next wake-up against the fake time and slept in
+    `select` for up to a day, until a request woke it; such servers took 10-20 s to stop.)"""
+    return time.monotonic()
+
+
 class ModelQueue:
     """One model call at a time; at most `max_queue` requests wait for their turn (FIFO).
 
@@ -208,12 +216,12 @@ class ModelQueue:
     @property
     def backlog(self) -> int:
         """Refused clients holding a place in line."""
-        self._expire(time.monotonic())
+        self._expire(clock())
         return len(self._backlog)
 
     def admit(self, ticket: str | None = None) -> "Ticket":
         """A place in the waiting room, or `ServerBusyError` (503) with a place in line when it is full."""
-        now = time.monotonic()
+        now = clock()
         self._expire(now)
         # `waiting` counts every admitted request not yet holding the model, so a burst that
         # arrives before the first one takes the lock is still bounded.
@@ -261,7 +269,7 @@ class ModelQueue:
         includes the work around the model call: parsing, checks, the answer), so that is measured
         then, less any time the model sat free with nobody admitted; otherwise the hold time. A moving
         average of either, and of its mean deviation."""
-        now = time.monotonic()
+        now = clock()
         gap = None if self._last_release is None else now - self._last_release - self._idle_s
         sample = held_s if gap is None else max(held_s, gap)
         weight = SERVICE_EWMA if self._measured else 1.0
@@ -274,7 +282,7 @@ class ModelQueue:
 
     def _taken(self) -> None:
         """The model was just taken: the time it sat free with nobody admitted ends here."""
-        now = time.monotonic()
+        now = clock()
         if self._idle_from is not None:
             self._idle_s += now - self._idle_from
             self._idle_from = None
@@ -297,7 +305,7 @@ class Ticket:
         await self.queue._lock.acquire()  # cancellation-safe: a cancelled waiter never ends up holding it
         self.queue.waiting -= 1
         self.queue._taken()
-        self.holding, self.since = True, time.monotonic()
+        self.holding, self.since = True, clock()
 
     async def wait_for(self, timeout_s: float, gone: Callable[[], Any] | None = None,
                        tick_s: float = KEEPALIVE_S) -> AsyncIterator[None]:
@@ -311,7 +319,7 @@ class Ticket:
         a trace, which ticks every 0.5 s to notice a gone client, was overtaken by every stream admitted
         after it, and the server curve's p95 at 16 clients was 1.45x its linear shape.)
         """
-        started = time.monotonic()
+        started = clock()
         acquire = asyncio.ensure_future(self.wait())
         try:
             while True:
@@ -322,7 +330,7 @@ class Ticket:
                 if gone is not None and await gone():
                     await self._give_up(acquire)
                     return
-                if time.monotonic() - started > timeout_s:
+                if clock() - started > timeout_s:
                     await self._give_up(acquire)
                     raise TimeoutExceededError(
                         f"waited {timeout_s:g} s for the model without getting it; the server is overloaded. "
@@ -348,7 +356,7 @@ class Ticket:
         self.done = True
         if self.holding:
             self.holding = False
-            self.queue.served(time.monotonic() - self.since)
+            self.queue.served(clock() - self.since)
             self.queue._lock.release()
         else:
             self.queue.waiting -= 1

@@ -191,10 +191,12 @@ def serving_in_thread(app: Any) -> Iterator[str]:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise ServerError(f"the in-thread server on port {port} did not start")
         time.sleep(0.02)
+    loop = server.servers[0].get_loop()
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
+        server.should_exit = True  # read by uvicorn's main loop every 0.1 s; wake it in case it sleeps in select
+        loop.call_soon_threadsafe(lambda: None)
         thread.join(timeout=10)
 
 

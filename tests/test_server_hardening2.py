@@ -273,13 +273,32 @@ def test_a_refused_client_keeps_its_place_ahead_of_newcomers():
 
 
 class _Clock:
-    """probes.server's monotonic clock, moved by hand."""
+    """The waiting room's clock (`probes.server.clock`), moved by hand."""
 
     def __init__(self, monkeypatch):
         import probes.server
 
         self.now = 100.0
-        monkeypatch.setattr(probes.server.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(probes.server, "clock", lambda: self.now)
+
+
+def test_moving_the_waiting_rooms_clock_leaves_the_event_loops_clocks_alone(monkeypatch):
+    """The tests below move the waiting room's clock by hand. They used to move `time.monotonic` itself,
+    every event loop's clock in the process: a timer set then never came due, and the module's in-thread
+    servers, whose loops had computed their next wake-up against the fake time, took 10-20 s to stop."""
+    import asyncio
+
+    import probes.server
+
+    clock = _Clock(monkeypatch)
+    assert probes.server.clock() == 100.0
+    slept = threading.Event()
+    thread = threading.Thread(target=lambda: (asyncio.run(asyncio.sleep(0.05)), slept.set()), daemon=True)
+    thread.start()
+    thread.join(30)  # a hang detector, not a timing: on the moved clock this sleep never ends
+    assert slept.is_set(), "an event loop's 0.05 s sleep did not end while the waiting room's clock was moved"
+    clock.now += 5
+    assert probes.server.clock() == 105.0
 
 
 def test_the_service_estimate_leaves_out_the_time_the_model_sat_free(monkeypatch):

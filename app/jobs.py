@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import threading
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import streamlit as st
+
+log = logging.getLogger(__name__)
 
 from probes.zoo import user_cache_dir
 from thoughtscope.errors import BadInputError, ThoughtscopeError
@@ -276,6 +279,9 @@ class JobRegistry:
         for job in self.running():
             if not job.keep_running and now - job.last_seen > self.grace_s:
                 job.stop(f"stopped: no open page watched it for {self.grace_s:.0f} s")
+                # said in the terminal too: the user who closed the tab learns where the run went
+                # (the id's unsigned part: the terminal names the job without handing out its URL)
+                log.warning("thoughtscope: job %s (%s) %s", job.id.partition(".")[0], job.label, job.stop_reason)
                 stopped.append(job)
         return stopped
 

@@ -37,6 +37,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def app_log(model: str) -> Path:
+    """Where `serve(model)` writes the app's terminal output (`make test` runs two workers, each its own app)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return ARTIFACTS / f"streamlit-{model.replace(':', '-')}{'-' + worker if worker else ''}.log"
+
+
 @contextlib.contextmanager
 def serve(model: str):
     """`thoughtscope app --model MODEL --headless` on a free loopback port; yields its URL."""
@@ -45,8 +51,7 @@ def serve(model: str):
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "BROWSER_PATH": CHROMIUM}
     ARTIFACTS.mkdir(exist_ok=True)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # `make test` runs two workers, each its own app
-    log_path = ARTIFACTS / f"streamlit-{model.replace(':', '-')}{'-' + worker if worker else ''}.log"
+    log_path = app_log(model)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(streamlit_command(port, "127.0.0.1", model=model), cwd=ROOT,
                                 env=env, stdout=log, stderr=subprocess.STDOUT)

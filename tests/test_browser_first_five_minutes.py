@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -20,11 +21,11 @@ from playwright.sync_api import expect
 from app.jobs import GRACE_ENV, grace_from_env
 from thoughtscope.errors import BadInputError
 
-from tests.test_browser import SLOW, serve  # the `browser` fixture: the session's Chromium (conftest)
+from tests.test_browser import SLOW, app_log, serve  # the `browser` fixture: the session's Chromium (conftest)
 
 MODEL = "smollm2-135m"
 GRACE_S = 20  # short for the test; long enough that a reload (a whole page rerun) never misses it
-FIRST = 10 * 60_000  # ms: the first page also loads SmolLM2 into an empty cache, on a shared 2-core machine
+FIRST = 10 * 60_000  # ms: the first page also loads SmolLM2 and warms an empty cache, on a shared 2-core machine
 STORED = "A stored result, made on"  # Shipped.label()
 # Every method page, with what says on it that it shows a stored result. The RLKV page's shipped run is
 # docs/rlkv_run + docs/rlkv_results_n120.json (app/views/rlkv.py SHIPPED), not a Shipped folder, so it
@@ -51,8 +52,16 @@ def env(**values: str):
 
 @pytest.fixture(scope="module")
 def fresh_app(tmp_path_factory):
-    """`thoughtscope app --model smollm2-135m` with a new, empty cache folder and a short job grace."""
+    """`thoughtscope app --model smollm2-135m` with a new, empty cache folder and a short job grace. Empty but
+    for `models`, the run's (built weights, content-addressed): a newcomer's first start also dequantises
+    SmolLM2's GGUF (~15-25 s; tests/test_model_files.py rebuilds it from the GGUF), which told this test
+    nothing more about the pages."""
+    from probes.paths import user_cache_dir
+
     cache = tmp_path_factory.mktemp("empty-cache")
+    models = user_cache_dir() / "models"  # the run's cache folder (tests/conftest.py), or the one the caller named
+    models.mkdir(parents=True, exist_ok=True)
+    (cache / "models").symlink_to(models, target_is_directory=True)
     with env(THOUGHTSCOPE_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
              OMP_NUM_THREADS="1", **{GRACE_ENV: str(GRACE_S)}):
         with serve(MODEL) as url:
@@ -96,8 +105,9 @@ def test_the_grace_period_comes_from_the_environment(monkeypatch):
 @pytest.mark.model
 def test_a_fresh_app_opens_every_method_page_on_its_stored_result(browser, fresh_app):  # noqa: F811
     url, cache = fresh_app
-    # nothing cached before the first page but the app's patched static files (app/streamlit-static-*)
-    assert {f.name for f in cache.iterdir()} <= {"app"}
+    # nothing cached before the first page but the app's patched static files (app/streamlit-static-*) and
+    # the built weights (models)
+    assert {f.name for f in cache.iterdir()} <= {"app", "models"}
     shown, missing = {}, {}
     for i, (name, says) in enumerate(METHOD_PAGES.items()):
         context = browser.new_context(viewport={"width": 1400, "height": 1000})  # a new tab, a new session
@@ -159,7 +169,13 @@ def test_a_long_job_reattaches_stops_and_stops_unwatched(browser, fresh_app):  #
     job_url = p.url
     context.close()  # every tab of the app closed: nobody watches the job
 
-    time.sleep(GRACE_S + 10)  # the reaper stops it after GRACE_S unwatched (a wait, not an assertion)
+    # the reaper stops it after GRACE_S unwatched and says so in the app's terminal (app/jobs.py); opening
+    # the page before that would watch it again
+    said = f"thoughtscope: job {second.partition('.')[0]} ("
+    deadline = time.monotonic() + GRACE_S + 120  # a hang detector, not a timing
+    while said not in app_log(MODEL).read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"the reaper never stopped job {second} (see {app_log(MODEL)})"
+        time.sleep(0.5)
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     p = context.new_page()
     p.set_default_timeout(FIRST)

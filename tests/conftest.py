@@ -19,11 +19,37 @@ os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 import pytest  # noqa: E402
 
 
+CACHE_PREFIX = "thoughtscope-tests-cache-"  # then the creating process's id, then mkdtemp's letters
+
+
+def sweep_stale_caches(folder: str) -> list[str]:
+    """Remove the private cache folders (below) of runs whose process is gone: a run killed before its end
+    (Ctrl-C twice, a CI timeout) leaves its folder, about 26 MB of the app's static files and what its
+    tests wrote. A folder whose process still runs is kept (two runs side by side). Returns the removed."""
+    import re
+    import shutil
+
+    removed = []
+    for entry in os.scandir(folder):
+        found = re.fullmatch(re.escape(CACHE_PREFIX) + r"(\d+)-\w+", entry.name)
+        if not found or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            os.kill(int(found.group(1)), 0)
+            continue  # its run goes on
+        except PermissionError:
+            continue  # a process of another user holds that id: not ours to judge
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
 def _private_cache() -> None:
     """Tests neither read nor write the user's thoughtscope cache: a RISE run made on the app's page showed its
     SAE in the trace explorer's tests (and failed them), and tests wrote their traces into the user's store. A
     run gets a private cache folder (kept by its subprocesses, xdist's workers, servers and apps, through the
-    environment, and removed at the end), except `models`: the user's, so SmolLM2's dequantised weights and
+    environment, and removed at the end, or by the next run if this one was killed), except `models`: the user's, so SmolLM2's dequantised weights and
     the toy models (content-addressed, minutes to build) are built once. A cache folder the caller names
     (`THOUGHTSCOPE_CACHE_DIR=...`) is used as it is."""
     import atexit
@@ -36,7 +62,8 @@ def _private_cache() -> None:
         return
     models = user_cache_dir() / "models"
     models.mkdir(parents=True, exist_ok=True)
-    private = tempfile.mkdtemp(prefix="thoughtscope-tests-cache-")
+    sweep_stale_caches(tempfile.gettempdir())
+    private = tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-")
     os.symlink(models, os.path.join(private, "models"), target_is_directory=True)
     os.environ["THOUGHTSCOPE_CACHE_DIR"] = private
     creator = os.getpid()

@@ -105,9 +105,22 @@ def generated(browser, app_url):
 
 
 def download(page, key: str) -> bytes:
-    with page.expect_download(timeout=SLOW) as info:
-        page.locator(f".st-key-{key} button").first.click()
-    return Path(info.value.path()).read_bytes()
+    """The file a download button gives. Its bytes are made on click (app/export.py), from a handle of the run
+    that drew the button: a click while another run redraws the page can give nothing (a two-worker run waited
+    120 s for a JSON export after three downloads had come). So the click waits for a quiet page, and a click
+    that brought no file in 30 s is made once more on a quiet page."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for attempt in range(2):
+        page.locator('[data-testid="stStatusWidget"]').wait_for(state="detached", timeout=4 * SLOW)
+        try:
+            with page.expect_download(timeout=30_000 if attempt == 0 else SLOW) as info:
+                page.locator(f".st-key-{key} button").first.click()
+            return Path(info.value.path()).read_bytes()
+        except PlaywrightTimeout:
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
 
 
 def figure(page, index: int = 0):

@@ -59,6 +59,27 @@ def test_the_cache_root_comes_from_the_environment(monkeypatch, tmp_path):
     assert paths.user_cache_dir() == tmp_path
 
 
+def test_a_killed_runs_private_cache_is_removed_by_the_next_run_and_a_running_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import CACHE_PREFIX, sweep_stale_caches
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # its id now names no process (reaped)
+    killed = tmp_path / f"{CACHE_PREFIX}{ended.pid}-k1l2"
+    running = tmp_path / f"{CACHE_PREFIX}{os.getpid()}-r3n4"
+    other = tmp_path / "thoughtscope-tests-cache-notapid"  # not this scheme's: left alone
+    for folder in (killed, running, other):
+        (folder / "app").mkdir(parents=True)
+    (killed / "models").symlink_to(tmp_path / "users-models")  # the user's models: the link goes, not them
+    (tmp_path / "users-models").mkdir()
+    (tmp_path / "users-models" / "w.safetensors").write_text("w")
+    assert sweep_stale_caches(str(tmp_path)) == [killed.name]
+    assert not killed.exists() and running.exists() and other.exists()
+    assert (tmp_path / "users-models" / "w.safetensors").read_text() == "w"
+
+
 def test_a_test_run_uses_a_private_cache_with_the_users_models(tmp_path):
     """tests/conftest.py: a run without THOUGHTSCOPE_CACHE_DIR gets a private cache folder whose `models` is the
     user's; what the run writes elsewhere in the cache never reaches the user's folder, and the private folder
@@ -80,6 +101,7 @@ def test_a_test_run_uses_a_private_cache_with_the_users_models(tmp_path):
     private, models = json.loads(out.stdout.strip().splitlines()[-1])
     users = tmp_path / "xdg" / "thoughtscope"
     assert Path(private).name.startswith("thoughtscope-tests-cache-") and Path(models) == users / "models"
+    assert Path(private).name.split("-")[3].isdigit()  # the creating process's id, for the next run's sweep
     assert not Path(private).exists()  # removed at the end of the run
     assert sorted(p.name for p in users.iterdir()) == ["models"]  # the store went to the private folder only
     # a folder the caller names is used as it is

@@ -28,6 +28,8 @@ import importlib.util
 import json
 import logging
 import os
+import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -651,6 +653,47 @@ def _no_package_installs():
         subprocess.check_call = original
 
 
+class _QuietInSomeThreads:
+    """`sys.stdout` while some thread is in `_quiet_stdout()`: that thread's writes are dropped, every other
+    thread's go to the stream it wraps (every other attribute is the wrapped stream's)."""
+
+    def __init__(self, wrapped: Any):
+        self.wrapped = wrapped
+
+    def write(self, text: str) -> int:
+        if getattr(_QUIET, "depth", 0):
+            return len(text)
+        return self.wrapped.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)
+
+
+_QUIET = threading.local()
+_QUIET_LOCK = threading.Lock()
+_QUIET_ACTIVE = [0]
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Any:
+    """Drop what this thread prints. (`contextlib.redirect_stdout(None)` set `sys.stdout` to None for the whole
+    process: a bridge booting in the badge's background thread made uvicorn, starting in the main thread, fail
+    on `sys.stdout.isatty()`.) The wrapper is in place only while a thread is inside."""
+    with _QUIET_LOCK:
+        if _QUIET_ACTIVE[0] == 0 and sys.stdout is not None and not isinstance(sys.stdout, _QuietInSomeThreads):
+            sys.stdout = _QuietInSomeThreads(sys.stdout)
+        _QUIET_ACTIVE[0] += 1
+    _QUIET.depth = getattr(_QUIET, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _QUIET.depth -= 1
+        with _QUIET_LOCK:
+            _QUIET_ACTIVE[0] -= 1
+            if _QUIET_ACTIVE[0] == 0 and isinstance(sys.stdout, _QuietInSomeThreads):
+                sys.stdout = sys.stdout.wrapped  # (one that replaced it meanwhile, e.g. a test's capture, stays)
+
+
 def _boot_bridge(handle: ModelHandle) -> Any:
     from thoughtscope.imports import import_from
 
@@ -668,7 +711,7 @@ def _boot_bridge(handle: ModelHandle) -> Any:
         # a model built from a config (the tiny-random zoo) has no `architectures`, which TransformerLens
         # needs to pick its adapter; a model loaded from a folder has it
         hf_copy.config.architectures = [type(hf_copy).__name__]
-    with contextlib.redirect_stdout(None), _no_package_installs():
+    with _quiet_stdout(), _no_package_installs():
         try:
             return TransformerBridge.boot_transformers(
                 name, hf_model=hf_copy, tokenizer=handle.tokenizer, device=str(handle.device)

@@ -365,3 +365,46 @@ def test_booting_a_vlm_bridge_installs_no_package(monkeypatch, caplog):
     assert calls == []  # ... and nothing ran
     assert subprocess.check_call is recorder  # the guard is gone once the bridge is up
     assert len(bridge.blocks) == engine.handle.arch.n_layers
+
+
+def test_a_bridge_booting_in_another_thread_leaves_this_threads_stdout(monkeypatch, capsys):
+    """The bridge's boot prints; its output is dropped in the booting thread only. (It once set `sys.stdout` to
+    None for the whole process: the badge's background validation booting a bridge made uvicorn, starting a
+    test server in the main thread, fail on `sys.stdout.isatty()`.)"""
+    import sys
+    import threading
+    import types
+
+    import torch
+
+    import thoughtscope.imports
+    from probes import zoo
+
+    inside, release = threading.Event(), threading.Event()
+
+    class FakeBridge:
+        @staticmethod
+        def boot_transformers(name, hf_model, tokenizer, device):
+            print("noise from the bridge's boot")
+            inside.set()
+            assert release.wait(60)
+            return "booted"
+
+    monkeypatch.setattr(thoughtscope.imports, "import_from", lambda module, name: FakeBridge)
+    model = torch.nn.Linear(2, 2)
+    model.config = types.SimpleNamespace(architectures=["Linear"])
+    handle = types.SimpleNamespace(remote=False, model_id="fake", model=model, tokenizer=None, device="cpu")
+    result = []
+    thread = threading.Thread(target=lambda: result.append(zoo._boot_bridge(handle)), daemon=True)
+    thread.start()
+    assert inside.wait(60)
+    try:  # the boot is under way in the other thread
+        assert sys.stdout is not None and sys.stdout.isatty() in (True, False)
+        print("this thread still prints")
+    finally:
+        release.set()
+        thread.join(60)
+    assert result == ["booted"]
+    out = capsys.readouterr().out
+    assert "this thread still prints" in out and "noise from the bridge's boot" not in out
+    assert not isinstance(sys.stdout, zoo._QuietInSomeThreads)  # the wrapper left with the last quiet thread

@@ -14,7 +14,9 @@ PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest --dura
 # (refused since: probes.zoo._no_package_installs). `make test WORKERS=0 BROWSER_WORKERS=0`: every tier serially.
 WORKERS ?= 2
 # Three for the browser tier: its tests mostly wait on Streamlit and Chromium (two workers kept 1.06 of the two
-# cores busy); with three, the tier took 4:36-4:54 against 7:06 with two (2026-12-08, same host, one run each).
+# cores busy, three 1.1). Working tree, 2026-12-08, the same host: three workers 4:29, 4:36, 4:54 (one race
+# failed, since mended), two workers 5:13 (one race failed after a 120 s wait); fresh clones before: two
+# workers 5:02 and 5:43; the first with three, 4:03.
 BROWSER_WORKERS ?= 3
 XDIST := -n $(WORKERS) --dist loadfile
 # a tier's `alone` part, collected from the files that name the mark (collecting every file took 11 s for 2

@@ -40,11 +40,11 @@ from typing import Any
 
 import streamlit as st
 
-log = logging.getLogger(__name__)
-
 from probes.zoo import user_cache_dir
 from thoughtscope.errors import BadInputError, ThoughtscopeError
 from thoughtscope.imports import before_thread
+
+log = logging.getLogger(__name__)
 
 RUNNING, DONE, FAILED, STOPPED = "running", "done", "failed", "stopped"
 URL_PARAM = "job"

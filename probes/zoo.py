@@ -671,7 +671,7 @@ class _QuietInSomeThreads:
 
 _QUIET = threading.local()
 _QUIET_LOCK = threading.Lock()
-_QUIET_ACTIVE = [0]
+_quiet_threads = 0  # threads inside _quiet_stdout(), under _QUIET_LOCK
 
 
 @contextlib.contextmanager
@@ -679,18 +679,19 @@ def _quiet_stdout() -> Any:
     """Drop what this thread prints. (`contextlib.redirect_stdout(None)` set `sys.stdout` to None for the whole
     process: a bridge booting in the badge's background thread made uvicorn, starting in the main thread, fail
     on `sys.stdout.isatty()`.) The wrapper is in place only while a thread is inside."""
+    global _quiet_threads
     with _QUIET_LOCK:
-        if _QUIET_ACTIVE[0] == 0 and sys.stdout is not None and not isinstance(sys.stdout, _QuietInSomeThreads):
+        if _quiet_threads == 0 and sys.stdout is not None and not isinstance(sys.stdout, _QuietInSomeThreads):
             sys.stdout = _QuietInSomeThreads(sys.stdout)
-        _QUIET_ACTIVE[0] += 1
+        _quiet_threads += 1
     _QUIET.depth = getattr(_QUIET, "depth", 0) + 1
     try:
         yield
     finally:
         _QUIET.depth -= 1
         with _QUIET_LOCK:
-            _QUIET_ACTIVE[0] -= 1
-            if _QUIET_ACTIVE[0] == 0 and isinstance(sys.stdout, _QuietInSomeThreads):
+            _quiet_threads -= 1
+            if _quiet_threads == 0 and isinstance(sys.stdout, _QuietInSomeThreads):
                 sys.stdout = sys.stdout.wrapped  # (one that replaced it meanwhile, e.g. a test's capture, stays)
 
 

@@ -625,9 +625,51 @@ def _load_ndif(model_id: str, dtype: torch.dtype) -> ModelHandle:
     return handle
 
 
+_PATCH_LOCK = threading.Lock()
+_patches: dict[tuple[int, str], list[Any]] = {}  # (id(owner), attr) -> [threads inside, original, replacement]
+
+
 @contextlib.contextmanager
-def _no_package_installs():
-    """Refuse any `pip install` / `uv pip install` a library starts while this is open.
+def _process_patch(owner: Any, attr: str, replace: Any) -> Any:
+    """`owner.attr = replace(original)` while any thread is inside: threads that overlap share the one patch,
+    and the last to leave puts the original back (unless something replaced the patch meanwhile, e.g. a test's
+    capture). A bridge boots in whichever thread needs it first (the badge's validation, a page, a job): patches
+    set and restored per thread, out of order, left one in place for good, or left `sys.stdout` None for all."""
+    key = (id(owner), attr)
+    with _PATCH_LOCK:
+        entry = _patches.get(key)
+        if entry is None:
+            original = getattr(owner, attr)
+            entry = _patches[key] = [0, original, replace(original)]
+            if entry[2] is not None:
+                setattr(owner, attr, entry[2])
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _patches[key]
+                if entry[2] is not None and getattr(owner, attr) is entry[2]:
+                    setattr(owner, attr, entry[1])
+
+
+def _refusing_installs(original: Any) -> Any:
+    import subprocess
+
+    def guarded(args: Any, *rest: Any, **kwargs: Any) -> int:
+        words = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+        if "pip" in words and "install" in words:
+            log.warning("refused a package install started by a library at run time: %s", " ".join(words))
+            raise subprocess.CalledProcessError(1, args, output=b"refused: thoughtscope installs nothing at run time")
+        return original(args, *rest, **kwargs)
+
+    return guarded
+
+
+def _no_package_installs() -> Any:
+    """Refuse any `pip install` / `uv pip install` a library starts while this is open (in any thread).
 
     TransformerLens 3.9's `boot_transformers` (model_bridge/sources/transformers.py), for a multimodal
     model whose processor does not load (offline; our tiny VLMs have none saved), runs `pip install
@@ -637,20 +679,7 @@ def _no_package_installs():
     the call is refused (TransformerLens then skips the processor, which the bridge reads do not use)."""
     import subprocess
 
-    original = subprocess.check_call
-
-    def guarded(args: Any, *rest: Any, **kwargs: Any) -> int:
-        words = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
-        if "pip" in words and "install" in words:
-            log.warning("refused a package install started by a library at run time: %s", " ".join(words))
-            raise subprocess.CalledProcessError(1, args, output=b"refused: thoughtscope installs nothing at run time")
-        return original(args, *rest, **kwargs)
-
-    subprocess.check_call = guarded
-    try:
-        yield
-    finally:
-        subprocess.check_call = original
+    return _process_patch(subprocess, "check_call", _refusing_installs)
 
 
 class _QuietInSomeThreads:
@@ -670,8 +699,6 @@ class _QuietInSomeThreads:
 
 
 _QUIET = threading.local()
-_QUIET_LOCK = threading.Lock()
-_quiet_threads = 0  # threads inside _quiet_stdout(), under _QUIET_LOCK
 
 
 @contextlib.contextmanager
@@ -679,20 +706,12 @@ def _quiet_stdout() -> Any:
     """Drop what this thread prints. (`contextlib.redirect_stdout(None)` set `sys.stdout` to None for the whole
     process: a bridge booting in the badge's background thread made uvicorn, starting in the main thread, fail
     on `sys.stdout.isatty()`.) The wrapper is in place only while a thread is inside."""
-    global _quiet_threads
-    with _QUIET_LOCK:
-        if _quiet_threads == 0 and sys.stdout is not None and not isinstance(sys.stdout, _QuietInSomeThreads):
-            sys.stdout = _QuietInSomeThreads(sys.stdout)
-        _quiet_threads += 1
-    _QUIET.depth = getattr(_QUIET, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _QUIET.depth -= 1
-        with _QUIET_LOCK:
-            _quiet_threads -= 1
-            if _quiet_threads == 0 and isinstance(sys.stdout, _QuietInSomeThreads):
-                sys.stdout = sys.stdout.wrapped  # (one that replaced it meanwhile, e.g. a test's capture, stays)
+    with _process_patch(sys, "stdout", lambda out: None if out is None else _QuietInSomeThreads(out)):
+        _QUIET.depth = getattr(_QUIET, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _QUIET.depth -= 1
 
 
 def _boot_bridge(handle: ModelHandle) -> Any:

@@ -408,3 +408,42 @@ def test_a_bridge_booting_in_another_thread_leaves_this_threads_stdout(monkeypat
     out = capsys.readouterr().out
     assert "this thread still prints" in out and "noise from the bridge's boot" not in out
     assert not isinstance(sys.stdout, zoo._QuietInSomeThreads)  # the wrapper left with the last quiet thread
+
+
+def test_install_guards_of_overlapping_boots_leave_the_original_when_the_last_ends(monkeypatch):
+    """Two bridges booting at once in two threads, the first to start ending first: while either is inside, a
+    pip install is refused; after both, `subprocess.check_call` is the original again. (Each boot saved and
+    restored it on its own: the second restored the first's guard, which then refused installs for good.)"""
+    import subprocess
+    import threading
+
+    from probes import zoo
+
+    calls = []
+    monkeypatch.setattr(subprocess, "check_call", lambda args, *a, **k: calls.append(list(args)) or 0)
+    original = subprocess.check_call
+    entered = [threading.Event(), threading.Event()]
+    leave = [threading.Event(), threading.Event()]
+
+    def boot(i):
+        with zoo._no_package_installs():
+            entered[i].set()
+            assert leave[i].wait(60)
+
+    threads = [threading.Thread(target=boot, args=(i,), daemon=True) for i in (0, 1)]
+    threads[0].start()
+    assert entered[0].wait(60)
+    threads[1].start()
+    assert entered[1].wait(60)
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.check_call(["pip", "install", "torchvision"])
+    leave[0].set()  # the first boot ends first
+    threads[0].join(60)
+    with pytest.raises(subprocess.CalledProcessError):  # the second is still booting
+        subprocess.check_call(["pip", "install", "torchvision"])
+    subprocess.check_call(["echo", "hi"])  # anything else goes through
+    leave[1].set()
+    threads[1].join(60)
+    assert subprocess.check_call is original
+    subprocess.check_call(["pip", "install", "x"])  # no guard left
+    assert calls == [["echo", "hi"], ["pip", "install", "x"]]

@@ -28,6 +28,10 @@
   problems, 48 tokens) on the embedded model, its backend wrapped so every model call (a decoding step
   of a batched generation, a prefill, a probe's fork) stamps when it ended. Stop is pressed at a few
   points of one job's life (a new job each), during generation and during probing. Goal <= 2 s.
+  `job_stop_one_step_s` beside it: a job of one long generation with no progress report inside (as
+  the pages run a steered comparison or a compressed generation, `app.jobs.one_step`), Stop pressed at
+  a quarter, half and three quarters of its length; Stop -> the job's thread ended, with the wait the
+  old rule (Stop seen when the call returned) would have had. Goal <= 2 s.
 
 - `page_first_result_s` (group `pages`): for every method page, a new tab on the embedded model to its
   first figure, from the shipped results (docs/shipped/), by the page's own clock from navigation
@@ -576,10 +580,55 @@ def bench_job_stop(backend: Backend, stop_after_s: tuple[float, ...] = (3.0, 8.0
             "stop_after_s": list(stop_after_s), "stopped_at": stages, "load": _load()}
 
 
+def bench_one_step_stop(backend: Backend, max_new_tokens: int = 192, fractions: tuple[float, ...] = (0.25, 0.5, 0.75),
+                        prompt: str = "Write a long story about a lighthouse keeper.") -> dict[str, Any]:
+    """A job of one long model call with no progress report inside (`app.jobs.one_step`, as the pages run a
+    steered comparison or a compressed generation): one greedy generation of `max_new_tokens`. It runs once
+    to its end (its length: what a Stop waited for before `probes.cancel`), then Stop is pressed at each
+    `fractions` of that length in a fresh job; timed: Stop -> the job's thread ended. Beside it, what the
+    same Stop would have waited under the old rule (the run's remaining time)."""
+    from app.jobs import DONE, STOPPED, JobRegistry, one_step
+
+    model_id = backend.info()["model_id"]
+    registry = JobRegistry(costs_path=Path(tempfile.mkdtemp()) / "costs.json")
+
+    def job_of(i: int) -> Any:
+        work = one_step("generate", lambda: list(backend.generate(prompt, max_new_tokens=max_new_tokens, stop=[])))
+        return registry.start(f"bench-one-step-{i}", work, label="one generation", kind="bench-one-step")
+
+    started = time.perf_counter()
+    full = job_of(0)
+    full.thread.join(600)
+    full_s = time.perf_counter() - started
+    if full.status != DONE:
+        raise RuntimeError(f"the uninterrupted generation ended {full.status}: {full.error}")
+    n_tokens = len(full.result)
+    stop_s, waited_before_s = [], []
+    for i, fraction in enumerate(fractions, start=1):
+        job = job_of(i)
+        time.sleep(fraction * full_s)
+        if job.status != "running":
+            raise RuntimeError(f"the generation ended before Stop at {fraction:g} of its length")
+        pressed = time.perf_counter()
+        job.stop()
+        job.thread.join(600)
+        stop_s.append(time.perf_counter() - pressed)
+        if job.status != STOPPED:
+            raise RuntimeError(f"the job ended {job.status}, not stopped")
+        waited_before_s.append((1 - fraction) * full_s)
+    return {"bench": "job_stop_one_step_s", "job": f"one greedy generation of {n_tokens} tokens as one job step",
+            "model": model_id, "seconds": round(max(stop_s), 3), "ratio": round(max(stop_s) / GOALS["job_stop"], 3),
+            "target": 1.0, "clock": "Stop pressed -> the job's thread ended (worst of the runs)",
+            "runs_s": [round(t, 3) for t in stop_s], "full_run_s": round(full_s, 2),
+            "old_rule_wait_s": [round(t, 2) for t in waited_before_s], "stop_at_fraction": list(fractions),
+            "load": _load()}
+
+
 def run_jobs(model_id: str = "smollm2-135m") -> list[dict[str, Any]]:
     """The jobs benchmark on `model_id`: how soon Stop ends a real job's model work."""
     torch.set_num_threads(1)
-    return [bench_job_stop(Engine.from_id(model_id))]
+    engine = Engine.from_id(model_id)
+    return [bench_job_stop(engine), bench_one_step_stop(engine)]
 
 
 # ----------------------------------------------------------------------------- pages (issue 20)

@@ -5,9 +5,11 @@ training, a corpus index, an evaluation) runs as a `Job`: the page starts it, th
 its progress bar, the time left and a Stop button, polling the job a few times a second in a
 fragment. The work itself never touches Streamlit: it receives `job.progress`, which it passes to the
 analysis as its `on_progress` callback (both the `(done, total)` and the `(stage, done, total)`
-shapes the analyses use are accepted). `progress` raises `JobStopped` once Stop is pressed, so the
-analysis ends at its next batch boundary; through a model server each batch is a short request, so
-the server is free again within a batch.
+shapes the analyses use are accepted). `progress` raises `JobStopped` once Stop is pressed, and so
+does every model call the job's thread makes after it (`probes.cancel`: the engine checks before each
+forward, decoding steps included; the remote client before each request and streamed record), so the
+analysis ends within one forward, not at the end of the item in progress (a whole generation); through
+a model server the closed stream frees the model at its next token.
 
 - **Reattach**: the job id sits in the URL (`?job=...`), so a reloaded tab finds the same job. Ids
   are signed with a per-process secret: a tampered id, or one from another app process, is refused.
@@ -40,6 +42,7 @@ from typing import Any
 
 import streamlit as st
 
+from probes import cancel
 from probes.zoo import user_cache_dir
 from thoughtscope.errors import BadInputError, ThoughtscopeError
 from thoughtscope.imports import before_thread
@@ -203,7 +206,8 @@ class JobRegistry:
 
     def _run(self, job: Job, work: Callable[[Job], Any]) -> None:
         try:
-            job.result = work(job)
+            with cancel.checking(job.check):  # a Stop ends the work at its next model call, not its next item
+                job.result = work(job)
             job.status = DONE
             self._learn(job)
         except JobStopped:
@@ -341,7 +345,7 @@ def grace_from_env(default: float = 30.0) -> float:
 
 def one_step(stage: str, work: Callable[[], Any]) -> Callable[[Job], Any]:
     """`work()` of one model call (a generation) as a job's work: `stage` at 0/1 before it and 1/1 after, so the
-    bar shows what runs and a Stop pressed meanwhile ends the job once the call returns.
+    bar shows what runs; a Stop pressed meanwhile ends the call at its next forward (probes.cancel).
 
         run_job(key, one_step("generate", lambda: generate_text(backend, prompt)), label=..., ...)
     """

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import torch
 
+from probes import cancel
 from probes.arch import ArchInfo
 from probes.optimize import EntropyFit
 from probes.records import Readout, TokenRecord, Trace
@@ -90,6 +91,11 @@ class RemoteStream(Iterator[TokenRecord]):
         raise ServerError("the model server closed the stream before its end event; check the server log")
 
     def __next__(self) -> TokenRecord:
+        try:
+            cancel.check()  # a job's Stop ends the stream between records (probes.cancel)
+        except BaseException:
+            self.close()  # the server notices the closed connection and frees the model at its next token
+            raise
         rec = next(self._events)
         self.records.append(rec)
         return rec
@@ -319,6 +325,8 @@ class RemoteBackend:
     def _call(self, method: str, path: str, retry: bool = True, **kwargs: Any) -> Any:
         """One request; a connection the server dropped (a reset, a closed keep-alive) is retried once
         when `retry` (every operation but `prefill` is idempotent: repeating it changes nothing)."""
+        if method == "POST" and not path.startswith(("/cancel/", "/free/")):  # model work, not its clean-up
+            cancel.check()  # a job's Stop ends its work before its next model call (probes.cancel)
         for attempt in (0, 1):
             try:
                 response = self._http.request(method, path, headers=self._ticket_header(), **kwargs)
@@ -336,6 +344,7 @@ class RemoteBackend:
     @contextmanager
     def _open_stream(self, body: dict[str, Any]) -> Iterator[httpx.Response]:
         """One streaming POST /generate; an error status raises before any event is read."""
+        cancel.check()  # a job's Stop ends its work before its next model call (probes.cancel)
         try:
             with self._http.stream("POST", "/generate", json=body, headers=self._ticket_header()) as response:
                 if response.status_code >= 400:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from probes import attention_masks, interventions, kv_policies, routing  # noqa: F401  (importing registers every wire kind)
-from probes import attention_rows
+from probes import attention_rows, cancel
 from probes.calls import Call
 from probes.kv_cache import kv_bytes_per_sequence
 from probes.memory_budget import check_call as check_memory
@@ -661,6 +661,7 @@ class Engine:
                 last = get_module(self.model, Site("resid_post", deepest).module_path(self.handle.family))
                 stopper = last.register_forward_hook(_stop_forward)  # after the runner's hooks: capture first
             try:
+                cancel.check()  # a job's Stop ends it here (probes.cancel)
                 self.model(**kwargs)
             except _EnoughLayers:
                 pass
@@ -722,6 +723,7 @@ class Engine:
             runner = call.runner
             runner.ctx.batch, runner.ctx.seq, runner.ctx.phase = n_rows, len(ids), "trace"
             runner.ctx.positions = torch.arange(len(ids), device=self.handle.device).expand(n_rows, -1)
+            cancel.check()  # a job's Stop ends it here (probes.cancel)
             logits = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=logits_to_keep,
                                 **(vision or {})).logits
         if n_rows > 1:
@@ -1004,6 +1006,7 @@ class Engine:
         return growing(DynamicCache(config=self.model.config))
 
     def _forward(self, input_ids, mask, positions, cache, extra: dict[str, Any] | None = None) -> torch.Tensor:
+        cancel.check()  # each decoding step, prefill and fork: a job's Stop ends the work here (probes.cancel)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **(extra or {}))
         return out.logits[:, -1]

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from probes import cancel
 from probes.sites import FAMILIES, get_module
 from thoughtscope import checks
 from thoughtscope.errors import BadInputError
@@ -258,6 +259,7 @@ class GateSession:
             mask[b, width - len(seq):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         keep = max(len(seq) - start for seq, start in zip(seqs, starts)) + 1
+        cancel.check()  # a job's Stop ends an RLKV training step here (probes.cancel)
         with torch.enable_grad():
             logits = self.handle.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                                        logits_to_keep=keep).logits  # [B, keep, vocab]: columns width-keep..width-1

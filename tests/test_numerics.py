@@ -90,3 +90,33 @@ def test_half_precision_files_made_elsewhere_may_differ_by_one_step(tmp_path, dt
     old = _result(tmp_path / "old", v, {}, "0" * 16)
     assert shipped.rebuild_differences(_result(tmp_path / "a", one_step, {}, "1" * 16), old) == []
     assert shipped.rebuild_differences(_result(tmp_path / "b", v * 1.01, {}, "1" * 16), old) != []
+
+
+class _Stop(Exception):
+    """Raised where a shipped build would load its model."""
+
+
+def test_every_shipped_build_runs_on_one_thread_and_gives_the_callers_threads_back(monkeypatch):
+    """A build run in-process (a test, `thoughtscope ship`) must not leave the process on one torch thread: each
+    `analyses/*/ship.py` build set one thread and never restored it. Each build is stopped where it loads its
+    model; it has set one thread by then, and the caller's count is back after the error."""
+    from probes.engine import Engine
+    from thoughtscope.cli import shipped_results
+
+    seen = {}
+
+    def from_id(cls, model_id, **kwargs):
+        seen[current] = torch.get_num_threads()
+        raise _Stop(model_id)
+
+    monkeypatch.setattr(Engine, "from_id", classmethod(from_id))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for current, (model_id, build) in sorted(shipped_results().items()):
+            with pytest.raises(_Stop):
+                build(model_id, "test")
+            assert torch.get_num_threads() == 2, current
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) >= 7 and set(seen.values()) == {1}, seen

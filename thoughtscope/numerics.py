@@ -22,13 +22,30 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 RTOL = 1e-4  # float fields of a rebuilt result made on other numerics (last bits of float32 sums, carried on)
 ATOL = 1e-6
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One torch thread inside (a fixed reduction order: what a byte-for-byte rebuild needs), the caller's
+    thread count restored after, also on an error; a decorator too (every shipped build uses it, so a test
+    or a page that builds in-process keeps its threads)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,9 +53,7 @@ def fingerprint() -> str:
     """16 hex digits naming this machine's float arithmetic for the kernels our builds use (one thread)."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         g = torch.Generator().manual_seed(0)
         outs = []
         for m, k, n in ((1, 64, 64), (37, 96, 160), (128, 576, 576), (64, 1536, 576), (7, 45, 49152)):
@@ -65,8 +80,6 @@ def fingerprint() -> str:
         for t in outs:
             digest.update(t.detach().contiguous().numpy().tobytes())
         return digest.hexdigest()[:16]
-    finally:
-        torch.set_num_threads(threads)
 
 
 def same_numerics(manifest: dict[str, Any]) -> bool:

@@ -14,8 +14,8 @@ from analyses.contrast.core import ContrastSettings, export_direction, save_dire
 from analyses.contrast.run import run_contrast
 from probes.engine import Engine
 from thoughtscope import shipped
+from thoughtscope.numerics import one_thread
 from thoughtscope.provenance import provenance
-import torch
 
 NAME = "contrast"
 MODEL = "toy-reasoner:small"
@@ -24,8 +24,8 @@ RULE = "kind:reflection"
 N_TRACES = 60
 
 
+@one_thread()  # the caller's torch threads come back after the build
 def build(model_id: str, command: str, root: Path | None = None) -> Path:
-    torch.set_num_threads(1)
     engine = Engine.from_id(model_id)
     info = engine.info()
     started = time.perf_counter()

@@ -19,6 +19,7 @@ from analyses.families import default_task, family_for
 from probes.backend import Backend
 from probes.engine import Engine
 from thoughtscope import shipped
+from thoughtscope.numerics import one_thread
 from thoughtscope.provenance import provenance
 
 NAME = "cot-calibration"
@@ -45,8 +46,8 @@ def build_calibration(backend: Backend, on_progress=None, **overrides: Any) -> t
     return result, record
 
 
+@one_thread()  # the caller's torch threads come back after the build
 def build(model_id: str, command: str, root: Path | None = None) -> Path:
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     engine = Engine.from_id(model_id)
     started = time.perf_counter()

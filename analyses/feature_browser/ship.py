@@ -21,8 +21,8 @@ from analyses.feature_browser.index import CorpusIndex, IndexSettings, build_ind
 from probes.engine import Engine
 from safetensors.torch import load_file, save
 from thoughtscope import shipped
+from thoughtscope.numerics import one_thread
 from thoughtscope.provenance import provenance
-import torch
 
 NAME = "feature-index"
 CORPUS = "gsm8k-questions"
@@ -49,8 +49,8 @@ def load(stored: Any) -> Any:
                        IndexSettings(**meta["settings"]), tensors["ids"], tensors["lengths"], tensors["acts"])
 
 
+@one_thread()  # the caller's torch threads come back after the build
 def build(model_id: str, command: str, root: Path | None = None) -> Path:
-    torch.set_num_threads(1)
     engine = Engine.from_id(model_id)
     info = engine.info()
     corpus = load_corpus(CORPUS, n=N_TEXTS)

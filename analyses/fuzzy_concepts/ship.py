@@ -22,7 +22,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from analyses.evaluation import Choice
@@ -33,6 +32,7 @@ from cache.store import ActivationStore
 from probes import Engine
 from probes.backend import Backend
 from thoughtscope import shipped
+from thoughtscope.numerics import one_thread
 from thoughtscope.provenance import provenance
 
 NAME = "fuzzy-concepts"
@@ -64,10 +64,10 @@ def study_files(study: FuzzyStudy, tmp: Path) -> dict[str, Any]:
     return {"study.json": data, "rules.safetensors": tmp / "rules" / WEIGHTS_FILE, "rules.json": tmp / "rules" / CONFIG_FILE, "representations.safetensors": tmp / "representations.safetensors"}
 
 
+@one_thread()  # the caller's torch threads come back after the build
 def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None,
           options: FuzzyOptions | None = None) -> Path:
     """Run the page's default study on `model_id` (one thread, seeded) and write it as a shipped result."""
-    torch.set_num_threads(1)
     backend = backend if backend is not None else Engine.from_id(model_id)
     options = options or page_options()
     info = backend.info()

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from analyses.moe_router.evaluate import ExpertSetting, evaluate_expert_sample
 from analyses.moe_router.maps import RouterMap, generation_map, profile_task
@@ -32,6 +31,7 @@ from analyses.tasks import is_task_file
 from probes import Engine
 from probes.backend import Backend
 from thoughtscope import shipped
+from thoughtscope.numerics import one_thread
 from thoughtscope.provenance import provenance
 
 NAME = "moe-router"
@@ -72,9 +72,9 @@ def router_profile(backend: Backend, progress: Callable[..., None] | None = None
     return {**profile.to_dict(), "task": task, "n_problems": n}
 
 
+@one_thread()  # the caller's torch threads come back after the build
 def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None) -> Path:
     """Profile, default map and small evaluation of `model_id` (one thread, seed 0), written as a shipped result."""
-    torch.set_num_threads(1)
     backend = backend if backend is not None else Engine.from_id(model_id)
     info = backend.info()
     arch = backend.arch()

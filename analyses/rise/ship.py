@@ -38,6 +38,7 @@ from saes.io import load_sae
 from saes.stats import sae_stats
 from safetensors.torch import load_file, save
 from thoughtscope import shipped
+from thoughtscope.numerics import one_thread
 from thoughtscope.provenance import provenance
 import torch
 
@@ -131,8 +132,8 @@ def load(stored: Any, sae_root: Path | None = None) -> dict[str, Any]:
             "heldout_traces": heldout_traces, "analysis_projection": stored_analysis["projection"]}
 
 
+@one_thread()  # the caller's torch threads come back after the build
 def build(model_id: str, command: str, root: Path | None = None) -> Path:
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     engine = Engine.from_id(model_id)
     info = engine.info()

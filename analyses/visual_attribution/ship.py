@@ -21,13 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from analyses.visual_attribution.estimator import AmortizedAttribution
 from analyses.visual_attribution.evaluate import run_study
 from probes import Engine
 from probes.backend import Backend
 from thoughtscope import shipped
+from thoughtscope.numerics import one_thread
 from thoughtscope.provenance import provenance
 
 NAME = "visual-attribution"
@@ -36,9 +35,9 @@ STUDY_SETTINGS = {"n_train": 10, "n_eval": 10, "subsets": 8, "seed": 0}
 EPOCHS = 300
 
 
+@one_thread()  # the caller's torch threads come back after the build
 def build(model_id: str, command: str, root: Path | None = None, backend: Backend | None = None) -> Path:
     """The page's default study on `model_id` (one thread, seed 0), with its estimator, as a shipped result."""
-    torch.set_num_threads(1)
     backend = backend if backend is not None else Engine.from_id(model_id)
     info = backend.info()
     s = STUDY_SETTINGS

@@ -527,3 +527,37 @@ def test_batched_attention_features_through_a_server_equal_the_in_process_featur
     for got, want in zip(served, local):
         assert float(np.abs(want).sum()) > 0
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_a_set_of_scenes_gets_its_features_in_one_forward_per_batch_equal_to_each_scenes_own(monkeypatch):
+    """`toy_scenes` (what the study and the page's fit run): each scene's exhaustive effects in one forward of
+    its K + 1 rows, then the features of every scene `FEATURE_BATCH` scenes a forward, not one forward each;
+    effects identical and features equal within float rounding to `toy_scene`'s one-scene passes, and a
+    scene's feature seconds its batch's time shared out."""
+    from analyses.visual_attribution import evaluate
+    from analyses.visual_attribution.bench import random_toy_vlm
+    from probes.toys import vlm
+
+    engine = random_toy_vlm(3)  # toy-vlm's layout: 9 visual tokens, one per grid cell
+    examples = vlm.examples("eval", 5, seed=2)
+    single = [evaluate.toy_scene(engine, ex) for ex in examples]
+    monkeypatch.setattr(evaluate, "FEATURE_BATCH", 3)
+    counts = {"forward": 0, "vision": 0, "last_mlp": 0}
+    hooks = _counting_hooks(engine.model, counts)
+    reports = []
+    try:
+        many = evaluate.toy_scenes(engine, examples, progress=lambda done, total: reports.append((done, total)))
+    finally:
+        for h in hooks:
+            h.remove()
+    # 5 effect forwards (9 masked rows + the plain one each) and 2 feature forwards (3 + 2 scenes) that end
+    # inside the last layer's attention; one scene a forward made 10
+    assert counts == {"forward": 7, "vision": 7, "last_mlp": 5}
+    assert reports == [(i, 5) for i in range(1, 6)]
+    for got, want in zip(many, single):
+        assert (got.text, got.spans, got.true_cells) == (want.text, want.spans, want.true_cells)
+        np.testing.assert_array_equal(got.effects, want.effects)
+        assert float(np.abs(want.features).sum()) > 0
+        np.testing.assert_allclose(got.features, want.features, atol=1e-6)
+    assert many[0].seconds_features == many[1].seconds_features == many[2].seconds_features > 0
+    assert many[3].seconds_features == many[4].seconds_features > 0

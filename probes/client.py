@@ -62,6 +62,14 @@ class RemotePrefix:
     url: str = field(default="", repr=False)
 
 
+def _checked(lines: Iterator[str]) -> Iterator[str]:
+    """The stream's lines, with this thread's cancel check (probes.cancel) before each: a job stopped while its
+    stream waits in the server's queue ends at the next keep-alive, not when its first token comes."""
+    for line in lines:
+        cancel.check()
+        yield line
+
+
 class RemoteStream(Iterator[TokenRecord]):
     """The records of one remote generation as they arrive; `cancel()` stops it at the next token."""
 
@@ -76,7 +84,7 @@ class RemoteStream(Iterator[TokenRecord]):
 
     def _run(self, response: httpx.Response) -> Iterator[TokenRecord]:
         try:
-            for event, data in parse_sse(response.iter_lines()):
+            for event, data in parse_sse(_checked(response.iter_lines())):
                 if event == "token":
                     yield record_from_json(data)
                 elif event == "error":

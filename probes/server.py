@@ -308,8 +308,9 @@ class Ticket:
         self.holding, self.since = True, clock()
 
     async def wait_for(self, timeout_s: float, gone: Callable[[], Any] | None = None,
-                       tick_s: float = KEEPALIVE_S) -> AsyncIterator[None]:
-        """Wait for the model; yields every `tick_s` seconds while waiting (a stream sends a keep-alive).
+                       tick_s: float | None = None) -> AsyncIterator[None]:
+        """Wait for the model; yields every `tick_s` seconds (default `KEEPALIVE_S`) while waiting (a stream
+        sends a keep-alive, which also lets a client that stopped wanting it notice: probes.cancel).
 
         Gives up with `TimeoutExceededError` after `timeout_s`, and silently (holding nothing) when
         `gone()` says the client has disconnected: a client that gave up frees its place at once.
@@ -319,6 +320,7 @@ class Ticket:
         a trace, which ticks every 0.5 s to notice a gone client, was overtaken by every stream admitted
         after it, and the server curve's p95 at 16 clients was 1.45x its linear shape.)
         """
+        tick_s = KEEPALIVE_S if tick_s is None else tick_s
         started = clock()
         acquire = asyncio.ensure_future(self.wait())
         try:

@@ -135,3 +135,33 @@ def test_checks_are_per_thread_and_nest():
     assert calls == ["outer", "inner", "outer"]
     cancel.check()
     assert calls == ["outer", "inner", "outer"]
+
+
+def test_a_stop_while_the_stream_waits_in_the_servers_queue_ends_it_at_the_next_keep_alive(llama, forwards,
+                                                                                            monkeypatch):
+    """A job whose remote generation waits behind another client's (the server's queue sends it keep-alives)
+    ends at the next keep-alive after its Stop, while the other generation still runs, and never runs a
+    forward; before, it waited for the model and its first token."""
+    import probes.server as server
+    from probes.client import RemoteBackend
+    from probes.server import create_app
+    from probes.server_bench import serving_in_thread
+
+    monkeypatch.setattr(server, "KEEPALIVE_S", 0.05)
+    forwards.pace_s = 0.02  # the other client's 150 tokens hold the model for 3 s or more
+    reg = JobRegistry(costs_path=None)
+    with serving_in_thread(create_app(llama)) as url, RemoteBackend(url) as first, RemoteBackend(url) as second:
+        other = threading.Thread(target=lambda: list(first.generate("2 + 2 =", max_new_tokens=150)))
+        other.start()
+        while forwards.n < 2:  # the other client holds the model
+            time.sleep(0.01)
+        job = reg.start("queued", one_step("generate", lambda: list(second.generate("1 + 1 =", max_new_tokens=5))),
+                        label="a queued remote generation", kind="demo")
+        time.sleep(0.3)  # the job's stream is queued behind the other: keep-alives arrive
+        assert job.status == "running"
+        job.stop()
+        job.thread.join(60)
+        assert job.status == STOPPED
+        assert other.is_alive()  # ended while the model was still busy with the other client's generation
+        other.join(60)
+        assert forwards.n == 150  # the stopped job's generation never ran a forward

@@ -50,6 +50,7 @@ from thoughtscope.imports import before_thread
 log = logging.getLogger(__name__)
 
 RUNNING, DONE, FAILED, STOPPED = "running", "done", "failed", "stopped"
+STOP_WAIT_S = 1.0  # how long a Stop press waits for the job's thread before the page goes on polling
 URL_PARAM = "job"
 
 
@@ -424,9 +425,13 @@ def watch_job(job: Job) -> Any:
         with st.container(border=True, key=f"job-{job.id}"):
             st.progress(job.fraction(), text=f"**{job.label}** \u00b7 {job.describe()}")
             if job.stopping:
-                st.caption("stopping at the next batch boundary\u2026")
+                st.caption("stopping at the next model call\u2026")
             elif st.button("Stop", key=f"stop-{job.id}", icon=":material/stop_circle:"):
                 job.stop()
+                if job.thread is not None:  # the work ends within one forward (probes.cancel): say so now, not
+                    job.thread.join(STOP_WAIT_S)  # at the next poll
+                if job.status != RUNNING:
+                    st.rerun()
 
     if job.status == RUNNING:
         _progress()

@@ -162,3 +162,39 @@ def test_a_job_starts_after_pandas_is_imported_whole(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["False", "True"]
+
+
+def _stoppable_page() -> None:
+    """A page with one job that runs until stopped, checking for Stop as often as a model forward would."""
+    import time
+
+    import streamlit as st
+
+    from app.jobs import one_step, run_job
+    from probes import cancel
+
+    def work() -> None:
+        while True:  # a long model call: the engine checks before each forward
+            cancel.check()
+            time.sleep(0.01)
+
+    run_job("demo-endless", one_step("generate", work), label="An endless generation", kind="demo-endless",
+            page="demo", start=st.button("Start", key="start"), keep_running_option=False)
+
+
+def test_a_stop_press_shows_the_stopped_message_in_the_same_rerun():
+    """The job ends within one forward of a Stop, so the press itself draws the page's message; before, the page
+    went on polling and said so at the next poll (0.5 s later) plus a whole rerun of the page."""
+    from streamlit.testing.v1 import AppTest
+
+    from app import jobs
+
+    jobs.registry.clear()
+    at = AppTest.from_function(_stoppable_page, default_timeout=30).run()
+    at.button(key="start").click().run()
+    (job,) = jobs.registry().running()
+    assert not any("stopped" in str(i.value) for i in at.info)
+    at.button(key=f"stop-{job.id}").click().run()
+    assert job.status == STOPPED
+    assert [str(i.value).split(" after ")[0] for i in at.info] == ["An endless generation: stopped by the user"]
+    jobs.registry.clear()

@@ -578,6 +578,46 @@ def stack_generation(backend: Backend, prompt: Any, stack: SteeringStack, *, max
                            [dict(r.fired) for r in frozen_records])
 
 
+def stack_token_kl(backend: Backend, prompt: Any, stack: SteeringStack, generation: StackGeneration, *,
+                   seed: int = 0, chat: bool = False, sampling: Any = None) -> dict[str, Any]:
+    """How far the stack moved the model's next-token distribution at each steered token: KL(steered || unsteered)
+    in nats, both distributions at temperature 1, after the same prefix (the prompt and the steered tokens before
+    it). `token_divergence` says whether the chosen tokens differ; this says by how much the distributions do,
+    also where the greedy token stayed.
+
+    The steered distributions are the steered generation's own: it is made again with the stack (same seed and
+    decoding, the stack's reference norms as recorded) capturing `logits` at each new token, and refused if it
+    does not give the same tokens. The unsteered ones come from one teacher-forced pass of the unsteered model
+    over the prompt and the steered text (`logits` captured). Two model calls; through a server, two requests.
+    Returns {"tokens", "token_ids", "kl" [steered tokens], "mean_kl", "max_kl", "same_token" (1 where the
+    unsteered text has the same token at that position)}."""
+    steered = generation.steered
+    n = len(steered.token_ids)
+    same = [1 - d for d in token_divergence(generation.unsteered, steered)[:n]]
+    if n == 0:
+        raise BadInputError("the steered text has no tokens: nothing to compare")
+    out = {"tokens": list(steered.tokens), "token_ids": list(steered.token_ids), "same_token": same,
+           "measure": "KL(steered || unsteered) of the next-token distributions, nats, temperature 1"}
+    d_model = backend.arch().d_model
+    stack.check(d_model)
+    edits = stack.interventions(dict(generation.reference_norms), d_model)
+    if not edits:  # every strength 0: the steered model is the unsteered one
+        return {**out, "kl": [0.0] * n, "mean_kl": 0.0, "max_kl": 0.0}
+    records = list(backend.generate(prompt, interventions=edits, capture=["logits"], max_new_tokens=n,
+                                    sampling=sampling, seed=seed, chat=chat))
+    if [r.token_id for r in records] != list(steered.token_ids):
+        raise BadInputError("the stack did not give the same steered text again (another seed, decoding or stack "
+                            "than the one shown?): generate it again, then measure")
+    prompt_ids = backend.encode(prompt, chat=chat)
+    base = backend.trace(list(prompt_ids) + list(steered.token_ids[:-1]), capture=["logits"])
+    rows = base.activations["logits"][len(prompt_ids) - 1:].float()  # row t: after the prompt and t steered tokens
+    steered_logp = torch.log_softmax(torch.stack([r.activations["logits"].float() for r in records]), dim=-1)
+    base_logp = torch.log_softmax(rows, dim=-1)
+    kl = (steered_logp.exp() * (steered_logp - base_logp)).sum(-1).clamp_min(0.0)  # float rounding below 0
+    values = [float(v) for v in kl]
+    return {**out, "kl": values, "mean_kl": sum(values) / n, "max_kl": max(values)}
+
+
 # ----------------------------------------------------------------------------- one term's slider stops in one batch
 
 def grid_key(stack: SteeringStack, index: int) -> str:

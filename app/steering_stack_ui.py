@@ -16,9 +16,10 @@ from typing import Any
 import streamlit as st
 
 from analyses.steering_stack import (MAX_TERMS, StackTerm, SteeringStack, grid_key, preset_from_bytes,
-                                     reference_norms, stack_generation, stack_grid, to_preset, token_divergence)
+                                     reference_norms, stack_generation, stack_grid, stack_token_kl, to_preset,
+                                     token_divergence)
 from app.context import compute, shows_errors
-from app.jobs import registry, run_job
+from app.jobs import one_step, registry, run_job
 from app.export import show_figure
 from app.figures.trace import display_text
 
@@ -183,6 +184,26 @@ def stack_section(ctx, key: str, stops: list[float], unsteered: Any = None) -> N
     record = ctx.provenance(interventions=result.interventions,
                             settings={"stack": to_preset(stack, model_id=ctx.model_id)})
     show_figure(None, result, "steering_stack", provenance=record)
+    kl_section(ctx, prompt, stack, result, record, key)
+
+
+def kl_section(ctx, prompt: Any, stack: SteeringStack, result: Any, record: Any, key: str) -> None:
+    """On demand: per steered token, KL(steered || unsteered) of the next-token distributions
+    (`stack_token_kl`: the steered generation made again capturing its logits, and one pass of the unsteered
+    model over the same tokens)."""
+    s = ctx.settings
+    kl_key = f"stack-kl|{key}|{stack.key()}|{hash(tuple(result.steered.token_ids))}"
+    start = st.button("Per-token KL to the unsteered model", key="stack_kl", icon=":material/query_stats:",
+                      help="how far the stack moves the next-token distribution at each steered token, also where "
+                           "the greedy token stays: KL(steered || unsteered) in nats, after the same prefix. Two "
+                           "model calls.")
+    work = one_step("the steered generation with its logits, then the unsteered model over it",
+                    lambda: stack_token_kl(ctx.backend, prompt, stack, result, seed=ctx.seed, chat=ctx.chat,
+                                           sampling=s.sampling()))
+    found = run_job(kl_key, work, label="Per-token KL of the stack", kind="steering-stack-kl", page="steering",
+                    start=start, keep_running_option=False)
+    if found is not None:
+        show_figure(None, found, "steering_stack_kl", provenance=record)
 
 
 def strip(result: Any) -> None:

@@ -371,3 +371,60 @@ def test_a_stack_through_a_model_server_equals_in_process():
         grid_here = stack_grid(engine, "Today I feel", stack, 1, [0.0, 1.0], max_new_tokens=5)
         assert {s: r.steered.token_ids for s, r in grid_there.rows.items()} == \
             {s: r.steered.token_ids for s, r in grid_here.rows.items()}
+
+
+def test_per_token_kl_is_the_distance_between_the_steered_and_the_plain_hf_next_token_distributions(llama):
+    """`stack_token_kl`: at every steered token, KL(steered || unsteered) equals the one computed by hand from
+    plain Hugging Face forwards of the model over the same prefix, with and without the term added at the
+    layer's output (a forward hook, not the engine); 0 everywhere for a stack whose strengths are 0."""
+    from analyses.steering_stack import stack_generation, stack_token_kl
+
+    v = _v(3)
+    stack = SteeringStack([StackTerm("resid_post.0", v, 2.0, unit="raw", label="a")])
+    gen = stack_generation(llama, "Today I feel", stack, max_new_tokens=6)
+    got = stack_token_kl(llama, "Today I feel", stack, gen)
+    prompt = llama.encode("Today I feel")
+    model = llama.model
+    layer = model.model.layers[0]
+
+    def add(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = hidden + 2.0 * v.to(hidden.dtype)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    want = []
+    for t in range(len(gen.steered.token_ids)):
+        ids = torch.tensor([prompt + gen.steered.token_ids[:t]])
+        with torch.no_grad():
+            plain = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)
+            hook = layer.register_forward_hook(add)
+            try:
+                steered = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)
+            finally:
+                hook.remove()
+        want.append(float((steered.exp() * (steered - plain)).sum()))
+    assert max(want) > 1e-3  # the term moves the distribution
+    assert got["kl"] == pytest.approx(want, rel=1e-3, abs=1e-6)
+    assert got["mean_kl"] == pytest.approx(sum(want) / len(want), rel=1e-3)
+    assert got["same_token"] == [int(a == b) for a, b in zip(gen.unsteered.token_ids, gen.steered.token_ids)]
+    off = SteeringStack(stack.terms, 0.0)
+    none = stack_token_kl(llama, "Today I feel", off, stack_generation(llama, "Today I feel", off, max_new_tokens=6))
+    assert none["kl"] == [0.0] * 6 and none["same_token"] == [1] * 6
+    other = SteeringStack([StackTerm("resid_post.0", v, -2.0, unit="raw", label="a")])
+    with pytest.raises(BadInputError, match="did not give the same steered text"):
+        stack_token_kl(llama, "Today I feel", other, gen)
+
+
+def test_per_token_kl_through_a_server_equals_in_process(llama):
+    from analyses.steering_stack import stack_generation, stack_token_kl
+    from probes.client import RemoteBackend
+    from probes.server import create_app
+    from probes.server_bench import serving_in_thread
+
+    stack = SteeringStack([StackTerm("resid_post.1", _v(4), 0.5, label="a")])  # norm-scaled: reference norms too
+    local = stack_token_kl(llama, "Today I feel", stack, stack_generation(llama, "Today I feel", stack, max_new_tokens=5))
+    with serving_in_thread(create_app(llama)) as url, RemoteBackend(url) as remote:
+        gen = stack_generation(remote, "Today I feel", stack, max_new_tokens=5)
+        served = stack_token_kl(remote, "Today I feel", stack, gen)
+    assert served["token_ids"] == local["token_ids"] and max(local["kl"]) > 0
+    assert served["kl"] == pytest.approx(local["kl"], rel=1e-4, abs=1e-7)

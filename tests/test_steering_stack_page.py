@@ -72,6 +72,31 @@ def test_the_pages_direction_goes_into_the_stack_and_its_sliders_steer(llama):
     assert at.text[3].value == display_text(frozen.tokens, frozen.token_ids, eos).strip()
 
 
+def test_the_stacks_per_token_kl_is_drawn_on_demand_from_the_analysis(llama):
+    """"Per-token KL to the unsteered model" runs `stack_token_kl` as a job and draws its bars: the chart's values
+    are the analysis' own on the same stack, prompt and tokens."""
+    import json
+
+    from analyses.steering_stack import stack_generation, stack_token_kl
+    from analyses.steering_defaults import chat_input
+    from app.steering_stack_ui import STACK
+    from app.views.steering import PROMPT
+
+    at = open_page("steering", max_new_tokens=5)
+    at.button(key="steer_add_to_stack").click().run()
+    at.select_slider(key="stack_multiplier").set_value(2.0).run()
+    assert_clean(at)
+    assert not [c for c in at.get("plotly_chart") if "next-token distribution" in c.proto.spec]  # on demand only
+    finish_jobs(at.button(key="stack_kl").click().run())
+    assert_clean(at)
+    (chart,) = [json.loads(c.proto.spec) for c in at.get("plotly_chart") if "next-token distribution" in c.proto.spec]
+    stack = at.session_state[STACK]["stack"]
+    prompt = chat_input(PROMPT)
+    want = stack_token_kl(llama, prompt, stack, stack_generation(llama, prompt, stack, max_new_tokens=5, chat=True),
+                          chat=True)
+    assert chart["data"][0]["y"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-7) and max(want["kl"]) > 0
+
+
 def test_the_stack_slider_benchmark_row():
     from app.bench import GOALS, bench_stack_slider
 

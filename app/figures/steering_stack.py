@@ -1,4 +1,5 @@
-"""Figures of the steering stack: the proof-of-application strip under the steered text.
+"""Figures of the steering stack: the proof-of-application strip under the steered text, and the per-token KL
+between the steered and the unsteered model's next-token distributions.
 
 `FIGURES` maps names to builders for `thoughtscope export`, `TABLES` to tidy tables.
 """
@@ -42,5 +43,27 @@ def stack_strip_table(data: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-FIGURES = {"steering_stack": stack_strip_figure}
-TABLES = {"steering_stack": stack_strip_table}
+def stack_kl_figure(data: dict[str, Any]) -> go.Figure:
+    """One bar per steered token: KL(steered || unsteered) of the next-token distributions at the position that
+    chose it (`analyses.steering_stack.stack_token_kl`); dark where the unsteered text has the same token there."""
+    tokens, kl, same = data["tokens"], data["kl"], data["same_token"]
+    colours = ["#1f4e79" if s else "#e07b39" for s in same]
+    fig = go.Figure(go.Bar(
+        x=list(range(len(tokens))), y=kl, marker_color=colours, customdata=[_show(t) for t in tokens],
+        hovertemplate="token %{x} %{customdata}<br>KL = %{y:.4g} nats<extra></extra>"))
+    fig.update_layout(xaxis=dict(title="steered token (orange: another token than the unsteered text's)",
+                                 tickmode="array", tickvals=list(range(len(tokens))),
+                                 ticktext=[_show(t)[:8] for t in tokens]),
+                      yaxis=dict(title="KL (nats)", rangemode="tozero"), height=320, showlegend=False)
+    return styled(fig, f"How far the stack moved each next-token distribution (mean KL {data['mean_kl']:.3g} nats)")
+
+
+def stack_kl_table(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per steered token: its KL and whether the unsteered text has the same token there."""
+    return [{"step": t, "token": token, "token_id": tid, "kl_nats": kl, "same_token_as_unsteered": bool(same)}
+            for t, (token, tid, kl, same) in enumerate(zip(data["tokens"], data["token_ids"], data["kl"],
+                                                           data["same_token"]))]
+
+
+FIGURES = {"steering_stack": stack_strip_figure, "steering_stack_kl": stack_kl_figure}
+TABLES = {"steering_stack": stack_strip_table, "steering_stack_kl": stack_kl_table}

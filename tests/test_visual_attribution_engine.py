@@ -561,3 +561,31 @@ def test_a_set_of_scenes_gets_its_features_in_one_forward_per_batch_equal_to_eac
         np.testing.assert_allclose(got.features, want.features, atol=1e-6)
     assert many[0].seconds_features == many[1].seconds_features == many[2].seconds_features > 0
     assert many[3].seconds_features == many[4].seconds_features > 0
+
+
+def test_a_set_of_scenes_through_a_server_that_takes_few_images_a_request_is_batched_to_fit():
+    """The study through `thoughtscope serve` with --max-images 2: a 5-scene features batch is refused (413,
+    before any model work) and halved until it fits; every scene's features equal its own pass."""
+    from analyses.visual_attribution import evaluate
+    from analyses.visual_attribution.bench import random_toy_vlm
+    from probes.client import RemoteBackend
+    from probes.server import ServerLimits, create_app
+    from probes.server_bench import serving_in_thread
+    from probes.toys import vlm
+
+    engine = random_toy_vlm(3)
+    examples = vlm.examples("eval", 5, seed=4)
+    single = [evaluate.toy_scene(engine, ex) for ex in examples]
+    counts = {"forward": 0, "vision": 0, "last_mlp": 0}
+    with serving_in_thread(create_app(engine, limits=ServerLimits(max_images=2))) as url, RemoteBackend(url) as remote:
+        hooks = _counting_hooks(engine.model, counts)
+        try:
+            many = evaluate.toy_scenes(remote, examples)
+        finally:
+            for h in hooks:
+                h.remove()
+    # 5 effect forwards; features: the batch of 5 refused at sizes 32, 16, 8 and 4, then 2 + 2 + 1 in 3 forwards
+    assert counts == {"forward": 8, "vision": 8, "last_mlp": 5}
+    for got, want in zip(many, single):
+        np.testing.assert_array_equal(got.effects, want.effects)
+        np.testing.assert_allclose(got.features, want.features, atol=1e-6)

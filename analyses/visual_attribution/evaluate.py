@@ -50,7 +50,7 @@ from probes.backend import Backend, require
 from probes.toys import vlm
 from probes.vision import expand, image_token_groups, spec_of
 from thoughtscope import checks
-from thoughtscope.errors import BadInputError
+from thoughtscope.errors import BadInputError, RequestTooLargeError
 from thoughtscope.imports import importing
 
 
@@ -176,8 +176,9 @@ def toy_scenes(backend: Backend, examples: Sequence[Any], k: int | None = None, 
     effects (its K + 1 masked rows in one forward), then every scene's attention features in forwards of
     `FEATURE_BATCH` scenes (`attention_features_batch`: each scene's features equal its own pass within float
     rounding, tests/test_visual_attribution_engine.py). A scene's `seconds_features` is its batch's time
-    divided by the scenes in it. `progress(done, total)` after each scene's effects (the features' forwards
-    are a small share of the time: one per `FEATURE_BATCH` scenes)."""
+    divided by the scenes in it. A batch refused as too large (the memory budget, a server's images per request)
+    is halved until it fits. `progress(done, total)` after each scene's effects (the features' forwards are a
+    small share of the time: one per `FEATURE_BATCH` scenes)."""
     spec = spec_of(backend)
     prepared, effects, seconds = [], [], []
     for i, ex in enumerate(examples):
@@ -190,12 +191,21 @@ def toy_scenes(backend: Backend, examples: Sequence[Any], k: int | None = None, 
         if progress is not None:
             progress(i + 1, len(examples))
     feats, per_scene = [], []
-    for first in range(0, len(prepared), FEATURE_BATCH):
-        chunk = prepared[first:first + FEATURE_BATCH]
+    size = FEATURE_BATCH
+    first = 0
+    while first < len(prepared):
+        chunk = prepared[first:first + size]
         start = time.perf_counter()
-        feats.extend(attention_features_batch(backend, [(t, im, sp, rg) for t, im, sp, rg, _ in chunk],
-                                              batch_size=FEATURE_BATCH))
+        try:
+            feats.extend(attention_features_batch(backend, [(t, im, sp, rg) for t, im, sp, rg, _ in chunk],
+                                                  batch_size=size))
+        except RequestTooLargeError:  # over the memory budget or a server's bound (images per request): both
+            if size == 1:  # refuse before any model work, so a smaller batch costs nothing but the refusal
+                raise
+            size = max(1, size // 2)
+            continue
         per_scene.extend([(time.perf_counter() - start) / len(chunk)] * len(chunk))
+        first += len(chunk)
     return [SceneResult(true, eff, f, sec, f_sec, text, image, spans, list(found))
             for (text, image, spans, found, true), eff, f, sec, f_sec in zip(prepared, effects, feats, seconds,
                                                                               per_scene)]

@@ -63,8 +63,10 @@ class RemotePrefix:
 
 
 def _checked(lines: Iterator[str]) -> Iterator[str]:
-    """The stream's lines, with this thread's cancel check (probes.cancel) before each: a job stopped while its
-    stream waits in the server's queue ends at the next keep-alive, not when its first token comes."""
+    """The stream's lines, with this thread's cancel check (probes.cancel) before each: a stopped job's stream
+    ends before its next record (`RemoteStream._run` closes the response, and the server frees the model at its
+    next token), and one that waits in the server's queue at the next keep-alive, not when its first token
+    comes."""
     for line in lines:
         cancel.check()
         yield line
@@ -99,12 +101,7 @@ class RemoteStream(Iterator[TokenRecord]):
         raise ServerError("the model server closed the stream before its end event; check the server log")
 
     def __next__(self) -> TokenRecord:
-        try:
-            cancel.check()  # a job's Stop ends the stream between records (probes.cancel)
-        except BaseException:
-            self.close()  # the server notices the closed connection and frees the model at its next token
-            raise
-        rec = next(self._events)
+        rec = next(self._events)  # a job's Stop ends it at the stream's next line (`_checked`)
         self.records.append(rec)
         return rec
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -10,14 +11,26 @@ import torch
 
 
 class ForwardCounter:
-    """Counts calls of a model's top-level forward: any model work goes through it."""
+    """Counts calls of a model's top-level forward: any model work goes through it. `on(n, fn)` runs `fn` during
+    the n-th call (a user pressing Stop while it runs); `pace_s` makes each call take that much longer."""
 
     def __init__(self, model: torch.nn.Module):
-        self.calls = 0
-        model.register_forward_pre_hook(self._count)
+        self.calls, self.pace_s = 0, 0.0
+        self._at: dict[int, Any] = {}
+        self._hook = model.register_forward_pre_hook(self._count)
 
     def _count(self, *_: object) -> None:
         self.calls += 1
+        if self.calls in self._at:
+            self._at[self.calls]()
+        if self.pace_s:
+            time.sleep(self.pace_s)
+
+    def on(self, n: int, fn: Any) -> None:
+        self._at[n] = fn
+
+    def remove(self) -> None:
+        self._hook.remove()
 
 
 @contextmanager

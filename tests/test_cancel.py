@@ -2,8 +2,8 @@
 
 A page's one-step jobs (a steered comparison, a compressed generation, exhaustive effects) are one long
 model call with no progress report inside; before, a Stop waited for the whole call. Model calls are
-counted with a pre-hook on the token embedding (every forward embeds its tokens); the hook presses Stop
-during a chosen forward, as a user would while it runs.
+counted with a pre-hook on the model's forward (tests.counting.ForwardCounter), which presses Stop during a
+chosen forward, as a user would while it runs.
 """
 
 from __future__ import annotations
@@ -15,34 +15,14 @@ import pytest
 
 from app.jobs import DONE, STOPPED, JobRegistry, one_step
 from probes import cancel
+from tests.counting import ForwardCounter
 
 N_NEW = 60  # the tiny model never says EOS in 60 greedy tokens of this prompt (asserted by the full run)
 
 
-class Forwards:
-    """Counts the engine's forward passes; `on(n, fn)` runs fn during the n-th."""
-
-    def __init__(self, engine):
-        self.n, self._at, self.pace_s = 0, {}, 0.0
-        self._hook = engine.model.get_input_embeddings().register_forward_pre_hook(self._count)
-
-    def _count(self, module, args):
-        self.n += 1
-        if self.n in self._at:
-            self._at[self.n]()
-        if self.pace_s:
-            time.sleep(self.pace_s)
-
-    def on(self, n, fn):
-        self._at[n] = fn
-
-    def remove(self):
-        self._hook.remove()
-
-
 @pytest.fixture()
 def forwards(llama):
-    counter = Forwards(llama)
+    counter = ForwardCounter(llama.model)
     yield counter
     counter.remove()
 
@@ -61,16 +41,16 @@ def _generation_job(reg, backend, stop_at=None, forwards=None):
 def test_a_stop_during_a_generation_ends_it_at_the_next_forward(llama, forwards):
     reg = JobRegistry(costs_path=None)
     full = _generation_job(reg, llama)
-    assert full.status == DONE and len(full.result) == N_NEW and forwards.n == N_NEW  # prefill + 59 steps
-    forwards.n = 0
+    assert full.status == DONE and len(full.result) == N_NEW and forwards.calls == N_NEW  # prefill + 59 steps
+    forwards.calls = 0
     stopped = _generation_job(reg, llama, stop_at=3, forwards=forwards)
     assert stopped.status == STOPPED and stopped.stop_reason == "stopped by the user"
-    assert forwards.n == 3  # the 4th forward never ran (the old code ran all 60, then stopped)
+    assert forwards.calls == 3  # the 4th forward never ran (the old code ran all 60, then stopped)
     assert not llama.lock.locked()  # the generation let go of the model
     assert len(list(llama.generate("2 + 2 =", max_new_tokens=2))) == 2  # and it works for the next caller
     # outside a job (another thread, no check installed) the same call runs to its end
-    forwards.n = 0
-    assert len(list(llama.generate("2 + 2 =", max_new_tokens=5))) == 5 and forwards.n == 5
+    forwards.calls = 0
+    assert len(list(llama.generate("2 + 2 =", max_new_tokens=5))) == 5 and forwards.calls == 5
 
 
 def test_a_stop_ends_a_trace_or_capture_before_its_forward(llama, forwards):
@@ -84,7 +64,7 @@ def test_a_stop_ends_a_trace_or_capture_before_its_forward(llama, forwards):
 
     job = reg.start("two", work, label="two calls", kind="demo")
     job.thread.join(60)
-    assert job.status == STOPPED and forwards.n == 1
+    assert job.status == STOPPED and forwards.calls == 1
 
 
 def test_a_stop_ends_a_remote_stream_and_frees_the_server_model(llama, forwards):
@@ -107,7 +87,7 @@ def test_a_stop_ends_a_remote_stream_and_frees_the_server_model(llama, forwards)
         while llama.lock.locked() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not llama.lock.locked()
-        assert forwards.n < n_new // 2  # the old client read all 200 records before the job saw its Stop
+        assert forwards.calls < n_new // 2  # the old client read all 200 records before the job saw its Stop
         assert len(list(remote.generate("2 + 2 =", max_new_tokens=3))) == 3
 
 
@@ -153,7 +133,7 @@ def test_a_stop_while_the_stream_waits_in_the_servers_queue_ends_it_at_the_next_
     with serving_in_thread(create_app(llama)) as url, RemoteBackend(url) as first, RemoteBackend(url) as second:
         other = threading.Thread(target=lambda: list(first.generate("2 + 2 =", max_new_tokens=150)))
         other.start()
-        while forwards.n < 2:  # the other client holds the model
+        while forwards.calls < 2:  # the other client holds the model
             time.sleep(0.01)
         job = reg.start("queued", one_step("generate", lambda: list(second.generate("1 + 1 =", max_new_tokens=5))),
                         label="a queued remote generation", kind="demo")
@@ -164,4 +144,4 @@ def test_a_stop_while_the_stream_waits_in_the_servers_queue_ends_it_at_the_next_
         assert job.status == STOPPED
         assert other.is_alive()  # ended while the model was still busy with the other client's generation
         other.join(60)
-        assert forwards.n == 150  # the stopped job's generation never ran a forward
+        assert forwards.calls == 150  # the stopped job's generation never ran a forward

@@ -247,24 +247,25 @@ def test_a_batched_alpha_grid_equals_one_generation_per_alpha(tiny, mode):
 
 @pytest.mark.parametrize("batch_alphas", [True, False])
 def test_a_stop_during_a_steering_sweep_ends_it_within_one_model_call(tiny, batch_alphas):
-    """The RISE page's Stop: `on_step` runs once per decoding step of every generation, so an exception it
-    raises ends the sweep there. (A batched grid reports progress only when its one generation ends: before
-    `on_step`, a Stop waited for the whole grid, 11 s on SmolLM2.)"""
+    """The RISE page's Stop: the job's check (`probes.cancel`) runs before every forward, so once it raises the
+    sweep ends there. (A batched grid reports progress only when its one generation ends: a Stop at the next
+    progress report waited for the whole grid, 11 s on SmolLM2.)"""
+    from probes import cancel
     from tests.counting import ForwardCounter
 
     settings = HarvestSettings(layers=(1,), max_new_tokens=12, batch_size=8, delimiter="sentence")
     problems = arithmetic_problems(2, seed=4)
-    counter, steps = ForwardCounter(tiny.model), []
+    counter, checks = ForwardCounter(tiny.model), []
 
-    def stop_at_third_step(n_finished: int) -> None:
-        steps.append(n_finished)
-        if len(steps) == 3:
+    def stop_after_third_forward() -> None:
+        checks.append(counter.calls)
+        if len(checks) == 4:  # the check before the 4th forward: Stop was pressed during the 3rd
             raise KeyboardInterrupt("stopped by the test")
 
     before = counter.calls
-    with pytest.raises(KeyboardInterrupt, match="stopped by the test"):
+    with cancel.checking(stop_after_third_forward), pytest.raises(KeyboardInterrupt, match="stopped by the test"):
         rise.steer(tiny, problems, torch.linspace(-3, 2, 64), "resid_post.1", alphas=(0.0, 1.5),
-                   settings=settings, batch_alphas=batch_alphas, on_step=stop_at_third_step)
+                   settings=settings, batch_alphas=batch_alphas)
     assert counter.calls - before == 3  # three decoding steps of the first generation, of 12 a full one makes
 
 

@@ -110,7 +110,7 @@ def steer(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, s
           alphas: Sequence[float] = (-1.5, -1.0, 0.0, 1.0, 1.5), mode: str = "projection",
           settings: HarvestSettings | None = None, behaviour: str = "reflection", seed: int = 0,
           split: str = "", on_progress: Callable[[int, int], None] | None = None,
-          batch_alphas: bool = False, on_step: Callable[[int], None] | None = None) -> SteeringResult:
+          batch_alphas: bool = False) -> SteeringResult:
     """Generate on `problems` at each alpha (0 = vanilla) and count behaviours, length, accuracy.
 
     Traces are greedy, or sampled at `settings.temperature`; sampled alphas share their seeds
@@ -123,9 +123,8 @@ def steer(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, s
     answer by a lookup. The rows equal the per-alpha generations (tested on a tiny model). Sampled traces
     ignore it: a row's random draws depend on its place in the batch.
 
-    `on_step` goes to every generation (`generate_traces`): it runs once per decoding step, and an exception
-    it raises ends the sweep within one model call (the page's Stop: a batched grid reports progress only
-    once its one generation ends).
+    A job's Stop ends the sweep within one model call (`probes.cancel`: the engine checks before each forward;
+    a batched grid reports progress only once its one generation ends).
 
     Example:
         >>> result = steer(engine, problems[:1], vector, "resid_post.2", alphas=[-1, 0, 1],
@@ -144,7 +143,7 @@ def steer(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, s
     if batch_alphas and settings.temperature == 0 and len(alphas) > 1:
         started = time.perf_counter()
         grid = _alpha_grid(backend, problems, vector, site, [float(a) for a in alphas], mode, settings, delimiter,
-                           seed, on_progress, on_step)
+                           seed, on_progress)
         grid_seconds = (time.perf_counter() - started) / len(alphas)
     for done, alpha in enumerate(alphas):
         ivs = [] if float(alpha) == 0.0 else [steering_intervention(site, vector, float(alpha), mode)]
@@ -155,7 +154,7 @@ def steer(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, s
         else:
             for lo in range(0, len(problems), settings.batch_size):
                 traces += generate_traces(backend, problems[lo:lo + settings.batch_size], settings, delimiter, ivs,
-                                          seed=seed + lo, on_step=on_step)
+                                          seed=seed + lo)
         by_alpha[float(alpha)] = traces
         counts = [counter(t.text) for t in traces]
         per_trace = [{"problem_id": t.problem.id, "reflection": c["reflection"], "backtracking": c["backtracking"],
@@ -181,8 +180,7 @@ def steer(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, s
 
 def _alpha_grid(backend: Backend, problems: Sequence[Problem], vector: torch.Tensor, site: str, alphas: list[float],
                 mode: str, settings: HarvestSettings, delimiter: str, seed: int,
-                on_progress: Callable[[int, int], None] | None,
-                on_step: Callable[[int], None] | None = None) -> dict[float, list[TraceRecord]]:
+                on_progress: Callable[[int, int], None] | None) -> dict[float, list[TraceRecord]]:
     """Greedy traces of every (alpha, problem) pair, one row each, `settings.batch_size` problems times all
     alphas per batched generation; alpha 0 rows edit nothing, so they are the vanilla traces."""
     grid: dict[float, list[TraceRecord]] = {a: [] for a in alphas}
@@ -192,8 +190,7 @@ def _alpha_grid(backend: Backend, problems: Sequence[Problem], vector: torch.Ten
         chunk = list(problems[lo:lo + step])
         row_alphas = [a for a in alphas for _ in chunk]
         iv = steering_intervention(site, vector, row_alphas, mode)
-        traces = generate_traces(backend, [p for _ in alphas for p in chunk], settings, delimiter, [iv], seed=seed + lo,
-                                 on_step=on_step)
+        traces = generate_traces(backend, [p for _ in alphas for p in chunk], settings, delimiter, [iv], seed=seed + lo)
         for i, a in enumerate(alphas):
             grid[a] += traces[i * len(chunk):(i + 1) * len(chunk)]
         if on_progress:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from analyses.evaluation import bootstrap_interval, sign_test
-from analyses.visual_attribution.attribution import (attention_features, attention_features_batch, exhaustive_effects,
+from analyses.visual_attribution.attribution import (attention_features_batch, exhaustive_effects,
                                                      gradient_scores, masked_drops as drops, raw_attention)
 from analyses.visual_attribution.estimator import AmortizedAttribution
 from analyses.visual_attribution.regions import (Region, cluster_regions, grid_regions, object_regions,
@@ -152,17 +152,8 @@ def toy_scene(backend: Backend, example: Any, k: int | None = None, regions: str
     """Exhaustive effects and attention features of one toy-vlm example's description spans, over the
     scene's 9 cells, its objects (`regions="objects"`) or, with `k`, over k Ward clusters of the visual
     tokens' features (`scene_regions`); any VLM family runs it (the scene image resized to its input).
-    The features come from the scene's own pass; `toy_scenes` attributes many scenes, their features
-    `FEATURE_BATCH` scenes a forward."""
-    spec = spec_of(backend)
-    text, spans = scene_text_and_spans(backend, example)
-    regions, true = scene_regions(backend, spec, example, text, k, regions)
-    start = time.perf_counter()
-    effects = exhaustive_effects(backend, text, example.image, spans, regions)
-    mid = time.perf_counter()
-    feats = attention_features(backend, text, example.image, spans, regions)
-    end = time.perf_counter()
-    return SceneResult(true, effects, feats, mid - start, end - mid, text, example.image, spans, list(regions))
+    `toy_scenes` of one scene: its features from its own pass."""
+    return toy_scenes(backend, [example], k, regions)[0]
 
 
 # Scenes a forward of the amortized side's attention pass: the row budget exhaustive ablation gets for its

@@ -170,7 +170,7 @@ def steering_section(ctx, found: dict[str, Any], site: str, settings: HarvestSet
 
     def work(job: jobs.Job):
         return steer(backend, [problem], direction, site, alphas=alphas, mode=mode, settings=settings,
-                     behaviour=name, batch_alphas=grid, on_progress=job.progress, on_step=lambda _: job.check())
+                     behaviour=name, batch_alphas=grid, on_progress=job.progress)
 
     result = jobs.run_job(key, work, label=f"Steering: generating {what}", kind="rise-steer", page="rise",
                           start=True, keep_running_option=False)
